@@ -1,0 +1,132 @@
+"""Point-to-point transfers between adjacent pipeline stages, on any torch.distributed backend.
+
+Each direction between two stages is one ordered stream of fixed-shape tensors: activations
+flow downstream, gradients upstream. They travel on two different process groups so that on
+NCCL the two directions never queue behind each other on one communicator.
+
+An `Inbox` receives one stream. A schedule that reacts to arrivals (PACI) must know whether the
+next tensor *has arrived* without blocking, and must be able to sleep until *either* stream
+delivers. Backends differ here:
+
+* gloo: `irecv(...).is_completed()` stays False until `wait()` is called, so a background
+  thread does blocking receives and hands finished tensors over;
+* NCCL (and other accelerators): `is_completed()` reports real completion, so receives are
+  posted up front and polled.
+
+Both flavours notify one `threading.Condition` per stage, which the runtime sleeps on.
+"""
+
+import collections
+import threading
+
+import torch
+import torch.distributed as dist
+
+
+class Inbox:
+    """An ordered stream of tensors of one shape from one peer rank."""
+
+    def __init__(self, *, peer: int, group, shape, dtype, device, arrivals: threading.Condition):
+        self.peer, self.group = peer, group
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self.arrivals = arrivals
+        self.expected = 0  # receives asked for so far
+        self.taken = 0
+
+    def expect_total(self, total: int) -> None:
+        """Make sure `total` tensors in all will be received (cumulative over the run)."""
+        if total > self.expected:
+            self._post(total - self.expected)
+            self.expected = total
+
+    def outstanding(self) -> int:
+        return self.expected - self.taken
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+
+class ThreadedInbox(Inbox):
+    """Blocking receives on a helper thread (gloo: its irecv cannot be polled)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._arrived: collections.deque[torch.Tensor] = collections.deque()
+        self._credits = threading.Semaphore(0)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._receive_loop, daemon=True)
+        self._thread.start()
+
+    def _post(self, count: int) -> None:
+        for _ in range(count):
+            self._credits.release()
+
+    def _receive_loop(self) -> None:
+        try:
+            while True:
+                self._credits.acquire()
+                buffer = self._buffer()
+                dist.recv(buffer, src=self.peer, group=self.group)
+                with self.arrivals:
+                    self._arrived.append(buffer)
+                    self.arrivals.notify_all()
+        except BaseException as error:  # surfaced on the main thread by take()/ready()
+            with self.arrivals:
+                self._error = error
+                self.arrivals.notify_all()
+
+    def ready(self) -> bool:
+        if self._error is not None:
+            raise RuntimeError(f"receive from rank {self.peer} failed") from self._error
+        return len(self._arrived) > 0
+
+    def take(self) -> torch.Tensor:
+        with self.arrivals:
+            while not self.ready():
+                self.arrivals.wait()
+            self.taken += 1
+            return self._arrived.popleft()
+
+
+class PolledInbox(Inbox):
+    """Receives posted up front and polled (backends whose `is_completed` is truthful)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._pending: collections.deque = collections.deque()
+
+    def _post(self, count: int) -> None:
+        for _ in range(count):
+            buffer = self._buffer()
+            self._pending.append((dist.irecv(buffer, src=self.peer, group=self.group), buffer))
+
+    def ready(self) -> bool:
+        return bool(self._pending) and self._pending[0][0].is_completed()
+
+    def take(self) -> torch.Tensor:
+        work, buffer = self._pending.popleft()
+        work.wait()
+        self.taken += 1
+        return buffer
+
+
+class Outbox:
+    """Asynchronous sends to one peer; keeps each tensor alive until its send completed."""
+
+    def __init__(self, *, peer: int, group, max_pending: int):
+        self.peer, self.group, self.max_pending = peer, group, max_pending
+        self._pending: collections.deque = collections.deque()
+
+    def send(self, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().contiguous()
+        self._pending.append((dist.isend(tensor, dst=self.peer, group=self.group), tensor))
+        while len(self._pending) > self.max_pending:
+            self._pending.popleft()[0].wait()
+
+    def flush(self) -> None:
+        while self._pending:
+            self._pending.popleft()[0].wait()
+
+
+def make_inbox(*, backend: str, **kwargs) -> Inbox:
+    return ThreadedInbox(**kwargs) if backend == "gloo" else PolledInbox(**kwargs)

@@ -1,0 +1,62 @@
+"""Wiring a rank into the pipeline from megatron-core's `parallel_state` groups."""
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from .runtime import PipelineContext
+
+
+def _all_groups(my_ranks: list[int]) -> list[list[int]]:
+    """Every rank's group of one kind, deduplicated, in the same order on every rank
+    (`new_group` must be called collectively, in the same order, by all ranks)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(my_ranks))
+    return sorted({tuple(ranks) for ranks in gathered})
+
+
+def _new_groups(my_ranks: list[int], backend: str | None):
+    mine = None
+    for ranks in _all_groups(my_ranks):
+        group = dist.new_group(list(ranks), backend=backend)
+        if rank_in(ranks):
+            mine = group
+    return mine
+
+
+def rank_in(ranks) -> bool:
+    return dist.get_rank() in ranks
+
+
+def build_pipeline_context(device: torch.device) -> PipelineContext:
+    """Collective over the world: creates the gradient and decision groups."""
+    ps = parallel_state
+    backend = dist.get_backend()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    tp_ranks = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
+    # A second communicator between the same ranks, so gradients never queue behind activations.
+    gradient_group = _new_groups(pp_ranks, backend=None)
+    decision_group = _new_groups(tp_ranks, backend="gloo") if len(tp_ranks) > 1 else None
+    stage, num_stages = ps.get_pipeline_model_parallel_rank(), len(pp_ranks)
+    return PipelineContext(
+        stage=stage,
+        num_stages=num_stages,
+        device=device,
+        backend=backend,
+        activation_group=pp_group,
+        gradient_group=gradient_group,
+        prev_rank=pp_ranks[stage - 1] if stage > 0 else None,
+        next_rank=pp_ranks[stage + 1] if stage < num_stages - 1 else None,
+        decision_group=decision_group,
+        decision_leader=min(tp_ranks),
+        is_decision_leader=dist.get_rank() == min(tp_ranks),
+    )
+
+
+def ranks_of_my_stage() -> set[int]:
+    """Global ranks that hold the same pipeline stage as this rank (its TP x DP ranks)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, parallel_state.get_pipeline_model_parallel_rank())
+    mine = parallel_state.get_pipeline_model_parallel_rank()
+    return {rank for rank, stage in enumerate(gathered) if stage == mine}

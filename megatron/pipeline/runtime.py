@@ -1,0 +1,383 @@
+"""The stage runtime: asks a schedule for the next action and carries it out.
+
+One `StageRuntime` per rank lives for the whole run, so an asynchronous schedule's in-flight
+microbatches, weight version and pending receives carry over from one call to the next. The
+runtime does not decide anything: ordering is the schedule's (`megatron.pipeline.schedules`),
+and the work itself is injected (Megatron's `forward_step_func`, an optimizer-step callable).
+"""
+
+import collections
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .accounting import SavedTensorMeter, StageStats, preserve_versions
+from .p2p import Outbox, make_inbox
+from .schedules.base import Action, ActionKind, Schedule, StageView
+from .trace import TraceEvent
+
+_ACTION_CODES = list(ActionKind)
+_NO_LIMIT = 2**62
+
+
+@dataclass
+class PipelineContext:
+    """How this rank is wired into the pipeline. Built once by `megatron.pipeline.parallel`."""
+
+    stage: int
+    num_stages: int
+    device: torch.device
+    backend: str
+    activation_group: object = None  # carries activations downstream
+    gradient_group: object = None  # carries gradients upstream (a second communicator)
+    prev_rank: int | None = None  # global rank of the previous stage's peer
+    next_rank: int | None = None
+    # Tensor-parallel ranks of one stage must take identical actions; when a schedule reacts
+    # to arrivals, the first TP rank decides and tells the others over this (CPU) group.
+    decision_group: object = None
+    decision_leader: int = 0  # global rank of the deciding TP rank
+    is_decision_leader: bool = True
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+@dataclass
+class _InFlight:
+    microbatch: int
+    input_tensor: torch.Tensor | None
+    output_tensor: torch.Tensor
+    weight_version: int
+    saved_bytes: int
+
+
+class StageRuntime:
+    """Executes schedule actions for one pipeline stage of `model`."""
+
+    def __init__(
+        self,
+        context: PipelineContext,
+        model: torch.nn.Module,
+        *,
+        tensor_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        record_trace: bool = False,
+    ):
+        self.context, self.model = context, model
+        self.tensor_shape, self.dtype = tuple(tensor_shape), dtype
+        # Drift reports ride on the activations: every stage overwrites its own (max, mean)
+        # pair and passes the rest on, so the last stage (which logs) sees every stage's
+        # figures, a pipeline delay old, without any extra message or synchronization.
+        self.pipeline_drift = torch.zeros(2 * context.num_stages, dtype=torch.float64)
+        self.forwards = self.backwards = self.steps = 0
+        self.backward_target = 0  # cumulative backwards the current call must reach
+        self._forward_only_microbatches = 0  # they share the activation stream with training
+        self.inflight: collections.deque[_InFlight] = collections.deque()
+        self.stats = StageStats(stage=context.stage)
+        self.meter = SavedTensorMeter(model.parameters())
+        self.trace: list[TraceEvent] | None = [] if record_trace else None
+        self.actions_run = 0
+        self.loop_s = 0.0  # time inside training calls ...
+        self.wait_s = 0.0  # ... of which waiting for arrivals (busy time is in stats.busy_s)
+        self._blocked_s = 0.0  # waiting inside the current action
+        self._start_time: float | None = None
+        self._arrivals = threading.Condition()
+        self._open_channels()
+
+    # ---------------------------------------------------------------- wiring
+    def _open_channels(self) -> None:
+        ctx = self.context
+        activation_payload = (math.prod(self.tensor_shape) + self.pipeline_drift.numel(),)
+        common = dict(backend=ctx.backend, dtype=self.dtype, device=ctx.device,
+                      arrivals=self._arrivals)  # fmt: skip
+        self.activations_in = self.gradients_in = None
+        self.activations_out = self.gradients_out = None
+        max_pending = 2 * ctx.num_stages + 2
+        if not ctx.is_first:
+            self.activations_in = make_inbox(
+                peer=ctx.prev_rank, group=ctx.activation_group, shape=activation_payload, **common
+            )
+            self.gradients_out = Outbox(
+                peer=ctx.prev_rank, group=ctx.gradient_group, max_pending=max_pending
+            )
+        if not ctx.is_last:
+            self.gradients_in = make_inbox(
+                peer=ctx.next_rank, group=ctx.gradient_group, shape=self.tensor_shape, **common
+            )
+            self.activations_out = Outbox(
+                peer=ctx.next_rank, group=ctx.activation_group, max_pending=max_pending
+            )
+
+    # ---------------------------------------------------------------- calls
+    def run_training(
+        self,
+        schedule: Schedule,
+        *,
+        forward_step_func: Callable,
+        data_iterator,
+        num_microbatches: int,
+        optimizer_step_func: Callable[[], object] | None,
+        microbatches_before_drain: int | None,
+    ) -> list[dict]:
+        """Advance the stage by one step's worth of backwards (`num_microbatches`).
+
+        Synchronous schedules empty the pipeline by construction. Asynchronous ones leave
+        microbatches in flight for the next call; `microbatches_before_drain` (counted from the
+        start of this call, None for no limit) says how many more microbatches may be forwarded
+        before the pipeline must be empty, so a drain never has to undo work already started.
+        It equals `num_microbatches` on the call that must end drained.
+        """
+        if self._start_time is None:
+            self._start_time = time.perf_counter()
+        call_start = self.backward_target
+        self.backward_target += num_microbatches
+        if schedule.flushes_every_call:
+            microbatches_before_drain = num_microbatches
+        forward_limit = _NO_LIMIT
+        if microbatches_before_drain is not None:
+            if microbatches_before_drain < num_microbatches:
+                raise ValueError("microbatches_before_drain must cover this call's microbatches")
+            forward_limit = call_start + microbatches_before_drain
+        self._expect_inputs(forward_limit)
+        losses: list[dict] = []
+        loop_start = time.perf_counter()
+        while True:
+            action = self._decide(schedule, num_microbatches, forward_limit, optimizer_step_func)
+            if action.kind is ActionKind.DONE:
+                break
+            self._execute(action, forward_step_func, data_iterator, num_microbatches,
+                          optimizer_step_func, losses)  # fmt: skip
+        self.loop_s += time.perf_counter() - loop_start
+        if self.forwards == self.backwards == forward_limit:
+            self._flush_sends()
+        self.stats.wall_s = time.perf_counter() - self._start_time
+        self.stats.optimizer_steps = self.steps
+        return losses
+
+    def run_forward_only(self, *, forward_step_func, data_iterator, num_microbatches) -> list:
+        """Forward `num_microbatches` with no graph kept (evaluation). The pipeline must be empty."""
+        if self.inflight:
+            raise RuntimeError(
+                f"stage {self.context.stage} has {len(self.inflight)} microbatches in flight: "
+                "drain the pipeline (drain=True) before a forward-only pass"
+            )
+        ctx, outputs = self.context, []
+        self._forward_only_microbatches += num_microbatches
+        if self.activations_in is not None:
+            self.activations_in.expect_total(self.activations_in.expected + num_microbatches)
+        with torch.no_grad():
+            for _ in range(num_microbatches):
+                input_tensor = None if ctx.is_first else self._receive_activation()
+                output, loss_func = self._call_forward_step(
+                    forward_step_func, data_iterator, input_tensor
+                )
+                if ctx.is_last:
+                    outputs.append(_loss_dict(loss_func(output)))
+                else:
+                    self._send_activation(output)
+        self._flush_sends()
+        return outputs
+
+    def overhead_per_action_us(self) -> float:
+        """Scheduling and bookkeeping per action: time in training calls that was neither an
+        action (compute, transfers) nor waiting for an arrival."""
+        if not self.actions_run:
+            return 0.0
+        overhead = self.loop_s - self.stats.busy_s - self.wait_s
+        return 1e6 * max(overhead, 0.0) / self.actions_run
+
+    # ---------------------------------------------------------------- deciding
+    def _view(self, num_microbatches, forward_limit, step_enabled) -> StageView:
+        ctx = self.context
+        input_ready = ctx.is_first or self.activations_in.ready()
+        if ctx.is_last:
+            grad_ready = self.forwards > self.backwards
+        else:
+            grad_ready = self.gradients_in.ready()
+        return StageView(
+            stage=ctx.stage,
+            num_stages=ctx.num_stages,
+            microbatches_per_step=num_microbatches,
+            forwards=self.forwards,
+            backwards=self.backwards,
+            steps=self.steps,
+            forward_limit=forward_limit,
+            backward_target=self.backward_target,
+            input_ready=input_ready,
+            grad_ready=grad_ready,
+            step_enabled=step_enabled,
+        )
+
+    def _decide(self, schedule, num_microbatches, forward_limit, optimizer_step_func) -> Action:
+        ctx = self.context
+        if schedule.depends_on_arrivals and not ctx.is_decision_leader:
+            return self._receive_decision()
+        step_enabled = optimizer_step_func is not None
+        while True:
+            with self._arrivals:
+                view = self._view(num_microbatches, forward_limit, step_enabled)
+                action = schedule.next_action(view)
+                if action.kind is not ActionKind.WAIT:
+                    break
+                if self._nothing_to_wait_for():
+                    raise RuntimeError(f"schedule {schedule.name} waits with nothing in flight")
+                wait_start = time.perf_counter()
+                self._arrivals.wait(timeout=None if ctx.backend == "gloo" else 1e-4)
+                self.wait_s += time.perf_counter() - wait_start
+        if schedule.depends_on_arrivals and ctx.decision_group is not None:
+            self._share_decision(action)
+        return action
+
+    def _nothing_to_wait_for(self) -> bool:
+        pending = 0
+        for inbox in (self.activations_in, self.gradients_in):
+            if inbox is not None:
+                pending += inbox.outstanding()
+        return pending == 0 and not (self.context.is_last and self.inflight)
+
+    def _share_decision(self, action: Action) -> None:
+        code = _ACTION_CODES.index(action.kind)
+        message = torch.tensor([code, -1 if action.microbatch is None else action.microbatch])
+        dist.broadcast(message, src=self.context.decision_leader, group=self.context.decision_group)
+
+    def _receive_decision(self) -> Action:
+        message = torch.empty(2, dtype=torch.int64)
+        dist.broadcast(message, src=self.context.decision_leader, group=self.context.decision_group)
+        kind, microbatch = _ACTION_CODES[int(message[0])], int(message[1])
+        return Action(kind, None if microbatch < 0 else microbatch)
+
+    def _expect_inputs(self, forward_limit: int) -> None:
+        """Post the receives this call may consume, and no more: every posted receive must be
+        matched by a send upstream, or its thread would wait forever. A stage forwards at most
+        `num_stages - stage - 1` microbatches beyond its backward target (1F1B admission), and
+        its upstream neighbour at least as many. Forward-only passes used some receives before.
+        """
+        if self.activations_in is not None:
+            ctx = self.context
+            lookahead = self.backward_target + ctx.num_stages - ctx.stage - 1
+            self.activations_in.expect_total(
+                self._forward_only_microbatches + min(forward_limit, lookahead)
+            )
+        if self.gradients_in is not None:
+            self.gradients_in.expect_total(self.backward_target)
+
+    # ---------------------------------------------------------------- doing
+    def _execute(self, action, forward_step_func, data_iterator, num_microbatches,
+                 optimizer_step_func, losses) -> None:  # fmt: skip
+        start, self._blocked_s = time.perf_counter(), 0.0
+        if action.kind is ActionKind.FORWARD:
+            loss = self._forward(forward_step_func, data_iterator, num_microbatches)
+            if loss is not None:
+                losses.append(loss)
+        elif action.kind is ActionKind.BACKWARD:
+            self._backward()
+        elif action.kind is ActionKind.STEP:
+            self._step(optimizer_step_func)
+        else:
+            raise RuntimeError(f"the runtime cannot execute {action}")
+        end = time.perf_counter()
+        self.stats.busy_s += end - start - self._blocked_s  # waiting for an input is idle time
+        self.wait_s += self._blocked_s
+        self.actions_run += 1
+        if self.trace is not None:
+            self.trace.append(TraceEvent(self.context.stage, action, start, end))
+
+    def _call_forward_step(self, forward_step_func, data_iterator, input_tensor):
+        set_input = getattr(self.model, "set_input_tensor", None)
+        if set_input is not None:
+            set_input(input_tensor)
+        return forward_step_func(data_iterator, self.model)
+
+    def _forward(self, forward_step_func, data_iterator, num_microbatches) -> dict | None:
+        ctx = self.context
+        input_tensor = None
+        if not ctx.is_first:
+            input_tensor = self._receive_activation().requires_grad_(True)
+        with self.meter.measure() as saved:
+            output, loss_func = self._call_forward_step(
+                forward_step_func, data_iterator, input_tensor
+            )
+            loss_dict = None
+            if ctx.is_last:
+                loss, loss_dict = _split_loss(loss_func(output))
+                output = loss / num_microbatches  # as flush scales by 1/m, PACI by 1/a
+        self.inflight.append(_InFlight(self.forwards, input_tensor, output, self.steps, saved[0]))
+        self.forwards += 1
+        self.stats.add_activation(saved[0], len(self.inflight))
+        if not ctx.is_last:
+            self._send_activation(output)
+        return loss_dict
+
+    def _take(self, inbox) -> torch.Tensor:
+        """Next tensor of `inbox`, blocking if a static schedule asked for it before arrival."""
+        start = time.perf_counter()
+        tensor = inbox.take()
+        self._blocked_s += time.perf_counter() - start
+        return tensor
+
+    def _receive_activation(self) -> torch.Tensor:
+        payload = self._take(self.activations_in)
+        numel = payload.numel() - self.pipeline_drift.numel()
+        self.pipeline_drift.copy_(payload[numel:])
+        self.pipeline_drift[2 * self.context.stage :] = 0  # overwritten by us and downstream
+        return payload[:numel].view(self.tensor_shape).detach()
+
+    def _send_activation(self, output: torch.Tensor) -> None:
+        stage = self.context.stage
+        self.pipeline_drift[2 * stage] = self.stats.max_drift
+        self.pipeline_drift[2 * stage + 1] = self.stats.mean_drift
+        telemetry = self.pipeline_drift.to(device=output.device, dtype=output.dtype)
+        self.activations_out.send(torch.cat([output.detach().reshape(-1), telemetry]))
+
+    def drift_by_stage(self) -> list[tuple[int, float]]:
+        """(max, mean) drift of every stage as last reported to this stage (upstream stages
+        are a pipeline delay old; downstream ones are unknown here and read as 0)."""
+        figures = self.pipeline_drift.tolist()
+        figures[2 * self.context.stage] = self.stats.max_drift
+        figures[2 * self.context.stage + 1] = self.stats.mean_drift
+        return [(int(figures[2 * s]), figures[2 * s + 1]) for s in range(self.context.num_stages)]
+
+    def _backward(self) -> None:
+        ctx = self.context
+        microbatch = self.inflight.popleft()
+        if ctx.is_last:
+            torch.autograd.backward(microbatch.output_tensor)
+        else:
+            grad = self._take(self.gradients_in)
+            torch.autograd.backward(microbatch.output_tensor, grad_tensors=grad)
+        if not ctx.is_first:
+            self.gradients_out.send(microbatch.input_tensor.grad)
+        self.stats.record_drift(self.steps - microbatch.weight_version)
+        self.stats.release_activation(microbatch.saved_bytes)
+        self.backwards += 1
+
+    def _step(self, optimizer_step_func) -> None:
+        with preserve_versions(self.model.parameters()):
+            optimizer_step_func()
+        self.steps += 1
+
+    def _flush_sends(self) -> None:
+        for outbox in (self.activations_out, self.gradients_out):
+            if outbox is not None:
+                outbox.flush()
+
+
+def _split_loss(result) -> tuple[torch.Tensor, dict]:
+    """Megatron loss functions return (loss, reduced-dict)."""
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise TypeError("loss_func must return (loss, {'lm loss': ...})")
+    return result
+
+
+def _loss_dict(result) -> dict:
+    return _split_loss(result)[1]

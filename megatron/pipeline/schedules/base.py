@@ -1,0 +1,123 @@
+"""Schedules as data: a schedule is a per-stage decision procedure.
+
+A schedule looks at what one stage knows (a `StageView`: counters, whether the next input or
+gradient has arrived) and names the next `Action`. It never touches tensors, clocks or process
+groups, so the very same function drives the real runtime (`megatron.pipeline.runtime`) and the
+discrete-event simulator (`megatron.pipeline.simulator`).
+
+Conventions shared by every schedule:
+
+* stages are 0-indexed (`stage` in `[0, num_stages)`); microbatches are numbered from 0 in the
+  order the stage forwards them, and backwards run in the same (FIFO) order, so an action only
+  needs its kind: the microbatch is `view.forwards` for a forward, `view.backwards` for a backward;
+* counters are cumulative over the whole run, not per call; a call to the schedule function sets
+  `backward_target` (the call returns once the stage has done that many backwards and the steps
+  they make due) and `forward_limit` (no forward beyond it: the end of the data, or of the step
+  when the pipeline must drain);
+* the optimizer step is an action of the schedule (`STEP`), so asynchronous schedules can step
+  in the middle of a call, and synchronous ones at its end.
+"""
+
+import enum
+from dataclasses import dataclass
+from typing import Callable
+
+
+class ActionKind(enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    STEP = "S"
+    WAIT = "wait"  # nothing runnable yet: block until an input or gradient arrives
+    DONE = "done"  # this call's work on the stage is finished
+    # Split-backward schedules only (zero-bubble): BACKWARD then computes the input gradient
+    # alone, and WEIGHT_GRAD computes the weight gradient of the oldest such microbatch later.
+    WEIGHT_GRAD = "W"
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    microbatch: int | None = None  # forwards/backwards only
+
+    def __str__(self) -> str:
+        return self.kind.value if self.microbatch is None else f"{self.kind.value}{self.microbatch}"
+
+
+FORWARD, BACKWARD, STEP, WAIT, DONE = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP,
+                                       ActionKind.WAIT, ActionKind.DONE)  # fmt: skip
+WEIGHT_GRAD = ActionKind.WEIGHT_GRAD
+
+
+@dataclass(frozen=True)
+class StageView:
+    """Everything a schedule may base its decision on, for one stage at one instant."""
+
+    stage: int
+    num_stages: int
+    microbatches_per_step: int  # m for flush schedules, the accumulation factor a for PACI
+    forwards: int  # forwards done so far
+    backwards: int  # backwards done so far
+    steps: int  # optimizer steps done so far: the stage's current weight version
+    forward_limit: int  # forwards must not go beyond this count
+    backward_target: int  # the call ends when backwards reach this and due steps are done
+    input_ready: bool  # the input of forward number `forwards` has arrived (first stage: always)
+    grad_ready: bool  # the output gradient of backward number `backwards` has arrived
+    step_enabled: bool = True  # False when the caller steps the optimizer itself
+    weight_grads: int = 0  # split-backward schedules: weight-gradient passes done so far
+
+    @property
+    def inflight(self) -> int:
+        """Microbatches forwarded but not yet backwarded on this stage."""
+        return self.forwards - self.backwards
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+def forward(view: StageView) -> Action:
+    return Action(FORWARD, view.forwards)
+
+
+def backward(view: StageView) -> Action:
+    return Action(BACKWARD, view.backwards)
+
+
+def weight_grad(view: StageView) -> Action:
+    return Action(WEIGHT_GRAD, view.weight_grads)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A named decision procedure plus the facts about it that do not depend on timing."""
+
+    name: str
+    next_action: Callable[[StageView], Action]
+    # True when the decision depends on arrival order (not only on counters). Tensor-parallel
+    # ranks of a stage then must agree on each decision: their arrivals are not simultaneous.
+    depends_on_arrivals: bool
+    # True when the pipeline is empty at the end of every call (synchronous schedules).
+    flushes_every_call: bool
+    # Parameter copies a stage keeps besides its live weights (weight stashing, double buffers).
+    extra_weight_versions: Callable[[int, int], int] = lambda stage, num_stages: 0
+    description: str = ""
+    # Weight stashing: a backward runs on the weight version its forward used (PipeDream,
+    # PipeDream-2BW), so forward and backward never disagree; the gradient is then stale by
+    # the steps taken since that forward. False: the backward sees the current weights (PACI).
+    stashes_weights: bool = False
+    # The weight version a forward must use, from (microbatch, microbatches_per_step, current
+    # version); None: the current version. PipeDream-2BW pins each batch to one version.
+    forward_weight_version: Callable[[int, int, int], int] | None = None
+    # Fewest microbatches per step the schedule is defined for, given the number of stages.
+    min_microbatches_per_step: Callable[[int], int] = lambda num_stages: 1
+    # The backward is split into BACKWARD (input gradient) and WEIGHT_GRAD actions.
+    splits_backward: bool = False
+
+
+def steps_due(view: StageView) -> bool:
+    """A step is due once `microbatches_per_step` backwards have accumulated since the last one."""
+    return view.step_enabled and view.backwards >= (view.steps + 1) * view.microbatches_per_step

@@ -1,0 +1,141 @@
+"""Optimizer, learning-rate schedule and the per-stage step callable handed to the schedules.
+
+Torch optimizers on every device (megatron-core's wrappers are CUDA-only). The step does what
+Megatron's does, in this order: average gradients over the stage's data-parallel group, clip
+by the gradient norm, step, advance the LR schedule, clear gradients.
+
+The gradient norm's reach is the one difference between schedules: 1F1B-flush reduces it over
+the whole model (tensor x pipeline ranks), like Megatron; PACI only over the stage's tensor-
+parallel ranks, because a pipeline-wide norm would be a global synchronization every step.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+
+def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    return param.ndim < 2 or name.endswith("bias") or "norm" in name
+
+
+def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if _no_weight_decay(name, param) else decay).append(param)
+    groups = [
+        {"params": decay, "wd_mult": 1.0},
+        {"params": no_decay, "wd_mult": 0.0},
+    ]
+    if args.optimizer == "adam":
+        return torch.optim.AdamW(
+            groups,
+            lr=args.lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
+            weight_decay=args.weight_decay,
+        )
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(
+            groups, lr=args.lr, momentum=args.sgd_momentum, weight_decay=args.weight_decay
+        )
+    raise ValueError(f"unknown optimizer {args.optimizer!r}")
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, args) -> OptimizerParamScheduler:
+    decay_iters = args.lr_decay_iters or args.train_iters
+    if args.lr_warmup_fraction is not None:
+        warmup_iters = int(args.lr_warmup_fraction * decay_iters)
+    else:
+        warmup_iters = args.lr_warmup_iters
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=warmup_iters,
+        lr_decay_steps=decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters,
+        wd_incr_style="constant",
+    )
+
+
+@dataclass
+class StepReport:
+    grad_norm: float
+    learning_rate: float
+
+
+class StageOptimizerStep:
+    """The `optimizer_step_func` a schedule calls when this stage's step is due."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: OptimizerParamScheduler,
+        *,
+        data_parallel_group,
+        grad_norm_group,
+        tensor_parallel_rank: int,
+        clip_grad: float,
+    ):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.data_parallel_group = data_parallel_group
+        self.grad_norm_group = grad_norm_group
+        self.tensor_parallel_rank = tensor_parallel_rank
+        self.clip_grad = clip_grad
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.last = StepReport(grad_norm=0.0, learning_rate=0.0)
+
+    def __call__(self) -> StepReport:
+        grads = [self._grad(p) for p in self.params]
+        self._average_over_data_parallel(grads)
+        grad_norm = self._grad_norm()
+        if self.clip_grad > 0 and grad_norm > self.clip_grad:
+            scale = self.clip_grad / (grad_norm + 1e-6)
+            for grad in grads:
+                grad.mul_(scale)
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last = StepReport(grad_norm=grad_norm, learning_rate=learning_rate)
+        return self.last
+
+    @staticmethod
+    def _grad(param: torch.nn.Parameter) -> torch.Tensor:
+        if param.grad is None:  # unused this step: its gradient is zero, not missing
+            param.grad = torch.zeros_like(param)
+        return param.grad
+
+    def _average_over_data_parallel(self, grads: list[torch.Tensor]) -> None:
+        group = self.data_parallel_group
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat.div_(dist.get_world_size(group))
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def _grad_norm(self) -> float:
+        """L2 norm over `grad_norm_group`; a parameter replicated over tensor-parallel ranks
+        is counted once (on TP rank 0)."""
+        device = self.params[0].device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for param in self.params:
+            if getattr(param, "tensor_model_parallel", False) or self.tensor_parallel_rank == 0:
+                total += param.grad.detach().float().pow(2).sum()
+        group = self.grad_norm_group
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+        return math.sqrt(total.item())

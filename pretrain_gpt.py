@@ -1,0 +1,64 @@
+"""Pretrain a GPT model with megatron-core, on any pipeline schedule.
+
+    torchrun --standalone --nproc-per-node 4 pretrain_gpt.py \
+        --pipeline-model-parallel-size 4 --pipeline-schedule paci ...
+
+Megatron's shape: `forward_step` reads a microbatch and runs the model; `loss_func` reduces
+the per-token losses. The schedule (1F1B-flush, PACI, ...) decides when each runs.
+"""
+
+import sys
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+
+from megatron.training.arguments import parse_args
+from megatron.training.errors import UserError
+from megatron.training.training import pretrain
+
+
+def get_batch(data_iterator, device: torch.device):
+    """The first stage needs tokens and positions, the last stage labels and the loss mask;
+    stages in between read nothing (their input comes from the previous stage)."""
+    first = parallel_state.is_pipeline_first_stage()
+    last = parallel_state.is_pipeline_last_stage()
+    if not (first or last):
+        return None, None, None, None
+    batch = next(data_iterator)
+    tokens = batch["tokens"].to(device, non_blocking=True)
+    position_ids = batch["position_ids"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True) if last else None
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True) if last else None
+    return tokens, position_ids, labels, loss_mask
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean per-token loss over the unmasked tokens of the microbatch."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    device = next(model.parameters()).device
+    tokens, position_ids, labels, loss_mask = get_batch(data_iterator, device)
+    output_tensor = model(tokens, position_ids, None, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        pretrain(args, forward_step)
+    except UserError as error:
+        rank = __import__("os").environ.get("RANK", "0")
+        if rank == "0":
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""Asynchronous pipeline-parallel schedules (PACI, PipeDream-2BW, ...) on megatron-core.
+
+`megatron/` is a namespace package shared with megatron-core: we ship `megatron.training` and
+`megatron.pipeline` beside the installed `megatron.core`.
+"""
+
+from setuptools import find_namespace_packages, setup
+
+setup(
+    name="megatron-paci",
+    version="0.1.0",
+    description="Asynchronous pipeline-parallel schedules (PACI) for megatron-core GPT pretraining",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_namespace_packages(include=["megatron.training*", "megatron.pipeline*"]),
+    py_modules=["pretrain_gpt"],
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "numpy",
+        "sentencepiece>=0.2",
+        "tensorboard>=2.16",
+        "pytorch_optimizer>=3.0",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "black", "isort", "matplotlib"],
+        "gpu": ["transformer-engine[pytorch]", "apex"],
+    },
+)
