@@ -1,0 +1,405 @@
+"""Training data: checks on indexed datasets, Megatron's ``--data-path`` blends, and iterators.
+
+``build_data_iterators`` builds megatron-core's ``GPTDataset`` splits (or ``MockGPTDataset``)
+with its ``BlendedMegatronDatasetBuilder`` and wraps each split in a ``MicrobatchIterator`` that
+hands out microbatches as dicts of CPU tensors, in the order of Megatron's pretraining sampler.
+
+Run as a module to check dataset files from the shell::
+
+    python -m megatron.training.data data/stdlib_text_document
+
+torch and megatron-core are imported only by ``build_data_iterators``, so the checks are cheap.
+"""
+
+import os
+import re
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy
+
+from megatron.training.errors import UserError
+
+# The .idx layout written by megatron-core's IndexedDatasetBuilder (indexed_dataset.py):
+# magic, version (<Q, 1), dtype code (<B), sequence count (<Q), document count (<Q), then
+# int32 sequence lengths, int64 sequence byte offsets into the .bin, int64 document indices
+# (sequence index where each document starts, plus a final one), and for multimodal datasets
+# one int8 mode per sequence.
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_HEADER = struct.Struct("<9sQBQQ")
+_DTYPE_CODES = {
+    1: numpy.uint8,
+    2: numpy.int8,
+    3: numpy.int16,
+    4: numpy.int32,
+    5: numpy.int64,
+    6: numpy.float64,
+    7: numpy.float32,
+    8: numpy.uint16,
+}
+_CHECK_CHUNK = 1 << 20  # sequences per vectorized check, to bound memory on huge datasets
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+@dataclass(frozen=True)
+class IndexSummary:
+    """What a valid ``.idx`` says about its dataset."""
+
+    path_prefix: str
+    dtype: type
+    sequences: int
+    documents: int
+    tokens: int
+
+
+def validate_indexed_dataset(path_prefix: str) -> None:
+    """Raise UserError, naming the file, unless ``path_prefix.idx``/``.bin`` look sound.
+
+    Checks that both files exist, the header (magic, version, dtype code), that the index size
+    matches its counts, that document indices are ordered and end at the sequence count, and
+    that the sequence offsets are contiguous and end exactly at the ``.bin`` size. Reads the
+    header and memory-maps the arrays; nothing from the ``.bin`` but its size.
+    """
+    read_index_summary(path_prefix)
+
+
+def read_index_summary(path_prefix: str) -> IndexSummary:
+    """Validate like ``validate_indexed_dataset`` and return the dataset's counts."""
+    idx_path, bin_path = path_prefix + ".idx", path_prefix + ".bin"
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise UserError(f"dataset file not found: {path}")
+    idx_size = os.path.getsize(idx_path)
+    bin_size = os.path.getsize(bin_path)
+    try:
+        with open(idx_path, "rb") as f:
+            header = f.read(_IDX_HEADER.size)
+    except OSError as err:
+        raise UserError(f"cannot read dataset index {idx_path}: {err.strerror}") from None
+
+    def corrupt(problem: str) -> UserError:
+        return UserError(f"corrupt dataset index {idx_path}: {problem}")
+
+    if len(header) < _IDX_HEADER.size:
+        raise corrupt(f"truncated header ({idx_size} bytes)")
+    magic, version, code, n_seq, n_doc = _IDX_HEADER.unpack(header)
+    if magic != _IDX_MAGIC:
+        raise corrupt("bad magic, not a Megatron indexed dataset")
+    if version != 1:
+        raise corrupt(f"unsupported version {version}")
+    if code not in _DTYPE_CODES:
+        raise corrupt(f"unknown dtype code {code}")
+    dtype = _DTYPE_CODES[code]
+    expected = _IDX_HEADER.size + 12 * n_seq + 8 * n_doc
+    if idx_size not in (expected, expected + n_seq):
+        raise corrupt(
+            f"{idx_size} bytes, but {n_seq} sequences and {n_doc} document indices need "
+            f"{expected} (truncated or overwritten?)"
+        )
+    if n_doc < 1:
+        raise corrupt("no document indices")
+
+    offset = _IDX_HEADER.size
+    lengths = numpy.memmap(idx_path, dtype=numpy.int32, mode="r", offset=offset, shape=(n_seq,))
+    offset += 4 * n_seq
+    pointers = numpy.memmap(idx_path, dtype=numpy.int64, mode="r", offset=offset, shape=(n_seq,))
+    offset += 8 * n_seq
+    documents = numpy.memmap(idx_path, dtype=numpy.int64, mode="r", offset=offset, shape=(n_doc,))
+
+    if documents[0] != 0 or documents[-1] != n_seq:
+        raise corrupt(f"document indices must run from 0 to {n_seq}")
+    if n_doc > 1 and numpy.any(numpy.diff(documents) < 0):
+        raise corrupt("document indices are not in order")
+
+    itemsize = numpy.dtype(dtype).itemsize
+    tokens = 0
+    for beg in range(0, n_seq, _CHECK_CHUNK):
+        chunk = numpy.asarray(lengths[beg : beg + _CHECK_CHUNK], dtype=numpy.int64)
+        if chunk.min() < 0:
+            raise corrupt("negative sequence length")
+        expected_pointers = (tokens + numpy.cumsum(chunk) - chunk) * itemsize
+        if not numpy.array_equal(expected_pointers, pointers[beg : beg + len(chunk)]):
+            raise corrupt("sequence offsets do not match sequence lengths")
+        tokens += int(chunk.sum())
+    if tokens * itemsize != bin_size:
+        raise UserError(
+            f"dataset {bin_path} has {bin_size} bytes but {idx_path} describes "
+            f"{tokens * itemsize} ({tokens} tokens of {numpy.dtype(dtype).name}): "
+            f"truncated, or the two files come from different runs"
+        )
+    del lengths, pointers, documents
+    return IndexSummary(path_prefix, dtype, n_seq, n_doc - 1, tokens)
+
+
+def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
+    """Parse Megatron's ``--data-path``: ``PREFIX...`` or ``WEIGHT PREFIX WEIGHT PREFIX ...``.
+
+    Returns megatron-core's blend ``(prefixes, weights)``; ``weights`` is None for a plain list
+    of prefixes (megatron-core then weights by dataset size).
+    """
+    items = [str(item).strip() for item in data_path or []]
+    if not items or any(not item for item in items):
+        raise UserError("--data-path needs at least one dataset prefix")
+    weights = [_as_float(item) for item in items[0::2]]
+    if len(items) % 2 == 1 or all(w is None for w in weights):
+        return items, None
+    if any(w is None for w in weights):
+        raise UserError(
+            "--data-path mixes weights and prefixes: give either PREFIX... "
+            "or WEIGHT PREFIX WEIGHT PREFIX..."
+        )
+    prefixes = items[1::2]
+    bad = [p for p in prefixes if _as_float(p) is not None]
+    if bad:
+        raise UserError(f"--data-path expects a prefix after each weight, got {bad[0]!r}")
+    if any(w < 0 or w != w for w in weights) or sum(weights) <= 0:
+        raise UserError("--data-path weights must be non-negative with a positive sum")
+    return prefixes, weights
+
+
+def _as_float(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+_SPLIT_NUMBER = re.compile(r"^(\d+(\.\d*)?|\.\d+)$")
+
+
+def parse_split(split: str) -> List[float]:
+    """Parse ``--split`` ("969,30,1"): up to three non-negative weights, normalized."""
+    parts = [p.strip() for p in str(split).split(",")]
+    if not 1 <= len(parts) <= 3 or not all(_SPLIT_NUMBER.match(p) for p in parts):
+        raise UserError(
+            f"--split must be up to three non-negative numbers like 969,30,1: {split!r}"
+        )
+    values = [float(p) for p in parts] + [0.0] * (3 - len(parts))
+    total = sum(values)
+    if total <= 0:
+        raise UserError(f"--split weights must have a positive sum: {split!r}")
+    return [v / total for v in values]
+
+
+class MicrobatchIterator:
+    """Microbatches of one data-parallel rank, in Megatron's pretraining-sampler order.
+
+    Microbatch ``j`` is samples ``[b + rank * mbs, b + (rank + 1) * mbs)`` with
+    ``b = start + j * mbs * dp``: every global batch covers the same samples whatever the
+    data-parallel size. Only whole ``mbs * dp`` rows are used. When ``cycle`` is set the
+    iterator starts over at sample 0 after the last whole row (for evaluation), otherwise it
+    stops there. ``next_sample`` is the first sample of the next row (for checkpointing).
+    """
+
+    def __init__(
+        self,
+        dataset,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        start_sample: int = 0,
+        cycle: bool = False,
+    ) -> None:
+        self.dataset = dataset
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.next_sample = start_sample
+        self.cycle = cycle
+        self.row = micro_batch_size * data_parallel_size
+        self.num_samples = len(dataset)
+
+    def __iter__(self) -> "MicrobatchIterator":
+        return self
+
+    def __next__(self) -> Dict[str, "torch.Tensor"]:  # noqa: F821
+        if self.next_sample + self.row > self.num_samples:
+            if not self.cycle or self.row > self.num_samples:
+                raise StopIteration
+            self.next_sample = 0
+        first = self.next_sample + self.data_parallel_rank * self.micro_batch_size
+        self.next_sample += self.row
+        return self.collate([self.dataset[i] for i in range(first, first + self.micro_batch_size)])
+
+    @staticmethod
+    def collate(samples: List[Dict]) -> Dict[str, "torch.Tensor"]:  # noqa: F821
+        import torch
+
+        return {key: torch.stack([sample[key] for sample in samples]) for key in BATCH_KEYS}
+
+
+def build_data_iterators(
+    *,
+    data_path: Optional[List[str]],
+    mock_data: bool,
+    split: str,
+    seq_length: int,
+    seed: int,
+    tokenizer,
+    data_cache_path: Optional[str],
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    train_samples: int,
+    valid_samples: int,
+    test_samples: int,
+    consumed_train_samples: int = 0,
+):
+    """Build (train, valid, test) ``MicrobatchIterator`` s over megatron-core GPT datasets.
+
+    Each split is built for at least the requested number of samples; a split that is not
+    requested (0 samples) or that ``--split`` leaves empty gives None. Microbatches are dicts of
+    CPU tensors of shape ``[micro_batch_size, seq_length]``: ``tokens``, ``labels`` (tokens
+    shifted by one), ``loss_mask`` (float) and ``position_ids``. The training iterator starts at
+    ``consumed_train_samples`` and stops at the end of the dataset; valid/test iterators cycle.
+
+    If torch.distributed is initialized, every rank must call this (megatron-core's builder
+    holds barriers on the default group); every rank builds its own datasets, and rank 0 writes
+    the index cache (``data_cache_path``, or megatron-core's default under each prefix) first.
+    """
+    _check_positive(seq_length=seq_length, micro_batch_size=micro_batch_size)
+    _check_positive(data_parallel_size=data_parallel_size)
+    if not 0 <= data_parallel_rank < data_parallel_size:
+        raise UserError(f"data-parallel rank {data_parallel_rank} not in [0, {data_parallel_size})")
+    sizes = [train_samples, valid_samples, test_samples]
+    if any(n < 0 for n in sizes) or consumed_train_samples < 0:
+        raise UserError(f"sample counts must be non-negative: {sizes}, {consumed_train_samples}")
+    if mock_data and data_path:
+        raise UserError("--mock-data and --data-path are mutually exclusive")
+    if not mock_data and not data_path:
+        raise UserError("no training data: give --data-path PREFIX or --mock-data")
+    if tokenizer is None:
+        raise UserError("a tokenizer is needed to build the datasets")
+
+    blend = None
+    if not mock_data:
+        parse_split(split)
+        blend = parse_data_path(data_path)
+        for prefix in blend[0]:
+            _check_splits_have_tokens(prefix, split)
+
+    datasets = _build_datasets(blend, split, seq_length, seed, tokenizer, data_cache_path, sizes)
+
+    common = dict(
+        micro_batch_size=micro_batch_size,
+        data_parallel_rank=data_parallel_rank,
+        data_parallel_size=data_parallel_size,
+    )
+    names = ("train", "valid", "test")
+    iterators = []
+    for name, dataset, samples in zip(names, datasets, sizes):
+        if samples == 0:
+            iterators.append(None)
+            continue
+        if dataset is None:
+            if name == "train":
+                raise UserError(f"--split {split!r} leaves no data for the training split")
+            iterators.append(None)
+            continue
+        if len(dataset) < micro_batch_size * data_parallel_size:
+            raise UserError(
+                f"the {name} split has {len(dataset)} samples, fewer than one micro-batch on "
+                f"every data-parallel rank ({micro_batch_size} x {data_parallel_size})"
+            )
+        if name == "train":
+            iterators.append(
+                MicrobatchIterator(dataset, start_sample=consumed_train_samples, **common)
+            )
+        else:
+            iterators.append(MicrobatchIterator(dataset, cycle=True, **common))
+    return tuple(iterators)
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise UserError(f"{name} must be positive, got {value}")
+
+
+def _check_splits_have_tokens(prefix: str, split: str) -> None:
+    """Validate the files, and that no split of them is empty.
+
+    megatron-core would loop forever building the index of a split without tokens. The split
+    bounds are computed by megatron-core's own functions, as its builder does.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    summary = read_index_summary(prefix)
+    n = summary.sequences
+    lengths = numpy.memmap(
+        prefix + ".idx", dtype=numpy.int32, mode="r", offset=_IDX_HEADER.size, shape=(n,)
+    )
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for name, bounds in zip(("train", "valid", "test"), matrix):
+        if bounds is None:
+            continue
+        first, last = int(round(bounds[0] * float(n))), int(round(bounds[1] * float(n)))
+        if int(numpy.sum(lengths[first:last], dtype=numpy.int64)) == 0:
+            raise UserError(
+                f"--split {split!r} leaves the {name} split of {prefix} without tokens "
+                f"({summary.documents} documents): use more data or change --split"
+            )
+    del lengths
+
+
+def _build_datasets(blend, split, seq_length, seed, tokenizer, data_cache_path, sizes):
+    import torch.distributed
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+    if (
+        blend is not None
+        and (len(blend[0]) > 1 or blend[1] is not None)
+        and data_cache_path
+        and not torch.distributed.is_initialized()
+    ):
+        # megatron-core 0.16.1's BlendedDataset asks torch.distributed for the rank when it
+        # misses its cache, which fails without a process group: build it uncached instead.
+        data_cache_path = None
+
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=split if blend is not None else None,
+        path_to_cache=data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    cls = MockGPTDataset if blend is None else GPTDataset
+    return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m megatron.training.data PREFIX...``: check datasets and print their sizes."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Check Megatron indexed datasets (.bin/.idx).")
+    parser.add_argument("prefixes", nargs="+", help="dataset path prefixes (without .bin/.idx)")
+    args = parser.parse_args(argv)
+    try:
+        for prefix in args.prefixes:
+            s = read_index_summary(prefix)
+            print(
+                f"{prefix}: ok, {s.documents} documents, {s.sequences} sequences, "
+                f"{s.tokens} tokens ({numpy.dtype(s.dtype).name})"
+            )
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""Tokenizers selected by Megatron's ``--tokenizer-type`` names.
+
+``build_tokenizer`` returns an object that megatron-core's datasets accept as
+``GPTDatasetConfig.tokenizer``: they read ``vocab_size``, ``eod``, ``pad`` (``-1``: no padding
+token), ``eos`` and ``unique_identifiers`` (hashed into the dataset cache names). The same object
+serves ``tools/preprocess_data.py`` (``tokenize``) and humans (``detokenize``).
+
+Types:
+
+- ``SentencePieceTokenizer`` (alias ``GPTSentencePieceTokenizer``): ``--tokenizer-model``;
+  ``eod`` is the model's eos id.
+- ``GPT2BPETokenizer``: ``--vocab-file`` (vocab.json) and ``--merge-file`` (merges.txt), GPT-2's
+  byte-level BPE, implemented here; ``eod`` is ``<|endoftext|>``.
+- ``NullTokenizer``: ``--vocab-size N``; text is whitespace-separated integer ids. As in
+  Megatron, ``eod`` is ``N`` and ``vocab_size`` is ``N + 1``.
+
+This module imports neither torch nor megatron-core, so tools that only tokenize start quickly.
+"""
+
+import functools
+import json
+import re
+import unicodedata
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron.training.errors import UserError
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+_ALIASES = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
+
+
+def build_tokenizer(
+    tokenizer_type: str,
+    *,
+    tokenizer_model: Optional[str] = None,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
+    vocab_size: Optional[int] = None,
+):
+    """Build the tokenizer named by ``tokenizer_type`` (Megatron's ``--tokenizer-type``).
+
+    Raises UserError for an unknown type, a missing argument, or a missing/unreadable file.
+    """
+    kind = _ALIASES.get(tokenizer_type, tokenizer_type)
+    if kind == "SentencePieceTokenizer":
+        _require(tokenizer_model, "--tokenizer-model", tokenizer_type)
+        return SentencePieceTokenizer(tokenizer_model)
+    if kind == "GPT2BPETokenizer":
+        _require(vocab_file, "--vocab-file", tokenizer_type)
+        _require(merge_file, "--merge-file", tokenizer_type)
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if kind == "NullTokenizer":
+        _require(vocab_size, "--vocab-size", tokenizer_type)
+        return NullTokenizer(vocab_size)
+    known = ", ".join(TOKENIZER_TYPES)
+    raise UserError(f"unknown --tokenizer-type {tokenizer_type!r} (known: {known})")
+
+
+def _require(value, flag: str, tokenizer_type: str) -> None:
+    if value is None or value == "":
+        raise UserError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise UserError(f"{flag} file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read {flag} file {path}: {err}") from None
+
+
+class Tokenizer:
+    """What every tokenizer here offers; megatron-core's datasets use the properties."""
+
+    def __init__(self, *paths: str, **options) -> None:
+        identifiers = OrderedDict()
+        identifiers["class"] = type(self).__name__
+        identifiers["tokenizer_path"] = list(paths)
+        for key, value in options.items():
+            identifiers[key] = str(value)
+        self._unique_identifiers = identifiers
+
+    @property
+    def unique_identifiers(self) -> "OrderedDict[str, object]":
+        """JSON-serializable description; megatron-core hashes it into dataset cache names."""
+        return self._unique_identifiers
+
+    @property
+    def unique_description(self) -> str:
+        return json.dumps(self._unique_identifiers, indent=4)
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def eod(self) -> int:
+        """The end-of-document id, appended to documents by ``preprocess_data --append-eod``."""
+        raise NotImplementedError
+
+    @property
+    def eos(self) -> int:
+        return self.eod
+
+    @property
+    def pad(self) -> int:
+        """The padding id; -1 means none (megatron-core then pads with -1 and masks it)."""
+        return -1
+
+    def tokenize(self, text: str) -> List[int]:
+        raise NotImplementedError
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model file; ``eod`` is the model's eos id."""
+
+    def __init__(self, model_path: str) -> None:
+        super().__init__(model_path)
+        import sentencepiece
+
+        try:
+            with open(model_path, "rb") as f:
+                proto = f.read()
+        except FileNotFoundError:
+            raise UserError(f"--tokenizer-model file not found: {model_path}") from None
+        except OSError as err:
+            raise UserError(f"cannot read --tokenizer-model {model_path}: {err.strerror}") from None
+        self._sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(proto)
+        except (RuntimeError, OSError, TypeError):
+            raise UserError(
+                f"--tokenizer-model {model_path} is not a sentencepiece model"
+            ) from None
+        if self._sp.eos_id() < 0:
+            raise UserError(f"--tokenizer-model {model_path} has no eos piece to use as eod")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def eod(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def bos(self) -> int:
+        return self._sp.bos_id()
+
+    @property
+    def pad(self) -> int:
+        return self._sp.pad_id()
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return {self._sp.id_to_piece(i): i for i in range(self.vocab_size)}
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return {i: self._sp.id_to_piece(i) for i in range(self.vocab_size)}
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._sp.encode(text, out_type=int)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+class NullTokenizer(Tokenizer):
+    """Text is whitespace-separated integer ids; ``eod`` is ``vocab_size - 1``.
+
+    Mirrors Megatron: ``NullTokenizer(N)`` has ids ``0..N-1`` for data plus ``N`` for eod.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        try:
+            n = int(vocab_size)
+        except (TypeError, ValueError):
+            raise UserError(f"--vocab-size must be an integer, got {vocab_size!r}") from None
+        if n < 1:
+            raise UserError(f"--vocab-size must be positive, got {n}")
+        super().__init__(vocab_size=n)
+        self._n = n
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n + 1
+
+    @property
+    def eod(self) -> int:
+        return self._n
+
+    def tokenize(self, text: str) -> List[int]:
+        ids = []
+        for word in text.split():
+            try:
+                ids.append(int(word))
+            except ValueError:
+                raise UserError(f"NullTokenizer expects integer ids, got {word[:40]!r}") from None
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+class GPT2BPETokenizer(Tokenizer):
+    """GPT-2's byte-level BPE from a ``vocab.json`` and a ``merges.txt``.
+
+    Text is cut into words by GPT-2's pattern, each word's UTF-8 bytes are mapped to printable
+    characters, then adjacent symbols are merged, lowest merge rank first, until no listed pair
+    is left; the resulting symbols are looked up in the vocabulary.
+    """
+
+    EOD_TOKEN = "<|endoftext|>"
+
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        super().__init__(vocab_file, merge_file)
+        self.encoder = _load_vocab(vocab_file)
+        self.decoder = {i: token for token, i in self.encoder.items()}
+        self.ranks = _load_merges(merge_file)
+        if self.EOD_TOKEN not in self.encoder:
+            raise UserError(f"--vocab-file {vocab_file} has no {self.EOD_TOKEN} token")
+        self.byte_encoder = bytes_to_unicode()
+        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
+        self._pattern = _gpt2_pattern()
+        self._cache: Dict[str, Tuple[int, ...]] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.encoder)
+
+    @property
+    def eod(self) -> int:
+        return self.encoder[self.EOD_TOKEN]
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return self.encoder
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return self.decoder
+
+    def tokenize(self, text: str) -> List[int]:
+        ids: List[int] = []
+        for word in self._pattern.findall(text):
+            ids.extend(self._word_ids(word))
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        symbols = "".join(self.decoder[int(i)] for i in ids)
+        return bytes(self.byte_decoder[c] for c in symbols).decode("utf-8", errors="replace")
+
+    def _word_ids(self, word: str) -> Tuple[int, ...]:
+        cached = self._cache.get(word)
+        if cached is None:
+            symbols = "".join(self.byte_encoder[b] for b in word.encode("utf-8"))
+            try:
+                cached = tuple(self.encoder[s] for s in self.bpe(symbols))
+            except KeyError as err:
+                raise UserError(
+                    f"BPE symbol {err.args[0]!r} is missing from the vocab file"
+                ) from None
+            self._cache[word] = cached
+        return cached
+
+    def bpe(self, symbols: str) -> List[str]:
+        """Merge the characters of one byte-encoded word by rank until no merge applies."""
+        parts = list(symbols)
+        while len(parts) > 1:
+            pairs = list(zip(parts, parts[1:]))
+            best = min(pairs, key=lambda pair: self.ranks.get(pair, float("inf")))
+            if best not in self.ranks:
+                break
+            merged, i = [], 0
+            while i < len(parts):
+                if i + 1 < len(parts) and (parts[i], parts[i + 1]) == best:
+                    merged.append(parts[i] + parts[i + 1])
+                    i += 2
+                else:
+                    merged.append(parts[i])
+                    i += 1
+            parts = merged
+        return parts
+
+
+def bytes_to_unicode() -> Dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable characters.
+
+    Bytes that are printable Latin-1 characters map to themselves; the others (controls,
+    space, ...) map, in byte order, to the characters from U+0100 upward.
+    """
+    printable = set(range(ord("!"), ord("~") + 1))
+    printable |= set(range(ord("\u00a1"), ord("\u00ac") + 1))
+    printable |= set(range(ord("\u00ae"), ord("\u00ff") + 1))
+    mapping, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + shifted)
+            shifted += 1
+    return mapping
+
+
+def _load_vocab(path: str) -> Dict[str, int]:
+    try:
+        vocab = json.loads(_read_text(path, "--vocab-file"))
+    except json.JSONDecodeError:
+        raise UserError(f"--vocab-file {path} is not valid JSON") from None
+    if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
+        raise UserError(f"--vocab-file {path} must map tokens to integer ids")
+    return vocab
+
+
+def _load_merges(path: str) -> Dict[Tuple[str, str], int]:
+    ranks: Dict[Tuple[str, str], int] = {}
+    for lineno, line in enumerate(_read_text(path, "--merge-file").split("\n"), start=1):
+        if not line.strip() or (lineno == 1 and line.startswith("#version")):
+            continue
+        pair = line.split(" ")
+        if len(pair) != 2:
+            raise UserError(f"--merge-file {path}:{lineno}: expected two symbols, got {line!r}")
+        ranks.setdefault((pair[0], pair[1]), len(ranks))
+    return ranks
+
+
+# Planes 4 and up hold no letters or numbers (unassigned, tags, private use).
+_LAST_LETTER_OR_NUMBER_PLANE_END = 0x40000
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt2_pattern() -> "re.Pattern[str]":
+    """GPT-2's word-splitting regex, with \\p{L} and \\p{N} spelled out for the re module."""
+    letters, numbers = _category_classes(("L", "N"))
+    return re.compile(
+        r"'s|'t|'re|'ve|'m|'ll|'d"
+        rf"| ?[{letters}]+| ?[{numbers}]+| ?[^\s{letters}{numbers}]+"
+        r"|\s+(?!\S)|\s+"
+    )
+
+
+def _category_classes(majors: Tuple[str, ...]) -> List[str]:
+    """For each major Unicode category (``"L"``...), its code points as regex class ranges."""
+    ranges: List[List[str]] = [[] for _ in majors]
+    starts: List[Optional[int]] = [None for _ in majors]
+    for cp in range(_LAST_LETTER_OR_NUMBER_PLANE_END + 1):
+        major = unicodedata.category(chr(cp))[0] if cp < _LAST_LETTER_OR_NUMBER_PLANE_END else ""
+        for k, wanted in enumerate(majors):
+            start = starts[k]
+            if major == wanted and start is None:
+                starts[k] = cp
+            elif major != wanted and start is not None:
+                end = cp - 1
+                ranges[k].append(_escape(start) + (f"-{_escape(end)}" if end > start else ""))
+                starts[k] = None
+    return ["".join(r) for r in ranges]
+
+
+def _escape(cp: int) -> str:
+    return f"\\u{cp:04x}" if cp <= 0xFFFF else f"\\U{cp:08x}"

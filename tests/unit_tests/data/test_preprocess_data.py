@@ -1,0 +1,123 @@
+import json
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+from datatests_support import REPO_ROOT, load_tool, tiny_documents
+
+from megatron.training.data import validate_indexed_dataset
+from megatron.training.errors import UserError
+from megatron.training.tokenizer import build_tokenizer
+
+SCRIPT = os.path.join(REPO_ROOT, "tools", "preprocess_data.py")
+
+
+def _run(args, cwd):
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def _write_jsonl(path, records):
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write((record if isinstance(record, str) else json.dumps(record)) + "\n")
+
+
+def test_end_to_end_with_workers(sp_model, tmp_path):
+    """Two workers, two json keys, an empty document: .bin/.idx readable by megatron-core."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    texts = tiny_documents()[:12]
+    texts[5] = ""
+    records = [{"text": t, "title": f"doc {i}"} for i, t in enumerate(texts)]
+    _write_jsonl(tmp_path / "in.jsonl", records)
+    prefix = str(tmp_path / "out" / "tiny")
+    os.makedirs(tmp_path / "out")
+    args = ["--input", "in.jsonl", "--output-prefix", prefix, "--json-keys", "text", "title"]
+    args += ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model]
+    args += ["--append-eod", "--workers", "2", "--log-interval", "4"]
+    result = _run(args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Processed 8 documents (" in result.stderr and "MB/s)." in result.stderr
+    assert "11 documents" in result.stdout and "1 empty skipped" in result.stdout
+    assert sorted(os.listdir(tmp_path / "out")) == [
+        "tiny_text_document.bin",
+        "tiny_text_document.idx",
+        "tiny_title_document.bin",
+        "tiny_title_document.idx",
+    ]
+
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
+    for key in ("text", "title"):
+        validate_indexed_dataset(f"{prefix}_{key}_document")
+        dataset = IndexedDataset(f"{prefix}_{key}_document")
+        expected = [tok.tokenize(r[key]) + [tok.eod] for r in records if r[key]]
+        assert len(dataset) == len(expected)
+        assert dataset.index.dtype == numpy.uint16
+        for i, ids in enumerate(expected):
+            assert dataset[i].tolist() == ids
+        assert int(dataset.sequence_lengths.sum()) == sum(map(len, expected))
+
+
+def test_cli_error_is_one_line(tmp_path):
+    _write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 3"}])
+    args = ["--input", "in.jsonl", "--output-prefix", "out", "--tokenizer-type"]
+    result = _run(args + ["SentencePieceTokenizer", "--tokenizer-model", "missing.model"], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == "error: --tokenizer-model file not found: missing.model\n"
+    assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"text": "1 2 3"}', "{not json"], "line 2 is not valid JSON"),
+        (['{"text": "1 2 3"}', '{"body": "4"}'], "line 2 has no key 'text'"),
+        (['{"text": "1 2 3"}', '{"text": "4 100"}'], "token id 100 outside the vocabulary"),
+        (['{"text": "1 2 -3"}'], "token id -3 outside"),
+        ([""], "has no documents"),
+    ],
+)
+def test_bad_input_leaves_no_files(tmp_path, capsys, lines, message):
+    _write_jsonl(tmp_path / "in.jsonl", lines)
+    prefix = str(tmp_path / "out")
+    argv = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", prefix]
+    argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "99", "--append-eod"]
+    assert load_tool("preprocess_data").main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
+def test_null_tokenizer_and_atomic_overwrite(tmp_path, capsys):
+    """A NullTokenizer run in process; a rerun replaces the files under the final names."""
+    tool = load_tool("preprocess_data")
+    prefix = str(tmp_path / "ints")
+    argv = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", prefix]
+    argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "70000", "--append-eod"]
+    _write_jsonl(tmp_path / "in.jsonl", [{"text": "5 6 7"}, {"text": "69999"}])
+    assert tool.main(argv) == 0
+    _write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2"}])
+    assert tool.main(argv) == 0
+    assert "1 documents, 3 tokens (int32)" in capsys.readouterr().out
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix + "_text_document")
+    assert [d.tolist() for d in dataset] == [[1, 2, 70000]]
+    assert sorted(os.listdir(tmp_path)) == [
+        "in.jsonl",
+        "ints_text_document.bin",
+        "ints_text_document.idx",
+    ]
+
+
+def test_checked_document_rejects_bad_lengths():
+    tool = load_tool("preprocess_data")
+    assert tool.checked_document([1, 2, 3], [3], 10, numpy.uint16, "doc").dtype == numpy.uint16
+    with pytest.raises(UserError, match="do not add up"):
+        tool.checked_document([1, 2, 3], [2], 10, numpy.uint16, "doc")
+    with pytest.raises(UserError, match="do not add up"):
+        tool.checked_document([1, 2, 3], [3, 0], 10, numpy.uint16, "doc")
