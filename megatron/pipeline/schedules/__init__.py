@@ -1,0 +1,39 @@
+"""The schedule registries: one small module per schedule, looked up by its CLI name.
+
+`SCHEDULES` holds what the runtime runs. `SIMULATED_SCHEDULES` adds the references only the
+simulator runs (GPipe, ZB-H1, PipeDream-2BW, PipeDream), for comparisons and projections.
+"""
+
+from . import flush_1f1b, gpipe, paci, pipedream, pipedream_2bw, zb_h1
+from .base import Action, ActionKind, Schedule, StageView
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (flush_1f1b.SCHEDULE, paci.SCHEDULE)}
+
+SIMULATED_SCHEDULES: dict[str, Schedule] = {
+    **SCHEDULES,
+    **{
+        s.name: s
+        for s in (pipedream_2bw.SCHEDULE, pipedream.SCHEDULE, gpipe.SCHEDULE, zb_h1.SCHEDULE)
+    },
+}
+
+
+def get_schedule(name: str, *, simulated: bool = False) -> Schedule:
+    """The runtime's schedule `name`; with `simulated`, also the simulator-only references."""
+    registry = SIMULATED_SCHEDULES if simulated else SCHEDULES
+    try:
+        return registry[name]
+    except KeyError:
+        known = ", ".join(sorted(registry))
+        raise ValueError(f"unknown pipeline schedule {name!r} (known: {known})") from None
+
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Schedule",
+    "StageView",
+    "SCHEDULES",
+    "SIMULATED_SCHEDULES",
+    "get_schedule",
+]
