@@ -11,18 +11,16 @@ import sys
 from functools import partial
 
 import torch
-from megatron.core import parallel_state
 
 from megatron.training.arguments import parse_args
 from megatron.training.errors import UserError
-from megatron.training.training import pretrain
 
 
-def get_batch(data_iterator, device: torch.device):
+def get_batch(data_iterator, model):
     """The first stage needs tokens and positions, the last stage labels and the loss mask;
     stages in between read nothing (their input comes from the previous stage)."""
-    first = parallel_state.is_pipeline_first_stage()
-    last = parallel_state.is_pipeline_last_stage()
+    first, last = model.pre_process, model.post_process
+    device = next(model.parameters()).device
     if not (first or last):
         return None, None, None, None
     batch = next(data_iterator)
@@ -42,15 +40,16 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    device = next(model.parameters()).device
-    tokens, position_ids, labels, loss_mask = get_batch(data_iterator, device)
+    tokens, position_ids, labels, loss_mask = get_batch(data_iterator, model)
     output_tensor = model(tokens, position_ids, None, labels=labels)
     return output_tensor, partial(loss_func, loss_mask)
 
 
 def main(argv=None) -> int:
     try:
-        args = parse_args(argv)
+        args = parse_args(argv)  # validated before megatron-core is even imported
+        from megatron.training.training import pretrain
+
         pretrain(args, forward_step)
     except UserError as error:
         rank = __import__("os").environ.get("RANK", "0")

@@ -34,19 +34,20 @@ class EmulatedStage(torch.nn.Module):
         self.hidden_size = hidden_size
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
         self.input_tensor = None
-        self.is_first = parallel_state.is_pipeline_first_stage()
-        self.is_last = parallel_state.is_pipeline_last_stage()
+        # Same attribute names as GPTModel's: does this stage embed / compute the loss?
+        self.pre_process = parallel_state.is_pipeline_first_stage()
+        self.post_process = parallel_state.is_pipeline_last_stage()
 
     def set_input_tensor(self, tensor) -> None:
         self.input_tensor = tensor
 
     def forward(self, input_ids, position_ids, attention_mask, labels=None, **unused):
-        if self.is_first:
+        if self.pre_process:
             batch, seq = input_ids.shape
             hidden = torch.zeros(seq, batch, self.hidden_size, device=self.weight.device)
         else:
             hidden = self.input_tensor
         hidden = _Sleep.apply(hidden * self.weight, self.forward_s, self.backward_s)
-        if self.is_last and labels is not None:
+        if self.post_process and labels is not None:
             return hidden.mean(dim=-1).transpose(0, 1) + 1.0  # [b, s] "per-token loss"
         return hidden

@@ -5,6 +5,7 @@ every schedule; the schedule function (from `get_forward_backward_func`) steps e
 optimizer itself when a step is due.
 """
 
+import contextlib
 import json
 import os
 import time
@@ -15,8 +16,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.pipeline.audit import audit_requested, record_cross_stage_collectives
 from megatron.pipeline.forward_backward import attach_stage_runtime, get_forward_backward_func
-from megatron.pipeline.parallel import build_pipeline_context
+from megatron.pipeline.parallel import build_pipeline_context, ranks_of_my_stage
 from megatron.pipeline.runtime import StageRuntime
 from megatron.pipeline.trace import write_chrome_trace
 
@@ -119,6 +121,7 @@ class TrainingState:
     validation: list = field(default_factory=list)
     tokens: int = 0
     train_time_s: float = 0.0
+    cross_stage_collectives: int | None = None  # counted when MEGATRON_AUDIT_COLLECTIVES=1
 
 
 def is_logging_rank() -> bool:
@@ -215,14 +218,27 @@ def pretrain(args, forward_step_func) -> TrainingState:
     dist.barrier()  # everyone built; from here on only the schedule's own traffic
     print_rank_0(f"> setup done in {time.perf_counter() - wall_start:.1f} s, training ...")
 
-    train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state, writer)
+    with _maybe_audit() as violations:
+        train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state,
+              writer)  # fmt: skip
+    state.cross_stage_collectives = None if violations is None else len(violations)
 
     if args.timeline_file:
         _write_timelines(args, runtime)
     _write_summary(args, state, runtime, step_func, optimizer, wall_start)
     if writer is not None:
         writer.close()
+    parallel_state.destroy_model_parallel()
     return state
+
+
+@contextlib.contextmanager
+def _maybe_audit():
+    if not audit_requested():
+        yield None
+        return
+    with record_cross_stage_collectives(ranks_of_my_stage()) as violations:
+        yield violations
 
 
 def _eval_samples(args) -> int:
@@ -272,6 +288,7 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
             interval_start, interval_losses = time.perf_counter(), []
         if args.eval_iters and iteration % args.eval_interval == 0:
             evaluate(args, forward_step_func, model, valid_iter, state, writer)
+            interval_start = time.perf_counter()  # evaluation time is not iteration time
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointing.save(args.save, state, model, step_func.optimizer, step_func.scheduler)
     state.train_time_s = time.perf_counter() - train_start
@@ -397,6 +414,7 @@ def _write_summary(args, state, runtime, step_func, optimizer, wall_start) -> No
         "losses": state.losses if is_logging_rank() else None,
         "validation": state.validation if is_logging_rank() else None,
         "train_time_s": state.train_time_s,
+        "cross_stage_collectives": state.cross_stage_collectives,
     }
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -423,6 +441,8 @@ def _write_summary(args, state, runtime, step_func, optimizer, wall_start) -> No
         "wall_s_including_setup": time.perf_counter() - wall_start,
         "stages": [g["report"] for g in stages],
     }
+    if audit_requested():
+        summary["cross_stage_collectives"] = sum(g["cross_stage_collectives"] for g in gathered)
     os.makedirs(args.metrics_dir, exist_ok=True)
     checkpointing.atomic_write_text(
         os.path.join(args.metrics_dir, "summary.json"), json.dumps(summary, indent=2)

@@ -1,0 +1,39 @@
+"""torchrun target that runs several pretraining cases one after another in one process group.
+
+Importing torch and megatron-core costs ~8 s per process on a small machine; starting one
+process group per case would spend most of the test time there. Each case gets fresh model-
+parallel groups (pretrain destroys them at the end), so cases do not see each other's state.
+
+    torchrun --nproc-per-node 4 tests/functional_tests/multi_run.py CASES.json
+CASES.json: [{"name": ..., "args": [...flags...], "metrics_dir": ...}, ...]
+"""
+
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.training import pretrain  # noqa: E402
+from pretrain_gpt import forward_step  # noqa: E402
+
+
+def main(cases_file: str) -> int:
+    cases = json.load(open(cases_file))
+    dist.init_process_group("gloo")
+    for case in cases:
+        if dist.get_rank() == 0:
+            print(f"=== case {case['name']}", flush=True)
+        args = parse_args(case["args"] + ["--metrics-dir", case["metrics_dir"]])
+        pretrain(args, forward_step)
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,124 @@
+"""Megatron-style functional tests: run case directories and compare with golden values.
+
+A case is a directory `test_cases/<model>/<case>/` holding `model_config.yaml`
+(`NPROC`: processes, `ENV_VARS`, `MODEL_ARGS`: flag -> value) and `golden_values.json`
+(`{"lm loss": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {...}}}`).
+Cases with the same process count and environment run in one torchrun launch.
+
+    python tests/functional_tests/run_cases.py [--cases NAME ...] [--output DIR] [--update-golden]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+CASES_DIR = os.path.join(HERE, "test_cases")
+
+
+def discover_cases() -> dict[str, dict]:
+    cases = {}
+    for model in sorted(os.listdir(CASES_DIR)):
+        for name in sorted(os.listdir(os.path.join(CASES_DIR, model))):
+            directory = os.path.join(CASES_DIR, model, name)
+            config = yaml.safe_load(open(os.path.join(directory, "model_config.yaml")))
+            cases[name] = {"directory": directory, **config}
+    return cases
+
+
+def flags(model_args: dict) -> list[str]:
+    result = []
+    for flag, value in model_args.items():
+        if value is True:
+            result.append(flag)
+        elif value is not False and value is not None:
+            result.extend([flag, str(value)])
+    return result
+
+
+def run(case_names: list[str], output: str) -> dict[str, dict]:
+    """Run the cases; return each case's summary.json (plus its log under 'log')."""
+    cases = discover_cases()
+    os.makedirs(output, exist_ok=True)
+    groups: dict[tuple, list[str]] = {}
+    for name in case_names:
+        case = cases[name]
+        key = (case["NPROC"], json.dumps(case.get("ENV_VARS", {}), sort_keys=True))
+        groups.setdefault(key, []).append(name)
+    results = {}
+    for (nproc, env_json), names in groups.items():
+        spec = [
+            {
+                "name": name,
+                "args": flags(cases[name]["MODEL_ARGS"]),
+                "metrics_dir": os.path.join(output, name),
+            }
+            for name in names
+        ]
+        spec_file = os.path.join(output, f"cases_{nproc}_{abs(hash(env_json))}.json")
+        json.dump(spec, open(spec_file, "w"))
+        env = {**os.environ, **json.loads(env_json), "OMP_NUM_THREADS": "1"}
+        command = [
+            os.path.join(os.path.dirname(sys.executable), "torchrun"),
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            os.path.join(HERE, "multi_run.py"),
+            spec_file,
+        ]
+        completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+        log = completed.stdout + completed.stderr
+        if completed.returncode != 0:
+            raise RuntimeError(f"cases {names} failed (exit {completed.returncode}):\n{log[-6000:]}")
+        for name in names:
+            summary = json.load(open(os.path.join(output, name, "summary.json")))
+            summary["log"] = log
+            results[name] = summary
+    return results
+
+
+def golden_losses(name: str) -> list[float]:
+    path = os.path.join(discover_cases()[name]["directory"], "golden_values.json")
+    values = json.load(open(path))["lm loss"]["values"]
+    return [values[str(step)] for step in sorted(map(int, values))]
+
+
+def write_golden(name: str, losses: list[float]) -> None:
+    path = os.path.join(discover_cases()[name]["directory"], "golden_values.json")
+    golden = {
+        "lm loss": {
+            "start_step": 1,
+            "end_step": len(losses),
+            "step_interval": 1,
+            "values": {str(step): loss for step, loss in enumerate(losses, start=1)},
+        }
+    }
+    with open(path, "w") as handle:
+        json.dump(golden, handle, indent=2)
+        handle.write("\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=None)
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--update-golden", action="store_true")
+    options = parser.parse_args()
+    names = options.cases or list(discover_cases())
+    output = options.output or tempfile.mkdtemp(prefix="functional_")
+    results = run(names, output)
+    for name in names:
+        losses = results[name]["loss"]
+        if options.update_golden:
+            write_golden(name, losses)
+        print(f"{name}: " + " ".join(f"{loss:.6f}" for loss in losses))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
