@@ -23,7 +23,7 @@ setup(
         "pytorch_optimizer>=3.0",
     ],
     extras_require={
-        "dev": ["pytest>=8", "black", "isort", "matplotlib"],
+        "dev": ["pytest>=8", "pyyaml", "black", "isort", "matplotlib"],
         "gpu": ["transformer-engine[pytorch]", "apex"],
     },
 )

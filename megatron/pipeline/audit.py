@@ -36,10 +36,27 @@ def audit_requested() -> bool:
     return os.environ.get("MEGATRON_AUDIT_COLLECTIVES") == "1"
 
 
+class CollectiveAudit:
+    """Offending calls so far, as (collective name, group ranks); `paused()` exempts work done
+    at drained points (a checkpoint's barrier is not a training step)."""
+
+    def __init__(self):
+        self.violations: list[tuple[str, list[int]]] = []
+        self.active = True
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.active = False
+        try:
+            yield
+        finally:
+            self.active = True
+
+
 @contextlib.contextmanager
 def record_cross_stage_collectives(stage_ranks: set[int]):
-    """Yields a list that fills with (collective name, group ranks) for each offending call."""
-    violations: list[tuple[str, list[int]]] = []
+    """Yields a `CollectiveAudit` recording collectives whose group leaves `stage_ranks`."""
+    audit = CollectiveAudit()
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
     def wrap(name, function):
@@ -53,8 +70,8 @@ def record_cross_stage_collectives(stage_ranks: set[int]):
                 if group is None
                 else dist.get_process_group_ranks(group)
             )
-            if not set(ranks) <= stage_ranks:
-                violations.append((name, ranks))
+            if audit.active and not set(ranks) <= stage_ranks:
+                audit.violations.append((name, ranks))
             return function(*args, **kwargs)
 
         return audited
@@ -62,7 +79,7 @@ def record_cross_stage_collectives(stage_ranks: set[int]):
     for name, function in originals.items():
         setattr(dist, name, wrap(name, function))
     try:
-        yield violations
+        yield audit
     finally:
         for name, function in originals.items():
             setattr(dist, name, function)

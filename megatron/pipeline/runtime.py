@@ -72,9 +72,11 @@ class StageRuntime:
         tensor_shape: tuple[int, ...],
         dtype: torch.dtype,
         record_trace: bool = False,
+        deterministic: bool = False,
     ):
         self.context, self.model = context, model
         self.tensor_shape, self.dtype = tuple(tensor_shape), dtype
+        self.deterministic = deterministic  # reactive schedules follow their fixed order
         # Drift reports ride on the activations: every stage overwrites its own (max, mean)
         # pair and passes the rest on, so the last stage (which logs) sees every stage's
         # figures, a pipeline delay old, without any extra message or synchronization.
@@ -139,6 +141,8 @@ class StageRuntime:
         """
         if self._start_time is None:
             self._start_time = time.perf_counter()
+        if self.deterministic and schedule.fixed_order is not None:
+            schedule = schedule.fixed_order
         call_start = self.backward_target
         self.backward_target += num_microbatches
         if schedule.flushes_every_call:
@@ -169,7 +173,7 @@ class StageRuntime:
         if self.inflight:
             raise RuntimeError(
                 f"stage {self.context.stage} has {len(self.inflight)} microbatches in flight: "
-                "drain the pipeline (drain=True) before a forward-only pass"
+                "drain the pipeline (microbatches_before_drain) before a forward-only pass"
             )
         ctx, outputs = self.context, []
         self._forward_only_microbatches += num_microbatches

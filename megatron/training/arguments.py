@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--save-interval", type=int, default=None)
     add("--load", default=None)
     add("--seed", type=int, default=1234)
+    add("--deterministic-mode", action="store_true",
+        help="reproducible runs: PACI follows the fixed 1F1B order instead of reacting to "
+        "arrivals")  # fmt: skip
 
     add = parser.add_argument_group("benchmarking").add_argument
     add("--emulated-forward-ms", type=float, default=None,

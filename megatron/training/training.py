@@ -16,7 +16,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.pipeline.audit import audit_requested, record_cross_stage_collectives
+from megatron.pipeline.audit import (
+    CollectiveAudit,
+    audit_requested,
+    record_cross_stage_collectives,
+)
 from megatron.pipeline.forward_backward import attach_stage_runtime, get_forward_backward_func
 from megatron.pipeline.parallel import build_pipeline_context, ranks_of_my_stage
 from megatron.pipeline.runtime import StageRuntime
@@ -196,6 +200,7 @@ def pretrain(args, forward_step_func) -> TrainingState:
         tensor_shape=(args.seq_length, args.micro_batch_size, args.hidden_size),
         dtype=dtype,
         record_trace=args.timeline_file is not None,
+        deterministic=args.deterministic_mode,
     )
     attach_stage_runtime(model, runtime)
     train_iter, valid_iter, _ = build_data_iterators(
@@ -218,10 +223,11 @@ def pretrain(args, forward_step_func) -> TrainingState:
     dist.barrier()  # everyone built; from here on only the schedule's own traffic
     print_rank_0(f"> setup done in {time.perf_counter() - wall_start:.1f} s, training ...")
 
-    with _maybe_audit() as violations:
+    with _maybe_audit() as audit:
         train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state,
-              writer)  # fmt: skip
-    state.cross_stage_collectives = None if violations is None else len(violations)
+              writer, audit)  # fmt: skip
+    if audit_requested():
+        state.cross_stage_collectives = len(audit.violations)
 
     if args.timeline_file:
         _write_timelines(args, runtime)
@@ -235,10 +241,10 @@ def pretrain(args, forward_step_func) -> TrainingState:
 @contextlib.contextmanager
 def _maybe_audit():
     if not audit_requested():
-        yield None
+        yield CollectiveAudit()  # records nothing: no collective is wrapped
         return
-    with record_cross_stage_collectives(ranks_of_my_stage()) as violations:
-        yield violations
+    with record_cross_stage_collectives(ranks_of_my_stage()) as audit:
+        yield audit
 
 
 def _eval_samples(args) -> int:
@@ -256,7 +262,7 @@ def drain_points(args, start_iteration: int) -> list[int]:
 
 
 def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state,
-          writer) -> None:  # fmt: skip
+          writer, audit) -> None:  # fmt: skip
     schedule_function = get_forward_backward_func(args.pipeline_schedule)
     drains = drain_points(args, state.iteration)
     m = args.num_microbatches
@@ -290,10 +296,14 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
             evaluate(args, forward_step_func, model, valid_iter, state, writer)
             interval_start = time.perf_counter()  # evaluation time is not iteration time
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            checkpointing.save(args.save, state, model, step_func.optimizer, step_func.scheduler)
+            with audit.paused():  # the pipeline is drained here: not a training step
+                checkpointing.save(
+                    args.save, state, model, step_func.optimizer, step_func.scheduler
+                )
     state.train_time_s = time.perf_counter() - train_start
     if args.save and not (args.save_interval and state.iteration % args.save_interval == 0):
-        checkpointing.save(args.save, state, model, step_func.optimizer, step_func.scheduler)
+        with audit.paused():
+            checkpointing.save(args.save, state, model, step_func.optimizer, step_func.scheduler)
 
 
 def _average_loss(loss_dicts: list[dict]) -> float:

@@ -10,17 +10,21 @@ import pytest
 import run_cases
 
 PIPELINED_FLUSH = ["gpt_pp4_1f1b", "gpt_tp2pp2_1f1b", "gpt_dp2pp2_1f1b"]
-PACI_FOUR_RANKS = [
+# --deterministic-mode: the fixed 1F1B order, reproducible bit for bit.
+PACI_FIXED_ORDER = [
     "gpt_pp4_paci_a1",
     "gpt_pp4_paci_a2",
     "gpt_pp4_paci_a4",
     "gpt_tp2pp2_paci",
     "gpt_dp2pp2_paci",
 ]
+# Reacting to arrivals: the order depends on timing, the bound must hold all the same.
+PACI_REACTIVE = ["gpt_pp4_paci_reactive", "gpt_tp2pp2_paci_reactive"]
+PACI_FOUR_RANKS = PACI_FIXED_ORDER + PACI_REACTIVE
 
 
 def max_relative_difference(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) and len(a) >= 5
+    assert len(a) == len(b) > 0
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
@@ -28,7 +32,7 @@ def drift_bound(stage: int, num_stages: int, accumulation: int) -> int:
     return math.ceil((num_stages - 1 - stage) / accumulation)
 
 
-@pytest.mark.parametrize("name", sorted(run_cases.discover_cases()))
+@pytest.mark.parametrize("name", run_cases.cases_with_golden_values())
 def test_golden_values(case_results, name):
     golden = run_cases.golden_losses(name)
     assert max_relative_difference(case_results[name]["loss"], golden) <= 1e-3
@@ -38,6 +42,7 @@ def test_golden_values(case_results, name):
 def test_flush_matches_single_stage(case_results, name):
     """Same model, initial weights and data: pipelining must not change the numbers."""
     reference = case_results["gpt_pp1_1f1b"]["loss"]
+    assert len(reference) >= 5
     assert max_relative_difference(case_results[name]["loss"], reference) <= 1e-5
 
 
@@ -47,13 +52,21 @@ def test_paci_on_one_stage_is_flush(case_results):
 
 
 @pytest.mark.parametrize("name", PACI_FOUR_RANKS)
-def test_paci_drift_reaches_and_never_exceeds_its_bound(case_results, name):
+def test_paci_drift_never_exceeds_its_bound(case_results, name):
     summary = case_results[name]
     stages, accumulation = summary["pipeline_stages"], summary["num_microbatches"]
     for report in summary["stages"]:
         bound = drift_bound(report["stage"], stages, accumulation)
-        assert report["max_drift"] == bound, (name, report["stage"])
-        assert max(int(d) for d in report["drift_histogram"]) <= bound
+        assert max(int(d) for d in report["drift_histogram"]) <= bound, (name, report["stage"])
+        assert report["max_drift"] <= bound
+
+
+@pytest.mark.parametrize("name", PACI_FIXED_ORDER)
+def test_paci_drift_reaches_its_bound_in_steady_state(case_results, name):
+    summary = case_results[name]
+    stages, accumulation = summary["pipeline_stages"], summary["num_microbatches"]
+    for report in summary["stages"]:
+        assert report["max_drift"] == drift_bound(report["stage"], stages, accumulation)
 
 
 def test_paci_drift_shrinks_with_accumulation(case_results):
@@ -96,3 +109,13 @@ def test_megatron_style_log_lines(case_results):
     assert " iteration        1/       8 | consumed samples:            8 |" in log
     assert "lm loss:" in log and "weight drift max/mean by stage: " in log
     assert "validation loss at iteration 4 | lm loss value:" in log
+
+
+def test_paci_resumes_from_checkpoint_exactly(case_results):
+    """A checkpoint is taken at a drained step boundary, so resuming reproduces the
+    uninterrupted run bit for bit (same data position, optimizer and LR schedule state)."""
+    uninterrupted = case_results["gpt_pp4_paci_a4"]["loss"]
+    first_half = case_results["gpt_pp4_paci_resume_1_save"]["loss"]
+    second_half = case_results["gpt_pp4_paci_resume_2_load"]["loss"]
+    assert first_half == uninterrupted[:4]
+    assert second_half == uninterrupted[4:]

@@ -116,6 +116,9 @@ class Schedule:
     min_microbatches_per_step: Callable[[int], int] = lambda num_stages: 1
     # The backward is split into BACKWARD (input gradient) and WEIGHT_GRAD actions.
     splits_backward: bool = False
+    # For schedules that react to arrivals: the same rules with arrivals ignored (a fixed,
+    # counter-only order), used by --deterministic-mode so runs reproduce bit for bit.
+    fixed_order: "Schedule | None" = None
 
 
 def steps_due(view: StageView) -> bool:
