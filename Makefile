@@ -1,0 +1,57 @@
+# Quickstart targets. Everything the project needs is installed into .venv/ by `make venv`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCHRUN := $(VENV)/bin/torchrun
+DATA := data
+CORPUS := $(DATA)/stdlib.jsonl
+TOKENIZER := $(DATA)/tokenizer/stdlib.model
+DATASET := $(DATA)/stdlib_text_document
+
+.PHONY: venv data demo test unit-test functional-test lint format clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]" --config-settings editable_mode=compat
+	touch $@
+
+# The default corpus: the Python standard library's sources, present on every machine.
+$(CORPUS): | venv
+	$(PY) tools/build_corpus.py --output $@
+
+$(TOKENIZER): $(CORPUS)
+	$(PY) tools/train_tokenizer.py --input $(CORPUS) --json-key text \
+		--output-prefix $(DATA)/tokenizer/stdlib --vocab-size 8192
+
+$(DATASET).idx: $(TOKENIZER)
+	$(PY) tools/preprocess_data.py --input $(CORPUS) --json-keys text --output-prefix $(DATA)/stdlib \
+		--tokenizer-type SentencePieceTokenizer --tokenizer-model $(TOKENIZER) --append-eod --workers 2
+
+data: $(DATASET).idx
+
+# 4-stage CPU pretraining with 1F1B-flush, then PACI, on the same data; prints both side by side.
+demo: venv data
+	bash examples/paci/demo_cpu.sh
+
+test: venv
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+unit-test: venv
+	$(PY) -m pytest -q tests/unit_tests
+
+functional-test: venv
+	$(PY) -m pytest -q tests/functional_tests
+
+lint: venv
+	$(PY) -m black --check -l 100 megatron tools tests pretrain_gpt.py setup.py
+	$(PY) -m isort --check --profile black -l 100 megatron tools tests pretrain_gpt.py setup.py
+
+format: venv
+	$(PY) -m black -q -l 100 megatron tools tests pretrain_gpt.py setup.py
+	$(PY) -m isort -q --profile black -l 100 megatron tools tests pretrain_gpt.py setup.py
+
+clean:
+	rm -rf $(VENV) $(DATA) runs
