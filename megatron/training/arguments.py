@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--distributed-backend", default=None, choices=["nccl", "gloo"],
         help="default: nccl when CUDA is available, else gloo")  # fmt: skip
     add("--distributed-timeout-minutes", type=int, default=10)
+    add("--decoder-first-pipeline-num-layers", type=int, default=None,
+        help="layers on the first stage (the rest split evenly)")  # fmt: skip
+    add("--decoder-last-pipeline-num-layers", type=int, default=None,
+        help="layers on the last stage, e.g. fewer to balance the output layer and loss")  # fmt: skip
     add("--pipeline-schedule", default="1f1b",
         help=f"one of: {', '.join(sorted(SCHEDULES))}")  # fmt: skip
 
@@ -126,11 +130,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> None:
     if args.pipeline_schedule not in SCHEDULES:
         known = ", ".join(sorted(SCHEDULES))
         raise UserError(f"unknown --pipeline-schedule {args.pipeline_schedule!r} (known: {known})")
-    if args.num_layers % pp != 0:
-        raise UserError(
-            f"--num-layers {args.num_layers} is not divisible by "
-            f"--pipeline-model-parallel-size {pp}"
-        )
+    _validate_layer_split(args, pp)
     if args.hidden_size % args.num_attention_heads != 0:
         raise UserError("--hidden-size must be divisible by --num-attention-heads")
     if args.num_attention_heads % tp != 0:
@@ -157,6 +157,32 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> None:
         raise UserError("--emulated-forward-ms and --emulated-backward-ms go together")
     if args.save_interval is not None and args.save is None:
         raise UserError("--save-interval needs --save DIR")
+
+
+def _validate_layer_split(args: argparse.Namespace, pp: int) -> None:
+    uneven = {
+        "--decoder-first-pipeline-num-layers": args.decoder_first_pipeline_num_layers,
+        "--decoder-last-pipeline-num-layers": args.decoder_last_pipeline_num_layers,
+    }
+    given = {flag: n for flag, n in uneven.items() if n is not None}
+    if not given:
+        if args.num_layers % pp != 0:
+            raise UserError(
+                f"--num-layers {args.num_layers} is not divisible by "
+                f"--pipeline-model-parallel-size {pp}"
+            )
+        return
+    if pp < 2:
+        raise UserError(f"{' and '.join(given)} need a pipeline of at least 2 stages")
+    for flag, layers in given.items():
+        if layers < 1:
+            raise UserError(f"{flag} must be >= 1")
+    rest, middle = args.num_layers - sum(given.values()), pp - len(given)
+    if rest < middle or (middle and rest % middle) or (not middle and rest):
+        raise UserError(
+            f"--num-layers {args.num_layers} minus {sum(given.values())} on uneven stages leaves "
+            f"{rest}, which does not split evenly over the other {middle} stages"
+        )
 
 
 def _validate_data_args(args: argparse.Namespace) -> None:

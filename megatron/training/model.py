@@ -101,21 +101,37 @@ def layer_spec_for(device: torch.device) -> ModuleSpec:
 
 @dataclass
 class StageLayout:
-    """Where this rank's model chunk sits in the whole model."""
+    """Where this rank's model chunk sits in the whole model.
+
+    Layers are split evenly over the stages unless the first or last stage is given its own
+    count (Megatron's --decoder-first/last-pipeline-num-layers), e.g. to balance the embedding
+    or the output layer and loss; the remaining layers are then split evenly over the others.
+    """
 
     pipeline_rank: int
     pipeline_size: int
     tensor_rank: int
     tensor_size: int
     num_layers: int
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    def layers_on(self, stage: int) -> int:
+        if stage == 0 and self.first_stage_layers is not None:
+            return self.first_stage_layers
+        if stage == self.pipeline_size - 1 and self.last_stage_layers is not None:
+            return self.last_stage_layers
+        uneven = [n for n in (self.first_stage_layers, self.last_stage_layers) if n is not None]
+        middle_stages = self.pipeline_size - len(uneven)
+        return (self.num_layers - sum(uneven)) // middle_stages
 
     @property
     def layers_per_stage(self) -> int:
-        return self.num_layers // self.pipeline_size
+        return self.layers_on(self.pipeline_rank)
 
     @property
     def layer_offset(self) -> int:
-        return self.pipeline_rank * self.layers_per_stage
+        return sum(self.layers_on(stage) for stage in range(self.pipeline_rank))
 
     @property
     def is_first(self) -> bool:

@@ -77,6 +77,8 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         hidden_dropout=args.hidden_dropout,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=args.bf16,
@@ -98,6 +100,8 @@ def stage_layout(args) -> StageLayout:
         tensor_rank=parallel_state.get_tensor_model_parallel_rank(),
         tensor_size=args.tensor_model_parallel_size,
         num_layers=args.num_layers,
+        first_stage_layers=args.decoder_first_pipeline_num_layers,
+        last_stage_layers=args.decoder_last_pipeline_num_layers,
     )
 
 

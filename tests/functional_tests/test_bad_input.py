@@ -73,6 +73,11 @@ CASES = {
         "/nonexistent/corpus",
     ),
     "world_size": (GOOD, 6, "world size 6"),
+    "uneven_split": (
+        with_flag(GOOD, "--num-layers", "8") + ["--decoder-first-pipeline-num-layers", "3"],
+        4,
+        "does not split evenly",
+    ),
 }
 
 

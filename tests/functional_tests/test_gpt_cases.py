@@ -46,6 +46,13 @@ def test_flush_matches_single_stage(case_results, name):
     assert max_relative_difference(case_results[name]["loss"], reference) <= 1e-5
 
 
+def test_uneven_split_matches_single_stage(case_results):
+    """8 layers as 1 + 3 + 3 + 1 (first/last stage sizes given) against one process."""
+    reference = case_results["gpt_pp1_8layers_1f1b"]["loss"]
+    uneven = case_results["gpt_pp4_uneven_1f1b"]["loss"]
+    assert max_relative_difference(uneven, reference) <= 1e-5
+
+
 def test_paci_on_one_stage_is_flush(case_results):
     """With one stage no microbatch can cross a step: PACI is exactly flush."""
     assert case_results["gpt_pp1_paci"]["loss"] == case_results["gpt_pp1_1f1b"]["loss"]
