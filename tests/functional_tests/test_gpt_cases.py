@@ -4,7 +4,11 @@ References are independent of the code under test where possible: a single-stage
 pipelined ones, the closed-form drift bound ceil((N-1-s)/a) for PACI.
 """
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import run_cases
@@ -126,3 +130,20 @@ def test_paci_resumes_from_checkpoint_exactly(case_results):
     second_half = case_results["gpt_pp4_paci_resume_2_load"]["loss"]
     assert first_half == uninterrupted[:4]
     assert second_half == uninterrupted[4:]
+
+
+def test_paci_runtime_matches_single_process_replay(case_results):
+    """Four processes exchanging activations and gradients give the numbers of one process
+    replaying each stage's PACI order on plain tensors (paci_reference.py)."""
+    name = "gpt_pp4_paci_a2_noeval"
+    case = run_cases.discover_cases()[name]
+    command = [
+        sys.executable,
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "paci_reference.py"),
+        *run_cases.flags(case["MODEL_ARGS"], output="unused"),
+    ]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(command, capture_output=True, text=True, env=environment)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    reference = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert max_relative_difference(case_results[name]["loss"], reference) <= 1e-6

@@ -1,0 +1,163 @@
+"""A single-process reference for pipelined training: every stage in one process, no runtime.
+
+The stages of the model are built side by side (same layout-independent initialization as
+the distributed run) and each stage's actions are replayed in the order the schedule gives
+that stage, taken from the simulator with uniform costs. A stage's numerics depend only on its
+own order of forwards, backwards and steps, so any global order that respects data
+dependencies (the simulator's start times do) gives the numbers a correct distributed runtime
+must give. Activations and gradients are handed over as plain tensors: no process groups, no
+p2p, no StageRuntime.
+
+    python tests/functional_tests/paci_reference.py <pretrain_gpt.py flags>
+prints a JSON list: the lm loss of each iteration.
+"""
+
+import json
+import os
+import socket
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main(argv: list[str]) -> int:
+    from megatron.training.arguments import build_parser, validate_args
+
+    args = build_parser().parse_args(argv)
+    num_stages = args.pipeline_model_parallel_size
+    validate_args(args, world_size=num_stages * args.tensor_model_parallel_size)
+    if args.tensor_model_parallel_size != 1:
+        raise SystemExit("the reference runs tensor-parallel size 1 only")
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron.pipeline.accounting import preserve_versions
+    from megatron.pipeline.schedules import get_schedule
+    from megatron.pipeline.simulator import simulate
+    from megatron.training.data import build_data_iterators
+    from megatron.training.model import build_gpt_stage
+    from megatron.training.optimizer import (
+        StageOptimizerStep,
+        build_lr_scheduler,
+        build_optimizer,
+    )
+    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.training import padded_vocab_size, stage_layout, transformer_config
+    from pretrain_gpt import forward_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(args.seed)
+    device = torch.device("cpu")
+    tokenizer = build_tokenizer(args.tokenizer_type, vocab_size=args.vocab_size)
+    vocab = padded_vocab_size(tokenizer.vocab_size, args)
+
+    stages = []
+    for stage in range(num_stages):
+        layout = stage_layout(args)
+        layout.pipeline_rank = stage
+        config = transformer_config(args, device)
+        model = build_gpt_stage(
+            config,
+            layout,
+            vocab_size=vocab,
+            max_sequence_length=args.max_position_embeddings,
+            position_embedding_type=args.position_embedding_type,
+            device=device,
+            seed=args.seed,
+        )
+        optimizer = build_optimizer(model, args)
+        step = StageOptimizerStep(
+            model,
+            optimizer,
+            build_lr_scheduler(optimizer, args),
+            data_parallel_group=None,
+            grad_norm_group=None,
+            tensor_parallel_rank=0,
+            clip_grad=args.clip_grad,
+        )
+        stages.append({"model": model, "step": step, "inputs": {}, "outputs": {}})
+
+    def data_iterator():  # first and last stage read the same stream, as on separate ranks
+        train, _, _ = build_data_iterators(
+            data_path=None,
+            mock_data=True,
+            split=args.split,
+            seq_length=args.seq_length,
+            seed=args.seed,
+            tokenizer=tokenizer,
+            data_cache_path=None,
+            micro_batch_size=args.micro_batch_size,
+            data_parallel_rank=0,
+            data_parallel_size=1,
+            train_samples=args.train_iters * args.global_batch_size,
+            valid_samples=0,
+            test_samples=0,
+        )
+        return train
+
+    stages[0]["data"] = data_iterator()
+    stages[-1]["data"] = data_iterator() if num_stages > 1 else stages[0]["data"]
+
+    schedule = get_schedule(args.pipeline_schedule)
+    if args.deterministic_mode and schedule.fixed_order is not None:
+        schedule = schedule.fixed_order
+    a = args.num_microbatches
+    timeline = simulate(
+        schedule,
+        num_stages=num_stages,
+        microbatches_per_step=a,
+        steps=args.train_iters,
+        forward_cost=1.0,
+        backward_cost=2.0,
+    ).timeline
+    losses: dict[int, float] = {}
+    for event in sorted(timeline, key=lambda e: (e.start_s, e.stage)):
+        s, kind, mb = event.stage, event.action.kind.name, event.action.microbatch
+        st = stages[s]
+        model = st["model"]
+        if kind == "FORWARD":
+            input_tensor = None
+            if s > 0:
+                input_tensor = stages[s - 1]["outputs"][mb].detach().requires_grad_(True)
+                model.set_input_tensor(input_tensor)
+            output, loss_func = forward_step(st.get("data"), model)
+            if s == num_stages - 1:
+                loss, reduced = loss_func(output)
+                losses[mb] = float(reduced["lm loss"])
+                output = loss / a
+            st["inputs"][mb], st["outputs"][mb] = input_tensor, output
+        elif kind == "BACKWARD":
+            output = st["outputs"].pop(mb)
+            if s == num_stages - 1:
+                torch.autograd.backward(output)
+            else:
+                grad = stages[s + 1]["inputs"].pop(mb).grad
+                torch.autograd.backward(output, grad_tensors=grad)
+            if s == 0:
+                st["inputs"].pop(mb)
+        elif kind == "STEP":
+            with preserve_versions(model.parameters()):
+                st["step"]()
+    per_iteration = [
+        sum(losses[j] for j in range(k * a, (k + 1) * a)) / a for k in range(args.train_iters)
+    ]
+    print(json.dumps(per_iteration))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
