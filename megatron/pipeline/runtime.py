@@ -91,6 +91,8 @@ class StageRuntime:
         self.actions_run = 0
         self.loop_s = 0.0  # time inside training calls ...
         self.wait_s = 0.0  # ... of which waiting for arrivals (busy time is in stats.busy_s)
+        self.compute_s = 0.0  # ... in the model's forward and loss, backward, optimizer step
+        self.transfer_s = 0.0  # ... posting sends (blocking receives count as waiting)
         self._blocked_s = 0.0  # waiting inside the current action
         self._start_time: float | None = None
         self._arrivals = threading.Condition()
@@ -193,11 +195,14 @@ class StageRuntime:
         return outputs
 
     def overhead_per_action_us(self) -> float:
-        """Scheduling and bookkeeping per action: time in training calls that was neither an
-        action (compute, transfers) nor waiting for an arrival."""
+        """Scheduling and bookkeeping per action: time in training calls that was neither
+        compute (forward and loss, backward, optimizer step), nor posting a send, nor waiting
+        for an arrival (or for a tensor-parallel leader's decision). It includes deciding,
+        building views, receive bookkeeping, activation accounting, drift telemetry and trace
+        records, whether they run between actions or inside one."""
         if not self.actions_run:
             return 0.0
-        overhead = self.loop_s - self.stats.busy_s - self.wait_s
+        overhead = self.loop_s - self.wait_s - self.compute_s - self.transfer_s
         return 1e6 * max(overhead, 0.0) / self.actions_run
 
     # ---------------------------------------------------------------- deciding
@@ -225,7 +230,10 @@ class StageRuntime:
     def _decide(self, schedule, num_microbatches, forward_limit, optimizer_step_func) -> Action:
         ctx = self.context
         if schedule.depends_on_arrivals and not ctx.is_decision_leader:
-            return self._receive_decision()
+            wait_start = time.perf_counter()
+            action = self._receive_decision()
+            self.wait_s += time.perf_counter() - wait_start
+            return action
         step_enabled = optimizer_step_func is not None
         while True:
             with self._arrivals:
@@ -293,8 +301,8 @@ class StageRuntime:
         self.stats.busy_s += end - start - self._blocked_s  # waiting for an input is idle time
         self.wait_s += self._blocked_s
         self.actions_run += 1
-        if self.trace is not None:
-            self.trace.append(TraceEvent(self.context.stage, action, start, end))
+        if self.trace is not None:  # the action starts once its input is there, as simulated
+            self.trace.append(TraceEvent(self.context.stage, action, start + self._blocked_s, end))
 
     def _call_forward_step(self, forward_step_func, data_iterator, input_tensor):
         set_input = getattr(self.model, "set_input_tensor", None)
@@ -307,6 +315,7 @@ class StageRuntime:
         input_tensor = None
         if not ctx.is_first:
             input_tensor = self._receive_activation().requires_grad_(True)
+        compute_start = time.perf_counter()
         with self.meter.measure() as saved:
             output, loss_func = self._call_forward_step(
                 forward_step_func, data_iterator, input_tensor
@@ -315,6 +324,7 @@ class StageRuntime:
             if ctx.is_last:
                 loss, loss_dict = _split_loss(loss_func(output))
                 output = loss / num_microbatches  # as flush scales by 1/m, PACI by 1/a
+        self.compute_s += time.perf_counter() - compute_start
         self.inflight.append(_InFlight(self.forwards, input_tensor, output, self.steps, saved[0]))
         self.forwards += 1
         self.stats.add_activation(saved[0], len(self.inflight))
@@ -341,7 +351,13 @@ class StageRuntime:
         self.pipeline_drift[2 * stage] = self.stats.max_drift
         self.pipeline_drift[2 * stage + 1] = self.stats.mean_drift
         telemetry = self.pipeline_drift.to(device=output.device, dtype=output.dtype)
-        self.activations_out.send(torch.cat([output.detach().reshape(-1), telemetry]))
+        payload = torch.cat([output.detach().reshape(-1), telemetry])
+        self._timed_send(self.activations_out, payload)
+
+    def _timed_send(self, outbox, tensor: torch.Tensor) -> None:
+        start = time.perf_counter()
+        outbox.send(tensor)
+        self.transfer_s += time.perf_counter() - start
 
     def drift_by_stage(self) -> list[tuple[int, float]]:
         """(max, mean) drift of every stage as last reported to this stage (upstream stages
@@ -354,20 +370,21 @@ class StageRuntime:
     def _backward(self) -> None:
         ctx = self.context
         microbatch = self.inflight.popleft()
-        if ctx.is_last:
-            torch.autograd.backward(microbatch.output_tensor)
-        else:
-            grad = self._take(self.gradients_in)
-            torch.autograd.backward(microbatch.output_tensor, grad_tensors=grad)
+        grad = None if ctx.is_last else self._take(self.gradients_in)
+        compute_start = time.perf_counter()
+        torch.autograd.backward(microbatch.output_tensor, grad_tensors=grad)
+        self.compute_s += time.perf_counter() - compute_start
         if not ctx.is_first:
-            self.gradients_out.send(microbatch.input_tensor.grad)
+            self._timed_send(self.gradients_out, microbatch.input_tensor.grad)
         self.stats.record_drift(self.steps - microbatch.weight_version)
         self.stats.release_activation(microbatch.saved_bytes)
         self.backwards += 1
 
     def _step(self, optimizer_step_func) -> None:
+        compute_start = time.perf_counter()
         with preserve_versions(self.model.parameters()):
             optimizer_step_func()
+        self.compute_s += time.perf_counter() - compute_start
         self.steps += 1
 
     def _flush_sends(self) -> None:

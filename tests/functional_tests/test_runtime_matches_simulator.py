@@ -15,8 +15,8 @@ backward j+1, whose gradient arrives exactly one forward time F later, whatever 
 latency (the latency delays both paths alike). The simulator takes the forward; the real run
 takes the backward only if timing noise (sleep overshoot, wake-ups, the training loop between
 calls, other processes on the CPUs) shifts the two paths by F or more against each other.
-`test_simulated_order_is_insensitive_to_latency_and_jitter` checks the margin side of this in
-the simulator; the real runs use F = 50 ms, far above the few-millisecond noise of this
+`test_paci_contested_decisions_have_a_margin_of_one_forward` checks the margin in the
+simulator; the real runs use F = 50 ms, far above the few-millisecond noise of this
 runtime, and a failure message shows the run's largest action overrun so an overloaded machine
 is recognisable.
 """
@@ -139,3 +139,82 @@ def test_simulated_order_is_insensitive_to_latency_and_jitter(microbatches):
     ]
     for costs in perturbed:
         assert simulated_order(paci, microbatches, **costs) == nominal, costs
+
+
+def contested_margins(timeline, microbatches: int, latency: float) -> list[float]:
+    """For every PACI decision on stage s < N-1 where both a forward (admitted, not past the
+    data) and a backward were possible: how far in time the gradient's arrival is from
+    flipping the choice. The stage takes the backward iff the gradient arrives no later than
+    max(decision time, input arrival); the margin is the distance between the two."""
+    stages = bench.by_stage(timeline)
+    end = {
+        (s, e.action.kind, e.action.microbatch): e.end_s for s, evs in stages.items() for e in evs
+    }
+    margins = []
+    for s in range(STAGES - 1):
+        forwards = backwards = 0
+        for event in stages[s]:
+            forwards += event.action.kind is ActionKind.FORWARD
+            backwards += event.action.kind is ActionKind.BACKWARD
+            admitted = forwards - backwards < STAGES - s and forwards < STEPS * microbatches
+            if not (admitted and backwards < forwards):
+                continue
+            input_at = -1.0 if s == 0 else end[(s - 1, ActionKind.FORWARD, forwards)] + latency
+            grad_at = end[(s + 1, ActionKind.BACKWARD, backwards)] + latency
+            margins.append(abs(grad_at - max(input_at, event.end_s)))
+    return margins
+
+
+@pytest.mark.parametrize("microbatches, latency", [(4, 0.0), (4, 0.002), (2, 0.002), (1, 0.005)])
+def test_paci_contested_decisions_have_a_margin_of_one_forward(microbatches, latency):
+    """The claim the real-run comparison rests on: with uniform costs every decision that
+    depends on arrival order is F away from going the other way, whatever the latency."""
+    f = FWD_MS / 1000.0
+    result = simulate(
+        get_schedule("paci"),
+        num_stages=STAGES,
+        microbatches_per_step=microbatches,
+        steps=STEPS,
+        forward_cost=f,
+        backward_cost=BWD_MS / 1000.0,
+        p2p_latency=latency,
+    )
+    margins = contested_margins(result.timeline, microbatches, latency)
+    assert margins and min(margins) == pytest.approx(f, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark's measurements, applied to simulated timelines where the answer is known.
+@pytest.mark.parametrize("microbatches", [1, 4, 8])
+def test_steady_state_throughput_matches_closed_forms(microbatches):
+    f, b, steps = 0.05, 0.1, 8
+    for name, expected in [
+        ("1f1b", microbatches / ((microbatches + STAGES - 1) * (f + b))),
+        ("paci", 1.0 / (f + b)),
+    ]:
+        result = simulate(
+            get_schedule(name),
+            num_stages=STAGES,
+            microbatches_per_step=microbatches,
+            steps=steps,
+            forward_cost=f,
+            backward_cost=b,
+        )
+        measured = bench.steady_state_throughput(result.timeline, STAGES, microbatches, steps)
+        assert measured == pytest.approx(expected, rel=1e-9), name
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "paci"])
+def test_p2p_latency_estimate_recovers_the_simulated_latency(schedule):
+    result = simulate(
+        get_schedule(schedule),
+        num_stages=STAGES,
+        microbatches_per_step=4,
+        steps=4,
+        forward_cost=0.05,
+        backward_cost=0.1,
+        p2p_latency=0.003,
+    )
+    samples = bench.p2p_latency_samples(result.timeline)
+    assert len(samples) >= STAGES
+    assert bench.estimate_p2p_latency(result.timeline) == pytest.approx(0.003, rel=1e-9)
