@@ -6,7 +6,8 @@ JSON object: the loss of each run averaged over windows of iterations (same toke
 the relative gap of PACI over flush on the last window and on the validation loss, and the
 per-stage drift PACI measured.
 
-    .venv/bin/python tools/benchmark_convergence.py --iterations 300 [--output runs/convergence]
+    .venv/bin/python tools/benchmark_convergence.py --iterations 300 [--output runs/convergence] \
+        [-- --lr 1e-3 --min-lr 1e-4]
 
 This is a benchmark, not a test: a few hundred iterations take several minutes on 2 cores.
 """

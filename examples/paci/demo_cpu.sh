@@ -18,7 +18,7 @@ ARGS=(
   --num-layers 4 --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4
   --seq-length 128 --max-position-embeddings 128
   --micro-batch-size 4 --global-batch-size 16 --train-iters "$ITERS"
-  --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 10
+  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 10
   --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
   --attention-dropout 0.0 --hidden-dropout 0.0
   --data-path data/stdlib_text_document --split 969,30,1 --data-cache-path data/cache
