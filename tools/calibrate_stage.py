@@ -314,6 +314,8 @@ def initialize_single_process(device, seed: int, dtype: str, args: argparse.Name
         distributed_timeout_minutes=5,
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
+        decoder_first_pipeline_num_layers=None,
+        decoder_last_pipeline_num_layers=None,
         seed=seed,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
