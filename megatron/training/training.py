@@ -292,22 +292,13 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
 
 def _average_loss(loss_dicts: list[dict]) -> float:
     """Mean 'lm loss' over the step's microbatches and the stage's data-parallel ranks."""
-    local = torch.stack([d["lm loss"].detach().float().cpu() for d in loss_dicts]).mean()
+    # On the model's device, which is the one the data-parallel group's backend expects.
+    local = torch.stack([d["lm loss"].detach().float() for d in loss_dicts]).mean()
     group = parallel_state.get_data_parallel_group()
     if dist.get_world_size(group) > 1:
-        local = local.to(_group_device(group))
         dist.all_reduce(local, group=group)
-        local = local.cpu() / dist.get_world_size(group)
+        local = local / dist.get_world_size(group)
     return float(local)
-
-
-def _group_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if backend == "nccl"
-        else torch.device("cpu")
-    )
 
 
 def evaluate(args, forward_step_func, model, valid_iter, state, writer) -> None:
