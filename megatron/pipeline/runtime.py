@@ -19,10 +19,10 @@ import torch.distributed as dist
 from .accounting import SavedTensorMeter, StageStats, preserve_versions
 from .p2p import Outbox, make_inbox
 from .schedules.base import Action, ActionKind, Schedule, StageView
+from .stage_state import NO_LIMIT, StageState
 from .trace import TraceEvent
 
 _ACTION_CODES = list(ActionKind)
-_NO_LIMIT = 2**62
 
 
 @dataclass
@@ -57,7 +57,6 @@ class _InFlight:
     microbatch: int
     input_tensor: torch.Tensor | None
     output_tensor: torch.Tensor
-    weight_version: int
     saved_bytes: int
 
 
@@ -81,8 +80,8 @@ class StageRuntime:
         # pair and passes the rest on, so the last stage (which logs) sees every stage's
         # figures, a pipeline delay old, without any extra message or synchronization.
         self.pipeline_drift = torch.zeros(2 * context.num_stages, dtype=torch.float64)
-        self.forwards = self.backwards = self.steps = 0
-        self.backward_target = 0  # cumulative backwards the current call must reach
+        # Counters, weight versions, views and action checks, as the simulator keeps them.
+        self.state = StageState(context.stage, context.num_stages)
         self._forward_only_microbatches = 0  # they share the activation stream with training
         self.inflight: collections.deque[_InFlight] = collections.deque()
         self.stats = StageStats(stage=context.stage)
@@ -96,10 +95,12 @@ class StageRuntime:
         self._blocked_s = 0.0  # waiting inside the current action
         self._start_time: float | None = None
         self._arrivals = threading.Condition()
-        self._open_channels()
+        self.open_channels()
 
     # ---------------------------------------------------------------- wiring
-    def _open_channels(self) -> None:
+    def open_channels(self) -> None:
+        """The four streams to the neighbouring stages (`megatron.pipeline.p2p`); a test can
+        replace them with in-process ones."""
         ctx = self.context
         activation_payload = (math.prod(self.tensor_shape) + self.pipeline_drift.numel(),)
         common = dict(backend=ctx.backend, dtype=self.dtype, device=ctx.device,
@@ -145,30 +146,38 @@ class StageRuntime:
             self._start_time = time.perf_counter()
         if self.deterministic and schedule.fixed_order is not None:
             schedule = schedule.fixed_order
-        call_start = self.backward_target
-        self.backward_target += num_microbatches
-        if schedule.flushes_every_call:
-            microbatches_before_drain = num_microbatches
-        forward_limit = _NO_LIMIT
-        if microbatches_before_drain is not None:
-            if microbatches_before_drain < num_microbatches:
-                raise ValueError("microbatches_before_drain must cover this call's microbatches")
-            forward_limit = call_start + microbatches_before_drain
-        self._expect_inputs(forward_limit)
+        self._begin_call(schedule, num_microbatches, microbatches_before_drain)
+        step_enabled = optimizer_step_func is not None
         losses: list[dict] = []
         loop_start = time.perf_counter()
         while True:
-            action = self._decide(schedule, num_microbatches, forward_limit, optimizer_step_func)
+            action = self._decide(schedule, step_enabled)
             if action.kind is ActionKind.DONE:
                 break
+            self.state.check(action, step_enabled=step_enabled)
             self._execute(action, forward_step_func, data_iterator, num_microbatches,
                           optimizer_step_func, losses)  # fmt: skip
         self.loop_s += time.perf_counter() - loop_start
-        if self.forwards == self.backwards == forward_limit:
+        state = self.state
+        if state.forwards == state.backwards == state.forward_limit:
             self._flush_sends()
         self.stats.wall_s = time.perf_counter() - self._start_time
-        self.stats.optimizer_steps = self.steps
+        self.stats.optimizer_steps = state.steps
         return losses
+
+    def _begin_call(self, schedule: Schedule, num_microbatches, microbatches_before_drain) -> None:
+        """Set the call's backward target and forward limit, and post its receives."""
+        state = self.state
+        state.schedule_name, state.splits_backward = schedule.name, schedule.splits_backward
+        if schedule.flushes_every_call:
+            microbatches_before_drain = num_microbatches
+        forward_limit = NO_LIMIT
+        if microbatches_before_drain is not None:
+            if microbatches_before_drain < num_microbatches:
+                raise ValueError("microbatches_before_drain must cover this call's microbatches")
+            forward_limit = state.backward_target + microbatches_before_drain
+        state.begin_call(num_microbatches, forward_limit)
+        self._expect_inputs(forward_limit)
 
     def run_forward_only(self, *, forward_step_func, data_iterator, num_microbatches) -> list:
         """Forward `num_microbatches` with no graph kept (evaluation). The pipeline must be empty."""
@@ -206,38 +215,27 @@ class StageRuntime:
         return 1e6 * max(overhead, 0.0) / self.actions_run
 
     # ---------------------------------------------------------------- deciding
-    def _view(self, num_microbatches, forward_limit, step_enabled) -> StageView:
+    def _view(self, step_enabled: bool) -> StageView:
         ctx = self.context
         input_ready = ctx.is_first or self.activations_in.ready()
         if ctx.is_last:
-            grad_ready = self.forwards > self.backwards
+            grad_ready = self.state.inflight > 0  # its own loss
         else:
             grad_ready = self.gradients_in.ready()
-        return StageView(
-            stage=ctx.stage,
-            num_stages=ctx.num_stages,
-            microbatches_per_step=num_microbatches,
-            forwards=self.forwards,
-            backwards=self.backwards,
-            steps=self.steps,
-            forward_limit=forward_limit,
-            backward_target=self.backward_target,
-            input_ready=input_ready,
-            grad_ready=grad_ready,
-            step_enabled=step_enabled,
+        return self.state.view(
+            input_ready=input_ready, grad_ready=grad_ready, step_enabled=step_enabled
         )
 
-    def _decide(self, schedule, num_microbatches, forward_limit, optimizer_step_func) -> Action:
+    def _decide(self, schedule: Schedule, step_enabled: bool) -> Action:
         ctx = self.context
         if schedule.depends_on_arrivals and not ctx.is_decision_leader:
             wait_start = time.perf_counter()
             action = self._receive_decision()
             self.wait_s += time.perf_counter() - wait_start
             return action
-        step_enabled = optimizer_step_func is not None
         while True:
             with self._arrivals:
-                view = self._view(num_microbatches, forward_limit, step_enabled)
+                view = self._view(step_enabled)
                 action = schedule.next_action(view)
                 if action.kind is not ActionKind.WAIT:
                     break
@@ -276,12 +274,12 @@ class StageRuntime:
         """
         if self.activations_in is not None:
             ctx = self.context
-            lookahead = self.backward_target + ctx.num_stages - ctx.stage - 1
+            lookahead = self.state.backward_target + ctx.num_stages - ctx.stage - 1
             self.activations_in.expect_total(
                 self._forward_only_microbatches + min(forward_limit, lookahead)
             )
         if self.gradients_in is not None:
-            self.gradients_in.expect_total(self.backward_target)
+            self.gradients_in.expect_total(self.state.backward_target)
 
     # ---------------------------------------------------------------- doing
     def _execute(self, action, forward_step_func, data_iterator, num_microbatches,
@@ -325,8 +323,8 @@ class StageRuntime:
                 loss, loss_dict = _split_loss(loss_func(output))
                 output = loss / num_microbatches  # as flush scales by 1/m, PACI by 1/a
         self.compute_s += time.perf_counter() - compute_start
-        self.inflight.append(_InFlight(self.forwards, input_tensor, output, self.steps, saved[0]))
-        self.forwards += 1
+        microbatch = self.state.record_forward()
+        self.inflight.append(_InFlight(microbatch, input_tensor, output, saved[0]))
         self.stats.add_activation(saved[0], len(self.inflight))
         if not ctx.is_last:
             self._send_activation(output)
@@ -376,16 +374,16 @@ class StageRuntime:
         self.compute_s += time.perf_counter() - compute_start
         if not ctx.is_first:
             self._timed_send(self.gradients_out, microbatch.input_tensor.grad)
-        self.stats.record_drift(self.steps - microbatch.weight_version)
+        forward_version = self.state.record_backward()
+        self.stats.record_drift(self.state.steps - forward_version)
         self.stats.release_activation(microbatch.saved_bytes)
-        self.backwards += 1
 
     def _step(self, optimizer_step_func) -> None:
         compute_start = time.perf_counter()
         with preserve_versions(self.model.parameters()):
             optimizer_step_func()
         self.compute_s += time.perf_counter() - compute_start
-        self.steps += 1
+        self.state.record_step()
 
     def _flush_sends(self) -> None:
         for outbox in (self.activations_out, self.gradients_out):

@@ -4,7 +4,7 @@ import pytest
 
 from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.schedules.paci import FIXED_ORDER, drift_bound
-from megatron.pipeline.simulator import simulate
+from megatron.pipeline.simulation import simulate
 from megatron.pipeline.trace import action_order
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from megatron.pipeline.schedules import SIMULATED_SCHEDULES, paci
 from megatron.pipeline.schedules.base import Action, ActionKind, Schedule
-from megatron.pipeline.simulator import SimulationError, simulate, stage_costs_from_calibration
+from megatron.pipeline.simulation import SimulationError, simulate
+from megatron.pipeline.simulation.calibration import stage_costs_from_calibration
 from megatron.pipeline.trace import (
     TraceEvent,
     action_order,

@@ -1,0 +1,22 @@
+"""Simulation, calibration and projection of pipeline schedules (no tensors, no processes).
+
+* `engine`: the discrete-event engine (`simulate`), driving the runtime's own schedules;
+* `results`: `SimulationResult` and the one definition of steady-state throughput, which reads a
+  simulated timeline and a real run's trace alike;
+* `costs`: `StageCosts`, per-stage durations;
+* `calibration`: the calibration file format, its reader and its writer;
+* `projection`: the cost model and the paper-scale projection;
+* `emulation`: real runs with emulated compute against the simulator's prediction.
+"""
+
+from .costs import StageCosts
+from .engine import SimulationError, simulate
+from .results import SimulationResult, steady_state_throughput
+
+__all__ = [
+    "SimulationError",
+    "SimulationResult",
+    "StageCosts",
+    "simulate",
+    "steady_state_throughput",
+]

@@ -1,0 +1,381 @@
+"""The discrete-event engine: the runtime's own schedule definitions against a clock.
+
+`simulate` drives a `Schedule`'s `next_action` exactly as the runtime does, each stage keeping
+the same `StageState` (counters, views, action checks), with compute and transfers replaced by
+durations; `SimulationResult` (`results`) holds what it measured.
+
+Execution model (what the runtime does, minus the tensors):
+
+* Calls. A run is `steps` calls of the schedule, as the training loop makes one per iteration.
+  Call k (1-based) has ``backward_target = k * m`` and, for the whole run,
+  ``forward_limit = steps * m`` (the data ends there; nothing needs to drain earlier). Counters
+  are cumulative. Stages are not synchronized between calls: a stage whose call k returns DONE
+  starts call k + 1 at once.
+* A stage is idle or busy. When idle it builds a `StageView` (``input_ready``: the first stage
+  always, otherwise the activation of microbatch ``forwards`` has arrived; ``grad_ready``: the
+  last stage when it has a microbatch in flight (its own loss), otherwise the output gradient
+  of microbatch ``backwards`` has arrived) and asks `next_action`:
+
+  - FORWARD / BACKWARD / WEIGHT_GRAD run for their cost. A FORWARD or BACKWARD whose input has
+    not arrived yet (static schedules such as 1F1B-flush ask for them in a fixed order) blocks
+    the stage until it arrives and then runs;
+  - STEP runs for ``step_cost`` and raises the stage's weight version by one;
+  - WAIT idles the stage until the next arrival at it, then it asks again;
+  - DONE ends the stage's call.
+
+* A forward's output reaches stage s + 1 at its end + ``p2p_latency``; a backward's input
+  gradient reaches stage s - 1 at its end + ``p2p_latency``. Events at the same instant are all
+  applied before any idle stage decides, stages deciding in stage order.
+* ``p2p_latency`` is pure delay: it occupies no stage, and nothing hides it. The 1F1B in-flight
+  window (N - s, PACI's admission too) covers exactly the compute of a round trip, so every
+  transfer shows: PACI's steady state is then N(F+B) / (N(F+B) + 2(N-1)L) busy, not 1.
+* Costs are per stage (a number is used for every stage). A schedule without a split backward
+  pays ``backward_cost + weight_grad_cost`` per backward; a split one (ZB-H1) pays
+  ``backward_cost`` for the input-gradient pass B and ``weight_grad_cost`` for W.
+"""
+
+import heapq
+import math
+from typing import Sequence
+
+from ..schedules.base import Action, ActionKind, Schedule, StageView
+from ..stage_state import IllegalActionError, StageState
+from ..trace import TraceEvent
+from .results import SimulationResult, steady_utilization
+
+_FINISH, _ACTIVATION, _GRADIENT = 0, 1, 2
+
+
+class SimulationError(RuntimeError):
+    """The schedule did something impossible (a deadlock, an action that cannot run)."""
+
+
+def _per_stage(name: str, value, num_stages: int) -> list[float]:
+    """Broadcast a number to every stage, or check a per-stage sequence; finite and >= 0."""
+    if isinstance(value, (int, float)):
+        values = [float(value)] * num_stages
+    elif isinstance(value, str):
+        raise ValueError(f"{name}: expected a number or one number per stage, got {value!r}")
+    else:
+        values = [float(v) for v in value]
+        if len(values) != num_stages:
+            raise ValueError(f"{name}: {len(values)} values given for {num_stages} stages")
+    for v in values:
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name}: costs must be finite and >= 0, got {v}")
+    return values
+
+
+class _Stage:
+    """One simulated stage: the shared `StageState` plus what only a clock has (arrivals,
+    busy time) and what only the simulator measures (stashed versions, gradient delay)."""
+
+    def __init__(self, state: StageState):
+        self.state = state
+        self.index = state.stage
+        self.call_ends: list[float] = []
+        self.finished = False
+        self.busy = False
+        self.current: tuple[Action, float] | None = None
+        self.blocked: Action | None = None  # a FORWARD/BACKWARD waiting for its input
+        self.waiting = False  # WAIT: ask again at the next arrival
+        self.activations_arrived = 0  # arrivals are in microbatch order (FIFO, fixed latency)
+        self.gradients_arrived = 0
+        self.busy_time = 0.0
+        self.busy_intervals: list[tuple[float, float]] = []
+        self.stash: dict[int, int] = {}  # version -> in-flight microbatches that stashed it
+        self.pending_grads: list[int] = []  # forward versions of gradients not yet applied
+        self.max_drift = 0
+        self.drift_sum = 0
+        self.drift_count = 0
+        self.max_delay = 0
+        self.peak_extra_versions = 0
+
+
+class _Simulator:
+    def __init__(self, schedule, num_stages, m, steps, costs, p2p_latency, record_timeline):
+        self.schedule = schedule
+        self.n = num_stages
+        self.m = m
+        self.calls = steps
+        self.forward_cost, self.backward_cost, self.wgrad_cost, self.step_cost = costs
+        self.latency = p2p_latency
+        self.stages = [_Stage(self._new_state(s)) for s in range(num_stages)]
+        self.events: list[tuple[float, int, int, int, int]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.timeline: list[TraceEvent] | None = [] if record_timeline else None
+        if schedule.splits_backward:
+            self.full_backward_cost = self.backward_cost
+        else:
+            self.full_backward_cost = [b + w for b, w in zip(self.backward_cost, self.wgrad_cost)]
+
+    def _new_state(self, stage: int) -> StageState:
+        state = StageState(
+            stage, self.n, self.schedule.name, splits_backward=self.schedule.splits_backward
+        )
+        state.begin_call(self.m, forward_limit=self.calls * self.m)
+        return state
+
+    # -- events -----------------------------------------------------------------------------
+
+    def push(self, time: float, kind: int, stage: int, microbatch: int = -1) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (time, self.seq, kind, stage, microbatch))
+
+    def run(self) -> None:
+        dirty = set(range(self.n))
+        while True:
+            for s in sorted(dirty):
+                self.decide(self.stages[s])
+            dirty.clear()
+            if not self.events:
+                break
+            self.now = self.events[0][0]
+            while self.events and self.events[0][0] <= self.now:
+                _, _, kind, s, _ = heapq.heappop(self.events)
+                if self.apply(kind, self.stages[s]):
+                    dirty.add(s)
+        unfinished = [st for st in self.stages if not st.finished]
+        if unfinished:
+            states = "; ".join(self.describe(st) for st in unfinished)
+            raise SimulationError(f"{self.schedule.name}: deadlock at t={self.now:g}: {states}")
+
+    def describe(self, st: _Stage) -> str:
+        state = "blocked on " + str(st.blocked) if st.blocked else "waiting"
+        return f"{st.state.describe()}, {state}"
+
+    def apply(self, kind: int, st: _Stage) -> bool:
+        """Apply one event; True when the stage must decide again."""
+        if kind == _FINISH:
+            self.finish(st)
+            return True
+        if kind == _ACTIVATION:
+            st.activations_arrived += 1
+        else:
+            st.gradients_arrived += 1
+        if st.blocked is not None and self.input_ready(st, st.blocked):
+            action, st.blocked = st.blocked, None
+            self.start(st, action)
+            return False
+        if st.waiting:
+            st.waiting = False
+            return True
+        return False
+
+    # -- decisions --------------------------------------------------------------------------
+
+    def view(self, st: _Stage) -> StageView:
+        state = st.state
+        last = st.index == self.n - 1
+        return state.view(
+            input_ready=st.index == 0 or st.activations_arrived > state.forwards,
+            grad_ready=state.inflight > 0 if last else st.gradients_arrived > state.backwards,
+        )
+
+    def input_ready(self, st: _Stage, action: Action) -> bool:
+        if action.kind is ActionKind.FORWARD:
+            return st.index == 0 or st.activations_arrived > st.state.forwards
+        if st.index == self.n - 1:
+            return True
+        return st.gradients_arrived > st.state.backwards
+
+    def decide(self, st: _Stage) -> None:
+        """Ask the schedule what an idle stage does next, until it starts, blocks or waits."""
+        while not (st.finished or st.busy or st.blocked or st.waiting):
+            action = self.schedule.next_action(self.view(st))
+            kind = action.kind
+            if kind is ActionKind.DONE:
+                st.call_ends.append(self.now)
+                st.finished = st.state.calls >= self.calls
+                if not st.finished:
+                    st.state.begin_call(self.m, forward_limit=self.calls * self.m)
+            elif kind is ActionKind.WAIT:
+                st.waiting = True
+            else:
+                self.check(st, action)
+                waits_for_input = kind in (ActionKind.FORWARD, ActionKind.BACKWARD)
+                if waits_for_input and not self.input_ready(st, action):
+                    st.blocked = action
+                else:
+                    self.start(st, action)
+
+    def check(self, st: _Stage, action: Action) -> None:
+        """Reject actions no runtime could carry out (the runtime's own check)."""
+        try:
+            st.state.check(action)
+        except IllegalActionError as error:
+            raise SimulationError(str(error)) from None
+
+    # -- execution --------------------------------------------------------------------------
+
+    def start(self, st: _Stage, action: Action) -> None:
+        s, kind = st.index, action.kind
+        if kind is ActionKind.FORWARD:
+            cost = self.forward_cost[s]
+        elif kind is ActionKind.BACKWARD:
+            cost = self.full_backward_cost[s]
+        elif kind is ActionKind.WEIGHT_GRAD:
+            cost = self.wgrad_cost[s]
+        else:
+            cost = self.step_cost[s]
+            self.on_step(st)
+        st.busy = True
+        st.current = (action, self.now)
+        self.push(self.now + cost, _FINISH, s)
+
+    def finish(self, st: _Stage) -> None:
+        action, start = st.current
+        st.busy, st.current = False, None
+        st.busy_time += self.now - start
+        st.busy_intervals.append((start, self.now))
+        if self.timeline is not None:
+            self.timeline.append(TraceEvent(st.index, action, start, self.now))
+        kind, mb = action.kind, action.microbatch
+        if kind is ActionKind.FORWARD:
+            self.on_forward(st, mb)
+            if st.index < self.n - 1:
+                self.push(self.now + self.latency, _ACTIVATION, st.index + 1, mb)
+        elif kind is ActionKind.BACKWARD:
+            self.on_backward(st)
+            if st.index > 0:
+                self.push(self.now + self.latency, _GRADIENT, st.index - 1, mb)
+        elif kind is ActionKind.WEIGHT_GRAD:
+            self.gradient_done(st, st.state.record_weight_grad())
+        else:
+            st.state.record_step()
+            self.count_versions(st)
+
+    # -- versions, drift, delay ---------------------------------------------------------------
+
+    def on_forward(self, st: _Stage, mb: int) -> None:
+        state = st.state
+        version = state.steps
+        pinned = self.schedule.forward_weight_version
+        if pinned is not None:
+            version = pinned(mb, self.m, state.steps)
+            if version > state.steps:
+                raise SimulationError(
+                    f"{self.schedule.name}: stage {st.index}: forward {mb} needs weight version "
+                    f"{version}, only {state.steps} exist"
+                )
+        state.record_forward(version)
+        if self.schedule.stashes_weights:
+            st.stash[version] = st.stash.get(version, 0) + 1
+            self.count_versions(st)
+
+    def on_backward(self, st: _Stage) -> None:
+        version = st.state.record_backward()
+        drift = 0 if self.schedule.stashes_weights else st.state.steps - version
+        st.max_drift = max(st.max_drift, drift)
+        st.drift_sum += drift
+        st.drift_count += 1
+        if not self.schedule.splits_backward:
+            self.gradient_done(st, version)
+
+    def gradient_done(self, st: _Stage, version: int) -> None:
+        """A microbatch's weight gradient is accumulated: it waits for the next step."""
+        st.pending_grads.append(version)
+        if self.schedule.stashes_weights:
+            st.stash[version] -= 1
+            if not st.stash[version]:
+                del st.stash[version]
+
+    def on_step(self, st: _Stage) -> None:
+        for version in st.pending_grads:
+            st.max_delay = max(st.max_delay, st.state.steps - version)
+        st.pending_grads.clear()
+
+    def count_versions(self, st: _Stage) -> None:
+        if self.schedule.stashes_weights:
+            versions = len(st.stash) + (0 if st.state.steps in st.stash else 1)
+            st.peak_extra_versions = max(st.peak_extra_versions, versions - 1)
+
+    # -- results ------------------------------------------------------------------------------
+
+    def result(self) -> SimulationResult:
+        n, stages = self.n, self.stages
+        makespan = max((max(st.call_ends) for st in stages), default=0.0)
+        busy = [st.busy_time for st in stages]
+        util = [b / makespan if makespan > 0 else 1.0 for b in busy]
+        mean_util = sum(util) / n
+        steady = steady_utilization([st.call_ends for st in stages],
+                                    [st.busy_intervals for st in stages], self.calls)  # fmt: skip
+        total = self.calls * self.m
+        return SimulationResult(
+            schedule=self.schedule.name,
+            num_stages=n,
+            microbatches_per_step=self.m,
+            steps=self.calls,
+            makespan=makespan,
+            busy_per_stage=busy,
+            utilization=util,
+            mean_utilization=mean_util,
+            bubble_fraction=1.0 - mean_util,
+            steady_utilization=steady,
+            steady_bubble_fraction=None if steady is None else 1.0 - sum(steady) / n,
+            idle_per_step=[(makespan - b) / self.calls for b in busy],
+            throughput_vs_ideal=max(busy) / makespan if makespan > 0 else 1.0,
+            microbatches_per_second=total / makespan if makespan > 0 else math.inf,
+            max_drift_per_stage=[st.max_drift for st in stages],
+            mean_drift_per_stage=[st.drift_sum / max(st.drift_count, 1) for st in stages],
+            max_gradient_delay_per_stage=[st.max_delay for st in stages],
+            peak_inflight_per_stage=[st.state.peak_inflight for st in stages],
+            extra_weight_versions=[self.schedule.extra_weight_versions(s, n) for s in range(n)],
+            measured_extra_weight_versions=[st.peak_extra_versions for st in stages],
+            optimizer_steps_per_stage=[st.state.steps for st in stages],
+            timeline=self.timeline or [],
+        )
+
+
+def _check_arguments(schedule: Schedule, num_stages, microbatches_per_step, steps, p2p_latency):
+    counts = {"num_stages": num_stages, "microbatches_per_step": microbatches_per_step}
+    for name, value in {**counts, "steps": steps}.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    least = schedule.min_microbatches_per_step(num_stages)
+    if microbatches_per_step < least:
+        raise ValueError(
+            f"{schedule.name} needs at least {least} microbatches per step on {num_stages} "
+            f"stages, got {microbatches_per_step}"
+        )
+    if not math.isfinite(p2p_latency) or p2p_latency < 0:
+        raise ValueError(f"p2p_latency must be finite and >= 0, got {p2p_latency}")
+
+
+def simulate(
+    schedule: Schedule,
+    *,
+    num_stages: int,
+    microbatches_per_step: int,
+    steps: int,
+    forward_cost: float | Sequence[float],
+    backward_cost: float | Sequence[float],
+    weight_grad_cost: float | Sequence[float] = 0.0,
+    step_cost: float | Sequence[float] = 0.0,
+    p2p_latency: float = 0.0,
+    record_timeline: bool = True,
+) -> SimulationResult:
+    """Run `steps` calls of `schedule` on `num_stages` stages and measure the run.
+
+    Costs are durations in any unit (seconds for the CLI and the runtime's traces), one per
+    stage or one number for all. `microbatches_per_step` is m for flush schedules and the
+    accumulation factor a for PACI. Raises ValueError for bad arguments and `SimulationError`
+    when the schedule deadlocks or asks for an impossible action.
+    """
+    _check_arguments(schedule, num_stages, microbatches_per_step, steps, p2p_latency)
+    costs = tuple(
+        _per_stage(name, value, num_stages)
+        for name, value in (
+            ("forward_cost", forward_cost),
+            ("backward_cost", backward_cost),
+            ("weight_grad_cost", weight_grad_cost),
+            ("step_cost", step_cost),
+        )
+    )
+    sim = _Simulator(
+        schedule, num_stages, microbatches_per_step, steps, costs, float(p2p_latency),
+        record_timeline,
+    )  # fmt: skip
+    sim.run()
+    return sim.result()

@@ -1,0 +1,172 @@
+"""What a pipeline run did, measured the same way for a simulation and for a real run's trace.
+
+Metrics of a simulated run (`SimulationResult`):
+
+* ``utilization[s]`` = busy time of stage s / makespan (whole run, fill and drain included);
+  ``bubble_fraction`` = 1 - the mean utilization. For a flush schedule every step repeats the
+  same timeline, so this is the per-step bubble: with uniform costs and no latency, 1F1B gives
+  exactly ``(N - 1) / (m + N - 1)``. For the asynchronous schedules it is the one-time fill and
+  drain spread over the run.
+* ``steady_utilization[s]``: the same over the middle half of stage s's calls (from the end of
+  its call q to the end of its call steps - q, q = max(1, steps // 4)), which leaves out the
+  one-time fill and drain of the asynchronous schedules once steps is large enough: equal to
+  ``utilization`` for flush schedules (each call is one period), 1.0 for PACI with uniform
+  costs. None when steps < 3.
+* ``idle_per_step[s]`` = (makespan - busy time of s) / steps: the bubble in time units per
+  optimizer step; for a flush schedule every stage idles this long in each step, one step
+  being one period (uniform costs: 1F1B ``(N - 1)(F + B + W)``, ZB-H1 with m >= N
+  ``(N - 1)(F + B - W)``).
+* ``throughput_vs_ideal`` = the busiest stage's compute time / makespan: 1.0 means the run takes
+  no longer than its bottleneck stage's work (with uniform costs, the mean utilization).
+* ``max_drift_per_stage[s]``: forward/backward inconsistency, the largest (weight version used
+  by a microbatch's backward) - (version used by its forward). Schedules that stash weights
+  (PipeDream, 2BW) back-propagate on the forward's version: 0 by construction.
+* ``max_gradient_delay_per_stage[s]``: staleness, the largest (version a gradient is applied to
+  by the step) - (version its forward used). PACI: equals its drift; 2BW: 1; PipeDream: N-1-s;
+  flush schedules: 0.
+* ``peak_inflight_per_stage[s]``: the most microbatches forwarded and not yet backwarded
+  (`StageView.inflight`): PACI gives N - s, 1F1B min(N - s, m), GPipe m. ZB-H1 also keeps
+  N - s; its deferred W passes hold the smaller rest of the activations (inputs, gradients).
+* ``extra_weight_versions``: what the schedule declares; ``measured_extra_weight_versions``: the
+  most distinct versions a stashing stage held at once (live + stashes of its in-flight
+  microbatches) minus one.
+
+Steady-state throughput (`steady_state_throughput`) reads any timeline, a simulation's or a real
+run's Chrome trace: per stage, microbatches per second between the end of the backward that
+closes step ``first`` and the end of the backward that closes step ``last``
+(`steady_state_window`): the first step (start-up, PACI's one-time pipeline fill) and the last
+steps (the final drain) are left out; whole steps only, so every optimizer step and, for
+1F1B-flush, every per-step bubble in between is counted. The figure is the window's
+microbatches over the stages' mean window length.
+"""
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from ..schedules.base import ActionKind
+from ..trace import TraceEvent
+
+
+@dataclass
+class SimulationResult:
+    """What one simulated run measured; `to_dict`/`to_json` leave the timeline out."""
+
+    schedule: str
+    num_stages: int
+    microbatches_per_step: int
+    steps: int
+    makespan: float
+    busy_per_stage: list[float]
+    utilization: list[float]
+    mean_utilization: float
+    bubble_fraction: float
+    steady_utilization: list[float] | None
+    steady_bubble_fraction: float | None
+    idle_per_step: list[float]
+    throughput_vs_ideal: float
+    microbatches_per_second: float
+    max_drift_per_stage: list[int]
+    mean_drift_per_stage: list[float]
+    max_gradient_delay_per_stage: list[int]
+    peak_inflight_per_stage: list[int]
+    extra_weight_versions: list[int]
+    measured_extra_weight_versions: list[int]
+    optimizer_steps_per_stage: list[int]
+    timeline: list[TraceEvent] = field(default_factory=list, repr=False)
+
+    @property
+    def total_microbatches(self) -> int:
+        return self.microbatches_per_step * self.steps
+
+    def to_dict(self) -> dict:
+        steady = self.steady_utilization
+        return {
+            "schedule": self.schedule,
+            "num_stages": self.num_stages,
+            "microbatches_per_step": self.microbatches_per_step,
+            "steps": self.steps,
+            "total_microbatches": self.total_microbatches,
+            "makespan": self.makespan,
+            "utilization": {"per_stage": self.utilization, "mean": self.mean_utilization},
+            "bubble_fraction": self.bubble_fraction,
+            "steady_utilization": (
+                None if steady is None else {"per_stage": steady, "mean": sum(steady) / len(steady)}
+            ),
+            "steady_bubble_fraction": self.steady_bubble_fraction,
+            "idle_per_step": {
+                "per_stage": self.idle_per_step,
+                "mean": sum(self.idle_per_step) / self.num_stages,
+            },
+            "throughput_vs_ideal": self.throughput_vs_ideal,
+            "microbatches_per_second": self.microbatches_per_second,
+            "busy_per_stage": self.busy_per_stage,
+            "max_drift_per_stage": self.max_drift_per_stage,
+            "mean_drift_per_stage": self.mean_drift_per_stage,
+            "max_gradient_delay_per_stage": self.max_gradient_delay_per_stage,
+            "peak_inflight_per_stage": self.peak_inflight_per_stage,
+            "extra_weight_versions": self.extra_weight_versions,
+            "measured_extra_weight_versions": self.measured_extra_weight_versions,
+            "optimizer_steps_per_stage": self.optimizer_steps_per_stage,
+        }
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+
+def steady_utilization(call_ends, busy_intervals, calls: int) -> list[float] | None:
+    """Per stage, the busy fraction over the middle half of its calls (none when < 3)."""
+    if calls < 3:
+        return None
+    skip = max(1, calls // 4)
+    result = []
+    for ends, intervals in zip(call_ends, busy_intervals):
+        lo, hi = ends[skip - 1], ends[calls - skip - 1]
+        if hi <= lo:
+            return None
+        busy = sum(max(0.0, min(e, hi) - max(b, lo)) for b, e in intervals)
+        result.append(busy / (hi - lo))
+    return result
+
+
+def by_stage(events) -> dict[int, list[TraceEvent]]:
+    """Each stage's work events (WAIT/DONE left out) in order of start time."""
+    stages: dict[int, list[TraceEvent]] = {}
+    for event in events:
+        if event.action.kind not in (ActionKind.WAIT, ActionKind.DONE):
+            stages.setdefault(event.stage, []).append(event)
+    return {s: sorted(evs, key=lambda e: e.start_s) for s, evs in sorted(stages.items())}
+
+
+def steady_state_window(num_stages: int, microbatches: int, steps: int) -> tuple[int, int]:
+    """Steps (first, last) whose closing backwards bound the measurement window.
+
+    It starts after step 1 (start-up; PACI's fill) and ends before the final drain: stage s
+    forwards its last microbatch right after its backward N - s microbatches earlier, so the
+    window ends at least N microbatches before the end of the data, on a step boundary.
+    """
+    first, last = 1, steps - math.ceil(num_stages / microbatches)
+    if last <= first:
+        need = 2 + math.ceil(num_stages / microbatches)
+        raise ValueError(f"a steady-state window needs at least {need} steps, got {steps}")
+    return first, last
+
+
+def steady_state_throughput(events, num_stages: int, microbatches: int, steps: int) -> float:
+    """Microbatches per second in the steady-state window (see the module docstring)."""
+    first, last = steady_state_window(num_stages, microbatches, steps)
+    lo, hi = first * microbatches - 1, last * microbatches - 1
+    lengths = []
+    for stage, stage_events in by_stage(events).items():
+        backward_end = {
+            e.action.microbatch: e.end_s
+            for e in stage_events
+            if e.action.kind is ActionKind.BACKWARD
+        }
+        if lo not in backward_end or hi not in backward_end:
+            raise ValueError(f"stage {stage}: the trace lacks backward {lo} or {hi}")
+        lengths.append(backward_end[hi] - backward_end[lo])
+    if len(lengths) != num_stages:
+        raise ValueError(f"the trace has {len(lengths)} stages, expected {num_stages}")
+    return (hi - lo) / statistics.fmean(lengths)

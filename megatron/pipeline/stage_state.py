@@ -1,0 +1,164 @@
+"""One stage's state around a schedule, shared by the runtime and the simulator.
+
+A schedule (`megatron.pipeline.schedules`) decides from a `StageView`; `StageState` is what that
+view is built from and what every action changes: the cumulative counters, the current call's
+backward target and forward limit, the weight version each in-flight microbatch's forward used,
+and the last few actions. The runtime (`megatron.pipeline.runtime`) and the event engine
+(`megatron.pipeline.simulation.engine`) both keep one per stage, so they count, build views and
+validate actions the same way; only what an action costs (tensors and transfers, or a clock)
+differs.
+
+`check` rejects an action no stage could carry out (a forward that skips a microbatch or goes
+past the forward limit, a backward of a microbatch never forwarded, ...) with a message that
+shows the stage's state and its recent actions, before anything is changed.
+"""
+
+import collections
+from dataclasses import dataclass, field
+
+from .schedules.base import Action, ActionKind, StageView
+
+NO_LIMIT = 2**62  # forward limit of a call that need not drain
+RECENT_ACTIONS = 12  # how many past actions an error message shows
+
+
+class IllegalActionError(RuntimeError):
+    """A schedule named an action the stage cannot carry out."""
+
+
+@dataclass
+class StageState:
+    """Counters, weight versions and recent actions of one pipeline stage."""
+
+    stage: int
+    num_stages: int
+    schedule_name: str = "schedule"
+    splits_backward: bool = False  # BACKWARD is the input gradient only; WEIGHT_GRAD follows
+    forwards: int = 0
+    backwards: int = 0
+    weight_grads: int = 0
+    steps: int = 0  # optimizer steps taken: the stage's current weight version
+    calls: int = 0
+    microbatches_per_step: int = 1
+    backward_target: int = 0  # cumulative backwards the current call must reach
+    forward_limit: int = NO_LIMIT  # no forward beyond this count in the current call
+    # microbatch -> weight version its forward used, until its weight gradient is accumulated
+    forward_versions: dict[int, int] = field(default_factory=dict)
+    peak_inflight: int = 0
+    recent: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=RECENT_ACTIONS)
+    )
+
+    @property
+    def inflight(self) -> int:
+        return self.forwards - self.backwards
+
+    # ------------------------------------------------------------------ calls and views
+    def begin_call(self, microbatches_per_step: int, forward_limit: int = NO_LIMIT) -> None:
+        """Start a call that ends after `microbatches_per_step` more backwards."""
+        self.calls += 1
+        self.microbatches_per_step = microbatches_per_step
+        self.backward_target += microbatches_per_step
+        self.forward_limit = forward_limit
+
+    def view(self, *, input_ready: bool, grad_ready: bool, step_enabled: bool = True) -> StageView:
+        return StageView(
+            stage=self.stage,
+            num_stages=self.num_stages,
+            microbatches_per_step=self.microbatches_per_step,
+            forwards=self.forwards,
+            backwards=self.backwards,
+            steps=self.steps,
+            forward_limit=self.forward_limit,
+            backward_target=self.backward_target,
+            input_ready=input_ready,
+            grad_ready=grad_ready,
+            step_enabled=step_enabled,
+            weight_grads=self.weight_grads,
+        )
+
+    # ------------------------------------------------------------------ validation
+    def problem_with(self, action: Action, *, step_enabled: bool = True) -> str | None:
+        """Why `action` cannot run on this stage now (None: it can)."""
+        kind, microbatch = action.kind, action.microbatch
+        if kind is ActionKind.FORWARD:
+            if microbatch != self.forwards:
+                return f"names microbatch {microbatch}, the stage's next forward is {self.forwards}"
+            if self.forwards >= self.forward_limit:
+                return f"forwards past the forward limit {self.forward_limit} (end of the data)"
+        elif kind is ActionKind.BACKWARD:
+            if microbatch != self.backwards:
+                return (
+                    f"names microbatch {microbatch}, the stage's next backward is {self.backwards}"
+                )
+            if self.backwards >= self.forwards:
+                return "backwards a microbatch that was not forwarded"
+        elif kind is ActionKind.WEIGHT_GRAD:
+            if not self.splits_backward:
+                return "is a weight-gradient pass, but the schedule does not split its backward"
+            if microbatch != self.weight_grads:
+                return (
+                    f"names weight gradient {microbatch}, the stage's next is {self.weight_grads}"
+                )
+            if self.weight_grads >= self.backwards:
+                return "computes a weight gradient before its input gradient"
+        elif kind is ActionKind.STEP:
+            if not step_enabled:
+                return "steps the optimizer, but the caller steps it itself"
+        else:
+            return "is not an action a stage can run"
+        return None
+
+    def check(self, action: Action, *, step_enabled: bool = True) -> None:
+        """Raise `IllegalActionError` with the stage's state if `action` cannot run."""
+        problem = self.problem_with(action, step_enabled=step_enabled)
+        if problem:
+            raise IllegalActionError(
+                f"{self.schedule_name}: stage {self.stage}: {action} {problem}\n"
+                f"  state: {self.describe()}\n"
+                f"  recent actions (oldest first): {self.recent_actions()}"
+            )
+
+    def describe(self) -> str:
+        limit = "none" if self.forward_limit >= NO_LIMIT else str(self.forward_limit)
+        return (
+            f"stage {self.stage} of {self.num_stages}, call {self.calls}: F={self.forwards} "
+            f"B={self.backwards} W={self.weight_grads} S={self.steps}, in flight {self.inflight}, "
+            f"backward target {self.backward_target}, forward limit {limit}"
+        )
+
+    def recent_actions(self) -> str:
+        return " ".join(str(action) for action in self.recent) or "(none)"
+
+    # ------------------------------------------------------------------ bookkeeping
+    def record_forward(self, version: int | None = None) -> int:
+        """A forward ran on weight `version` (default: the current one); returns its microbatch."""
+        microbatch = self.forwards
+        self.forward_versions[microbatch] = self.steps if version is None else version
+        self.forwards += 1
+        self.peak_inflight = max(self.peak_inflight, self.inflight)
+        self.recent.append(Action(ActionKind.FORWARD, microbatch))
+        return microbatch
+
+    def record_backward(self) -> int:
+        """A backward ran; returns the weight version its forward used."""
+        microbatch = self.backwards
+        if self.splits_backward:
+            version = self.forward_versions[microbatch]
+        else:
+            version = self.forward_versions.pop(microbatch)
+        self.backwards += 1
+        self.recent.append(Action(ActionKind.BACKWARD, microbatch))
+        return version
+
+    def record_weight_grad(self) -> int:
+        """A weight-gradient pass ran; returns the weight version its forward used."""
+        microbatch = self.weight_grads
+        version = self.forward_versions.pop(microbatch)
+        self.weight_grads += 1
+        self.recent.append(Action(ActionKind.WEIGHT_GRAD, microbatch))
+        return version
+
+    def record_step(self) -> None:
+        self.steps += 1
+        self.recent.append(Action(ActionKind.STEP))
