@@ -1,0 +1,634 @@
+"""The paper-scale projection: pipeline throughput at the paper's scale: 1F1B-flush vs PACI (and the references).
+
+For every (micro-batch size, microbatches per step) configuration the tool builds per-stage
+costs, runs the event engine (`megatron.pipeline.simulation.engine`, the runtime's own
+schedule definitions) and reports steady-state samples per second, PACI's speedup over flush at
+the same configuration and over the best-tuned flush, drift, in-flight microbatches and memory.
+`tools/project_paper_scale.py` is its command line (``--help`` lists every flag); `docs/projection.md` is the report these outputs make.
+
+Where the costs come from (one of):
+
+* a cost model (default): FLOPs of each pass from the model shape, divided by
+  ``--peak-tflops`` x e(b), where e(b) is the **per-microbatch efficiency curve**: the fraction
+  of peak a stage reaches at micro-batch size b. It is an explicit input (``--efficiency
+  1:0.18,2:0.27,...``); the default is an *assumption*, e(b) = e_max * bs / (bs + n_half)
+  (tokens per microbatch bs = b x seq; ``--efficiency-max``, ``--efficiency-half-tokens``),
+  printed in the report. Per layer and microbatch of T = b x seq tokens, hidden h, FFN f:
+  forward 8Th^2 + 4Thf + 2Tsh (causal attention), input-gradient backward 8Th^2 + 4Thf + 4Tsh,
+  weight-gradient backward 8Th^2 + 4Thf; output layer 2ThV each; the embedding 0. Optimizer
+  step: parameters x ``--optimizer-bytes-per-param`` / ``--memory-bandwidth-gbs``. Point-to-
+  point: ``--p2p-latency-us`` + activation bytes (T x h x 2) / ``--p2p-bandwidth-gbs`` per hop;
+* a calibration (``--calibration FILE.json``, from `tools/calibrate_stage.py` or
+  `tools/gpu_check.sh`): measured per-microbatch times replace the cost model, efficiency curve
+  included (the tool prints the curve the measurements imply). Read with
+  `megatron.pipeline.simulation.calibration.stage_costs_from_calibration` (even layer split). Its ``p2p_s`` is used unless ``--p2p-s``
+  is given; without either, the p2p model above applies.
+
+Steady state: each configuration is simulated for k and 2k steps and the rate is
+m k / (makespan(2k) - makespan(k)), which removes PACI's one-time fill and drain (and is exact
+for flush, whose steps repeat). PACI runs with a = m (its step has the flush's batch).
+
+The report (`summary`, `markdown`) is in `megatron.pipeline.simulation.projection_report`.
+"""
+
+import argparse
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+
+from ..schedules import SIMULATED_SCHEDULES
+from ..schedules.paci import drift_bound
+from .calibration import profile_sizes, read_calibration, stage_costs_from_calibration
+from .costs import StageCosts
+from .engine import simulate
+from .projection_report import summary
+
+PAPER = {"best_flush_gb128": 1.69, "best_flush_gb256": 1.41, "same_configuration": 2.04}
+
+PRESETS = {
+    # GPT-2 Medium as in the PACI paper; 8 x RTX PRO 6000 Blackwell (PCIe, no NVLink).
+    "gpt2-medium": dict(
+        num_layers=24,
+        hidden_size=1024,
+        num_attention_heads=16,
+        seq_length=1024,
+        vocab_size=50304,
+        stages=8,
+        global_batch_sizes=[128, 256],
+        micro_batch_sizes=[1, 2, 4, 8, 16],
+        microbatches=None,
+        schedules=["1f1b", "paci"],
+        stage_layers=None,
+        peak_tflops=504.0,
+        memory_bandwidth_gbs=1792.0,
+        p2p_latency_us=20.0,
+        p2p_bandwidth_gbs=20.0,
+        efficiency_max=0.55,
+        efficiency_half_tokens=2048.0,
+    ),
+    # Zero Bubble's 28.3B configuration: 62 layers + embedding + output = 64 slots on 32
+    # stages (the ends hold one layer and the embedding / output layer), micro-batch 1, A100.
+    "zb-28b": dict(
+        num_layers=62,
+        hidden_size=6144,
+        num_attention_heads=48,
+        seq_length=1024,
+        vocab_size=50304,
+        stages=32,
+        global_batch_sizes=None,
+        micro_batch_sizes=[1],
+        microbatches=[32, 64, 128],
+        schedules=["1f1b", "zb-h1", "paci", "2bw", "pipedream", "gpipe"],
+        stage_layers=[1] + [2] * 30 + [1],
+        peak_tflops=312.0,
+        memory_bandwidth_gbs=2039.0,
+        p2p_latency_us=20.0,
+        p2p_bandwidth_gbs=25.0,
+        efficiency_max=0.55,
+        efficiency_half_tokens=512.0,
+    ),
+}
+
+
+# ----------------------------------------------------------------------------- arguments
+class SettingsError(ValueError):
+    """A bad flag or setting of the projection, reported as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise SettingsError(message)
+
+
+def _ints(text: str, least: int = 0) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}")
+    if not values or min(values) < least:
+        raise argparse.ArgumentTypeError(f"expected integers >= {least}, got {text!r}")
+    return values
+
+
+def _positive_ints(text: str) -> list[int]:
+    return _ints(text, least=1)
+
+
+def parse_efficiency(text: str) -> dict[int, float]:
+    """'1:0.2,2:0.3' -> {1: 0.2, 2: 0.3}; each value in (0, 1]."""
+    curve = {}
+    for part in text.split(","):
+        try:
+            size, value = part.split(":")
+            size, value = int(size), float(value)
+        except ValueError:
+            raise SettingsError(
+                f"--efficiency: expected 'size:fraction,...', got {part!r}"
+            ) from None
+        if size < 1 or not 0 < value <= 1:
+            raise SettingsError(f"--efficiency: {part!r}: size >= 1 and 0 < fraction <= 1")
+        curve[size] = value
+    return curve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="gpt2-medium")
+    _add_model_flags(p)
+    _add_cost_flags(p)
+    _add_memory_and_output_flags(p)
+    return p
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and pipeline (default: the preset's)").add_argument
+    for flag in (
+        "num-layers",
+        "hidden-size",
+        "num-attention-heads",
+        "seq-length",
+        "vocab-size",
+        "stages",
+        "ffn-hidden-size",
+    ):
+        g(f"--{flag}", type=int)
+    g("--stage-layers", type=_ints, help="layers per stage, e.g. 4,3,3,3,3,3,3,2 (default even)")
+    g(
+        "--uniform-stages",
+        action="store_true",
+        help="give every stage the mean stage cost (a perfectly balanced pipeline)",
+    )
+    g("--global-batch-sizes", type=_positive_ints, help="m = global batch / micro-batch size")
+    g(
+        "--microbatches",
+        type=_positive_ints,
+        help="m per step directly (instead of global batch sizes)",
+    )
+    g("--micro-batch-sizes", type=_positive_ints)
+    g("--schedules", help="comma list of: " + ", ".join(sorted(SIMULATED_SCHEDULES)))
+
+
+def _add_cost_flags(p: argparse.ArgumentParser) -> None:
+    c = p.add_argument_group("cost model (ignored parts: see --calibration)").add_argument
+    c("--calibration", metavar="FILE.json", help="measured costs (replace the cost model)")
+    c("--peak-tflops", type=float, help="device peak (bf16 dense) TFLOP/s")
+    c("--efficiency", help="per-microbatch efficiency curve 'b:e,...' (fraction of peak)")
+    c("--efficiency-max", type=float, help="default curve: e_max")
+    c("--efficiency-half-tokens", type=float, help="default curve: n_half (tokens)")
+    c("--memory-bandwidth-gbs", type=float, help="for the optimizer step")
+    c(
+        "--optimizer-bytes-per-param",
+        type=float,
+        default=32.0,
+        help="bytes an AdamW mixed-precision step moves per parameter",
+    )
+    c("--p2p-latency-us", type=float, help="per-hop latency")
+    c("--p2p-bandwidth-gbs", type=float, help="per-hop bandwidth (GB/s)")
+    c("--p2p-s", type=float, help="fixed per-hop p2p time in seconds (overrides the model)")
+    c(
+        "--flush-sync-ms",
+        type=float,
+        default=0.0,
+        help="extra per-step cost of synchronous schedules (global grad-norm/loss all-reduce, "
+        "host sync); 0 by default",
+    )
+
+
+def _add_memory_and_output_flags(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("memory model").add_argument
+    m(
+        "--param-bytes",
+        type=float,
+        default=18.0,
+        help="bytes per parameter for weights, grads and AdamW states (bf16 + fp32 master)",
+    )
+    m(
+        "--activation-bytes-per-token",
+        type=float,
+        default=None,
+        help="per layer and token (default 34 x hidden: flash attention, no recompute)",
+    )
+    o = p.add_argument_group("output").add_argument
+    o("--json", metavar="FILE", help="write every figure as JSON")
+    o("--markdown", metavar="FILE", help="write the report tables as Markdown")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The projection's settings from its flags: the preset's values where a flag is not given,
+    a calibration's model shape before the preset's; raises `SettingsError`."""
+    args = build_parser().parse_args(argv)
+    _apply_preset(args)
+    _resolve_stage_layers(args)
+    if args.calibration_data is not None:
+        _keep_measured_sizes(args)
+    args.efficiency_curve = parse_efficiency(args.efficiency) if args.efficiency else None
+    return args
+
+
+def _apply_preset(args) -> None:
+    if args.microbatches is not None and args.global_batch_sizes is not None:
+        raise SettingsError("give --global-batch-sizes or --microbatches, not both")
+    preset = PRESETS[args.preset]
+    if args.calibration and args.stage_layers is None:
+        preset = {**preset, "stage_layers": None}  # a calibration maps layers evenly
+    args.calibration_data = read_calibration(args.calibration) if args.calibration else None
+    if args.calibration_data is not None:  # its model shape comes before the preset's
+        model = args.calibration_data.get("model")
+        for key in _SHAPE_KEYS if isinstance(model, dict) else ():
+            if getattr(args, key) is None and isinstance(model.get(key), int):
+                setattr(args, key, model[key])
+    if args.microbatches is not None or args.global_batch_sizes is not None:
+        preset = {
+            k: v for k, v in preset.items() if k not in ("microbatches", "global_batch_sizes")
+        }
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    args.schedules = _schedules(args.schedules)
+
+
+def _resolve_stage_layers(args) -> None:
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "stages"):
+        if getattr(args, name) < 1:
+            raise SettingsError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.stage_layers is None:
+        if args.num_layers % args.stages:
+            raise SettingsError(
+                f"--num-layers {args.num_layers} does not split evenly into {args.stages} "
+                "stages: give --stage-layers"
+            )
+        args.stage_layers = [args.num_layers // args.stages] * args.stages
+    if len(args.stage_layers) != args.stages or sum(args.stage_layers) != args.num_layers:
+        raise SettingsError(
+            f"--stage-layers {args.stage_layers}: need {args.stages} entries summing to "
+            f"{args.num_layers}"
+        )
+    if args.calibration and args.stage_layers != [args.num_layers // args.stages] * args.stages:
+        raise SettingsError("--calibration maps layers evenly onto stages: drop --stage-layers")
+
+
+def _keep_measured_sizes(args) -> None:
+    measured = profile_sizes(args.calibration_data)
+    missing = [b for b in args.micro_batch_sizes if measured is not None and b not in measured]
+    if missing:
+        print(
+            f"note: {args.calibration} has no profile for micro-batch size(s) {missing}: "
+            "left out",
+            file=sys.stderr,
+        )
+        args.micro_batch_sizes = [b for b in args.micro_batch_sizes if b not in missing]
+    if not args.micro_batch_sizes:
+        raise SettingsError(f"{args.calibration}: none of the micro-batch sizes was measured")
+
+
+_SHAPE_KEYS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "vocab_size",
+)
+
+
+def _schedules(value) -> list[str]:
+    names = value.split(",") if isinstance(value, str) else list(value)
+    unknown = [n for n in names if n not in SIMULATED_SCHEDULES]
+    if unknown:
+        raise SettingsError(f"unknown schedule(s) {unknown} (known: {sorted(SIMULATED_SCHEDULES)})")
+    return names
+
+
+# ----------------------------------------------------------------------------- cost model
+@dataclass(frozen=True)
+class Shape:
+    num_layers: int
+    hidden: int
+    ffn: int
+    seq: int
+    vocab: int
+
+    def layer_params(self) -> int:
+        h, f = self.hidden, self.ffn
+        return 4 * h * h + 2 * h * f + 9 * h + f  # QKV + proj + FFN weights, biases, 2 norms
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden + self.seq * self.hidden
+
+    def output_params(self) -> int:
+        return self.vocab * self.hidden + 2 * self.hidden  # output layer + final norm
+
+
+def layer_flops(shape: Shape, mbs: int) -> tuple[float, float, float]:
+    """(forward, input-gradient backward, weight-gradient backward) FLOPs of one layer."""
+    t, h, f, s = mbs * shape.seq, shape.hidden, shape.ffn, shape.seq
+    gemm = 2.0 * t * (4 * h * h + 2 * h * f)
+    attention = 2.0 * t * s * h  # QK^T and AV, causal: half of the square is computed
+    return gemm + attention, gemm + 2 * attention, gemm
+
+
+def output_flops(shape: Shape, mbs: int) -> tuple[float, float, float]:
+    gemm = 2.0 * mbs * shape.seq * shape.hidden * shape.vocab
+    return gemm, gemm, gemm
+
+
+def default_efficiency(mbs: int, seq: int, e_max: float, half_tokens: float) -> float:
+    tokens = mbs * seq
+    return e_max * tokens / (tokens + half_tokens)
+
+
+def efficiency_at(curve: dict[int, float], mbs: int) -> float:
+    """The curve's value at `mbs`, interpolated linearly in log(mbs) between given points."""
+    if mbs in curve:
+        return curve[mbs]
+    sizes = sorted(curve)
+    if mbs < sizes[0] or mbs > sizes[-1]:
+        raise SettingsError(f"--efficiency has no value for micro-batch size {mbs} ({sizes})")
+    hi = next(s for s in sizes if s > mbs)
+    lo = max(s for s in sizes if s < mbs)
+    w = (math.log(mbs) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    return curve[lo] + w * (curve[hi] - curve[lo])
+
+
+def efficiency_curve(args) -> dict[int, float]:
+    sizes = sorted(set(args.micro_batch_sizes))
+    if args.efficiency_curve:
+        return {b: efficiency_at(args.efficiency_curve, b) for b in sizes}
+    return {
+        b: default_efficiency(b, args.seq_length, args.efficiency_max, args.efficiency_half_tokens)
+        for b in sizes
+    }
+
+
+def p2p_model(args, mbs: int) -> float:
+    if args.p2p_s is not None:
+        return args.p2p_s
+    num_bytes = mbs * args.seq_length * args.hidden_size * 2  # bf16 activation
+    return args.p2p_latency_us * 1e-6 + num_bytes / (args.p2p_bandwidth_gbs * 1e9)
+
+
+def modelled_costs(args, shape: Shape, mbs: int, efficiency: float) -> StageCosts:
+    rate = args.peak_tflops * 1e12 * efficiency
+    lf, lb, lw = (x / rate for x in layer_flops(shape, mbs))
+    of, ob, ow = (x / rate for x in output_flops(shape, mbs))
+    bytes_per_s = args.memory_bandwidth_gbs * 1e9
+    per_param = args.optimizer_bytes_per_param / bytes_per_s
+    forward, backward, wgrad, step = [], [], [], []
+    last = len(args.stage_layers) - 1
+    for s, layers in enumerate(args.stage_layers):
+        params = layers * shape.layer_params()
+        f, b, w = layers * lf, layers * lb, layers * lw
+        if s == 0:
+            params += shape.embedding_params()
+        if s == last:
+            params += shape.output_params()
+            f, b, w = f + of, b + ob, w + ow
+        forward.append(f)
+        backward.append(b)
+        wgrad.append(w)
+        step.append(params * per_param)
+    return StageCosts(forward, backward, wgrad, step, p2p_model(args, mbs), "cost model")
+
+
+def calibrated_costs(args, data: dict, mbs: int) -> StageCosts:
+    try:
+        costs = stage_costs_from_calibration(data, args.stages, mbs, source=args.calibration)
+    except ValueError as e:
+        raise SettingsError(f"{args.calibration}: {e}") from None
+    if args.p2p_s is not None:
+        p2p = args.p2p_s
+    elif costs.p2p_latency is not None:
+        p2p = costs.p2p_latency
+    else:
+        p2p = p2p_model(args, mbs)
+    return dataclasses.replace(costs, p2p_latency=p2p)
+
+
+# ----------------------------------------------------------------------------- simulation
+@dataclass
+class Outcome:
+    schedule: str
+    micro_batch_size: int
+    microbatches: int
+    samples_per_s: float
+    step_time_s: float
+    bottleneck_busy_fraction: float
+    max_drift: int
+    drift_bound: int | None
+    peak_inflight: list[int]
+    held_activations: list[int]
+    extra_weight_versions: list[int]
+
+
+def _held_activations(result, splits_backward: bool) -> list[int]:
+    """Per stage, the most microbatches whose activations are (partly) alive: forwarded and
+    not yet through the pass that frees them (W for split schedules, else B)."""
+    release = "W" if splits_backward else "B"
+    peaks = []
+    for s in range(result.num_stages):
+        deltas = []
+        for e in result.timeline:
+            if e.stage != s:
+                continue
+            kind = e.action.kind.value
+            if kind == "F":
+                deltas.append((e.start_s, 1, 1))
+            elif kind == release:
+                deltas.append((e.end_s, 0, -1))
+        live = peak = 0
+        for _, _, delta in sorted(deltas):
+            live += delta
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+def steady_state(name: str, costs: StageCosts, m: int, mbs: int, flush_sync_s: float) -> Outcome:
+    """Samples/s in steady state: m k / (makespan(2k) - makespan(k)), k >= 3 and >= 8N/m."""
+    schedule = SIMULATED_SCHEDULES[name]
+    n = len(costs.forward)
+    step = costs.step
+    if schedule.flushes_every_call and flush_sync_s:
+        step = [s + flush_sync_s for s in step]
+    k = max(3, math.ceil(8 * n / m))
+    runs = []
+    for steps in (k, 2 * k):
+        runs.append(
+            simulate(
+                schedule,
+                num_stages=n,
+                microbatches_per_step=m,
+                steps=steps,
+                forward_cost=costs.forward,
+                backward_cost=costs.backward,
+                weight_grad_cost=costs.weight_grad,
+                step_cost=step,
+                p2p_latency=costs.p2p_latency,
+                record_timeline=steps == 2 * k,
+            )
+        )
+    period = (runs[1].makespan - runs[0].makespan) / k
+    full = runs[1]
+    per_stage = [
+        m * (f + b + w) + s
+        for f, b, w, s in zip(costs.forward, costs.backward, costs.weight_grad, step)
+    ]
+    return Outcome(
+        schedule=name,
+        micro_batch_size=mbs,
+        microbatches=m,
+        samples_per_s=m * mbs / period,
+        step_time_s=period,
+        bottleneck_busy_fraction=max(per_stage) / period,
+        max_drift=max(full.max_drift_per_stage),
+        drift_bound=drift_bound(0, n, m) if name == "paci" else None,
+        peak_inflight=full.peak_inflight_per_stage,
+        held_activations=_held_activations(full, schedule.splits_backward),
+        extra_weight_versions=full.measured_extra_weight_versions,
+    )
+
+
+# ----------------------------------------------------------------------------- memory
+def stage_memory_gb(args, shape: Shape, outcome: Outcome) -> list[float]:
+    """Per stage: weights + grads + optimizer states, stashed weight versions (bf16) and the
+    activations of the microbatches it holds (`_held_activations`)."""
+    per_token = args.activation_bytes_per_token or 34.0 * shape.hidden
+    tokens = outcome.micro_batch_size * shape.seq
+    last = len(args.stage_layers) - 1
+    memory = []
+    for s, layers in enumerate(args.stage_layers):
+        params = layers * shape.layer_params()
+        activation = layers * per_token * tokens
+        if s == 0:
+            params += shape.embedding_params()
+        if s == last:
+            params += shape.output_params()
+            activation += tokens * shape.vocab * 4  # fp32 logits kept for the loss backward
+        total = params * args.param_bytes + outcome.extra_weight_versions[s] * params * 2
+        total += outcome.held_activations[s] * activation
+        memory.append(total / 1e9)
+    return memory
+
+
+# ----------------------------------------------------------------------------- the report
+def configurations(args) -> list[tuple[int | None, int, int]]:
+    """(global batch, micro-batch size, m) rows; m = global batch / micro-batch size."""
+    rows = []
+    if args.global_batch_sizes:
+        for gb in args.global_batch_sizes:
+            for mbs in args.micro_batch_sizes:
+                if gb % mbs == 0:
+                    rows.append((gb, mbs, gb // mbs))
+    else:
+        for mbs in args.micro_batch_sizes:
+            for m in args.microbatches:
+                rows.append((m * mbs, mbs, m))
+    return rows
+
+
+def run(args) -> dict:
+    shape = Shape(
+        args.num_layers, args.hidden_size, args.ffn_hidden_size, args.seq_length, args.vocab_size
+    )
+    calibration = args.calibration_data
+    curve = None if calibration else efficiency_curve(args)
+    costs = {}
+    for mbs in sorted(set(args.micro_batch_sizes)):
+        if calibration is not None:
+            costs[mbs] = calibrated_costs(args, calibration, mbs)
+        else:
+            costs[mbs] = modelled_costs(args, shape, mbs, curve[mbs])
+        if args.uniform_stages:
+            costs[mbs] = costs[mbs].uniform()
+    flush_sync = args.flush_sync_ms * 1e-3
+    rows = []
+    for gb, mbs, m in configurations(args):
+        for name in args.schedules:
+            least = SIMULATED_SCHEDULES[name].min_microbatches_per_step(args.stages)
+            if m < least:
+                continue
+            outcome = steady_state(name, costs[mbs], m, mbs, flush_sync)
+            row = {"global_batch": gb, **outcome.__dict__}
+            memory = stage_memory_gb(args, shape, outcome)
+            row["peak_memory_gb"] = max(memory)
+            row["mean_memory_gb"] = sum(memory) / len(memory)
+            row["memory_gb_per_stage"] = memory
+            rows.append(row)
+    return {
+        "inputs": _inputs(args, shape, curve, costs),
+        "per_sample_curve": _per_sample_curve(costs, shape, args),
+        "rows": rows,
+        "summary": summary(rows, args),
+        "paper": PAPER,
+    }
+
+
+def _inputs(args, shape, curve, costs) -> dict:
+    inputs = {
+        "preset": args.preset,
+        "model": shape.__dict__,
+        "stages": args.stages,
+        "stage_layers": args.stage_layers,
+        "uniform_stages": args.uniform_stages,
+        "schedules": args.schedules,
+        "source": args.calibration or "cost model",
+        "flush_sync_ms": args.flush_sync_ms,
+        "p2p_s": {str(b): c.p2p_latency for b, c in costs.items()},
+        "stage_costs": {str(b): _cost_record(c) for b, c in costs.items()},
+        "command": "python tools/project_paper_scale.py " + " ".join(sys.argv[1:]),
+    }
+    if curve is not None:
+        inputs.update(
+            peak_tflops=args.peak_tflops,
+            efficiency_curve={str(b): e for b, e in curve.items()},
+            efficiency_curve_origin=(
+                "--efficiency"
+                if args.efficiency_curve
+                else f"assumed: e(b) = {args.efficiency_max} * b*seq / (b*seq + "
+                f"{args.efficiency_half_tokens:g})"
+            ),
+            memory_bandwidth_gbs=args.memory_bandwidth_gbs,
+            optimizer_bytes_per_param=args.optimizer_bytes_per_param,
+            p2p_model=(
+                f"{args.p2p_s} s fixed"
+                if args.p2p_s is not None
+                else f"{args.p2p_latency_us} us + bytes / {args.p2p_bandwidth_gbs} GB/s"
+            ),
+        )
+    return inputs
+
+
+def _per_sample_curve(costs: dict, shape: Shape, args) -> list[dict]:
+    """GPU time per sample of a middle stage (forward + backward) at each micro-batch size."""
+    curve = []
+    mid = min(1, args.stages - 1)
+    for mbs, c in sorted(costs.items()):
+        per_sample = (c.forward[mid] + c.backward[mid] + c.weight_grad[mid]) / mbs
+        layers = args.stage_layers[mid]
+        flops = sum(layer_flops(shape, mbs)) * layers / mbs
+        curve.append(
+            {
+                "micro_batch_size": mbs,
+                "middle_stage_ms_per_sample": per_sample * 1e3,
+                "achieved_tflops": flops / per_sample / 1e12 if per_sample > 0 else None,
+                "p2p_ms": c.p2p_latency * 1e3,
+            }
+        )
+    base = curve[-1]["middle_stage_ms_per_sample"]
+    for point in curve:
+        point["relative_to_largest"] = point["middle_stage_ms_per_sample"] / base
+    return curve
+
+
+def _cost_record(costs: StageCosts) -> dict:
+    return {
+        "forward": costs.forward,
+        "backward": costs.backward,
+        "weight_grad": costs.weight_grad,
+        "step": costs.step,
+        "p2p_s": costs.p2p_latency,
+        "source": costs.source,
+    }
