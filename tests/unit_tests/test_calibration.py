@@ -1,4 +1,5 @@
-"""Calibration and projection tools: calibrate_stage.py, gpu_check.sh, project_paper_scale.py.
+"""Calibration and projection: the calibration format, the measurement behind
+tools/calibrate_stage.py, gpu_check.sh, and the projection behind project_paper_scale.py.
 
 One real (tiny) calibration run on CPU in a subprocess; the rest is pure functions, the
 simulator, and gpu_check.sh's argument and no-CUDA paths.
@@ -11,14 +12,13 @@ import sys
 
 import pytest
 
-from megatron.pipeline.simulator import stage_costs_from_calibration
+from megatron.pipeline.simulation import calibration as fmt
+from megatron.pipeline.simulation import projection as proj
+from megatron.pipeline.simulation.calibration import stage_costs_from_calibration
+from megatron.training import calibration as cal
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TOOLS = os.path.join(REPO, "tools")
-sys.path.insert(0, TOOLS)
-
-import calibrate_stage as cal  # noqa: E402
-import project_paper_scale as proj  # noqa: E402
 
 TINY = [
     "--num-layers",
@@ -44,44 +44,44 @@ def _measured(
     out=(1.5, 3.0, 1.0),
     depths=(1, 3),
 ):
-    layer, overhead = cal.Cost(*layer), cal.Cost(*overhead)
+    layer, overhead = fmt.PassCost(*layer), fmt.PassCost(*overhead)
     mid = {d: overhead + layer.scaled(d) for d in depths}
     return {
         "middle_d1": mid[depths[0]],
         "middle_d2": mid[depths[-1]],
-        "first": mid[depths[0]] + cal.Cost(*emb),
-        "last": mid[depths[0]] + cal.Cost(*out),
+        "first": mid[depths[0]] + fmt.PassCost(*emb),
+        "last": mid[depths[0]] + fmt.PassCost(*out),
     }
 
 
 def test_decompose_recovers_layer_embedding_output_and_overhead():
-    parts, notes = cal.decompose(_measured(), [1, 3])
+    parts, notes = fmt.decompose(_measured(), [1, 3])
     assert notes == []
     assert parts["layer"].values() == pytest.approx((2.0, 4.0, 0.5))
     assert parts["embedding"].values() == pytest.approx((0.3, 0.1, 1.0))
     assert parts["output"].values() == pytest.approx((1.5, 3.0, 1.0))
     assert parts["stage_overhead"].values() == pytest.approx((0.1, 0.2, 0.0))
-    whole = cal.predicted_whole_model(parts, 24)
+    whole = fmt.predicted_whole_model(parts, 24)
     assert whole.forward_s == pytest.approx(0.3 + 24 * 2.0 + 1.5 + 0.1)
 
 
 def test_decompose_clamps_noise_and_says_so():
     measured = _measured(emb=(-0.01, 0.1, 0.0))
-    parts, notes = cal.decompose(measured, [1, 3])
+    parts, notes = fmt.decompose(measured, [1, 3])
     assert parts["embedding"].forward_s == 0.0
     assert len(notes) == 1 and "embedding.forward_s" in notes[0]
 
 
 def test_decompose_with_one_depth_divides():
     measured = _measured(overhead=(0, 0, 0), depths=(2,))
-    parts, _ = cal.decompose(measured, [2])
+    parts, _ = fmt.decompose(measured, [2])
     assert parts["layer"].values() == pytest.approx((2.0, 4.0, 0.5))
 
 
 def test_document_is_the_simulators_format():
-    parts, _ = cal.decompose(_measured(), [1, 3])
-    profiles = [cal.profile_entry(b, parts, 24, with_step=True, p2p_s=1e-4 * b) for b in (1, 2)]
-    doc = cal.calibration_document(
+    parts, _ = fmt.decompose(_measured(), [1, 3])
+    profiles = [fmt.profile_entry(b, parts, 24, with_step=True, p2p_s=1e-4 * b) for b in (1, 2)]
+    doc = fmt.calibration_document(
         model={"num_layers": 24}, device_type="cpu", profiles=profiles, metadata={"x": 1}
     )
     doc = json.loads(json.dumps(doc))
@@ -239,9 +239,9 @@ def test_efficiency_curve_default_and_interpolation():
     assert proj.default_efficiency(1, 1024, 0.55, 2048) == pytest.approx(0.55 / 3)
     curve = {1: 0.2, 4: 0.4}
     assert proj.efficiency_at(curve, 2) == pytest.approx(0.3)  # halfway in log2
-    with pytest.raises(proj.UserError):
+    with pytest.raises(ValueError):
         proj.efficiency_at(curve, 8)
-    with pytest.raises(proj.UserError):
+    with pytest.raises(ValueError):
         proj.parse_efficiency("1:1.5")
 
 
@@ -309,9 +309,9 @@ def test_projection_zero_bubble_reference_and_memory():
 
 
 def test_projection_bad_flags():
-    with pytest.raises(proj.UserError, match="not both"):
+    with pytest.raises(ValueError, match="not both"):
         proj.parse_args(["--global-batch-sizes", "128", "--microbatches", "8"])
-    with pytest.raises(proj.UserError, match="stage-layers"):
+    with pytest.raises(ValueError, match="stage-layers"):
         proj.parse_args(["--num-layers", "10", "--stages", "4"])
-    with pytest.raises(proj.UserError, match="unknown schedule"):
+    with pytest.raises(ValueError, match="unknown schedule"):
         proj.parse_args(["--schedules", "1f1b,nope"])
