@@ -59,6 +59,15 @@ def read_calibration(path: str) -> dict:
         raise ValueError(f"calibration {path} is not valid JSON: {e}") from None
 
 
+def load_stage_costs(path: str, num_stages: int, micro_batch_size: int | None) -> StageCosts:
+    """Per-stage costs from the calibration file `path`; ValueError naming the file."""
+    data = read_calibration(path)
+    try:
+        return stage_costs_from_calibration(data, num_stages, micro_batch_size, source=path)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
 def profile_sizes(data) -> list | None:
     """The micro-batch sizes of a calibration's profiles (None: a single unnamed profile)."""
     profiles = data.get("profiles") if isinstance(data, dict) else None

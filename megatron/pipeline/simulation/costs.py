@@ -1,5 +1,6 @@
 """Per-stage durations: what the event engine needs to know about a pipeline's stages."""
 
+import math
 from dataclasses import dataclass
 
 
@@ -42,3 +43,18 @@ class StageCosts:
             self.p2p_latency,
             self.source + " (uniform stages)",
         )
+
+
+def parse_stage_costs(text: str, name: str, num_stages: int) -> list[float]:
+    """'2' or '1,1,3,1' -> one finite, non-negative number per stage; ValueError naming `name`."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--{name}: expected a number or a comma list, got {text!r}") from None
+    if len(values) == 1:
+        values *= num_stages
+    if len(values) != num_stages:
+        raise ValueError(f"--{name}: {len(values)} values for {num_stages} stages")
+    if any(not math.isfinite(v) or v < 0 for v in values):
+        raise ValueError(f"--{name}: costs must be finite and >= 0, got {text!r}")
+    return values
