@@ -15,6 +15,7 @@ The stage's persistent state (in-flight microbatches, receives, statistics) is t
 `StageRuntime` registered for the model with `attach_stage_runtime`.
 """
 
+import functools
 import weakref
 from typing import Callable
 
@@ -94,21 +95,23 @@ def forward_backward_pipelining_1f1b(**kwargs) -> list[dict]:
 
 def forward_backward_pipelining_paci(**kwargs) -> list[dict]:
     """PACI: asynchronous 1F1B, no flush, each stage steps after `num_microbatches` backwards."""
-    if not kwargs.get("forward_only") and kwargs.get("optimizer_step_func") is None:
-        raise ValueError("PACI steps each stage inside the schedule: pass optimizer_step_func")
-    return _run_schedule(get_schedule("paci"), **kwargs)
+    return _run_registered(get_schedule("paci"), **kwargs)
 
 
-_ENTRY_POINTS = {
-    "1f1b": forward_backward_pipelining_1f1b,
-    "paci": forward_backward_pipelining_paci,
-}
+def _run_registered(schedule: Schedule, **kwargs) -> list[dict]:
+    if schedule.steps_within_call and not kwargs.get("forward_only"):
+        if kwargs.get("optimizer_step_func") is None:
+            raise ValueError(
+                f"{schedule.name} steps each stage inside the schedule: pass optimizer_step_func"
+            )
+    return _run_schedule(schedule, **kwargs)
 
 
 def get_forward_backward_func(pipeline_schedule: str = "1f1b") -> Callable[..., list[dict]]:
-    """The schedule function for `--pipeline-schedule` (the selector)."""
-    get_schedule(pipeline_schedule)  # a clear error for unknown names
-    return _ENTRY_POINTS[pipeline_schedule]
+    """The schedule function for `--pipeline-schedule` (the selector): any schedule of the
+    runtime's registry (`megatron.pipeline.schedules.SCHEDULES`)."""
+    schedule = get_schedule(pipeline_schedule)  # a clear error for unknown names
+    return functools.partial(_run_registered, schedule)
 
 
 __all__ = [

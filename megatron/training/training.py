@@ -23,6 +23,7 @@ from megatron.pipeline.audit import (
 from megatron.pipeline.forward_backward import attach_stage_runtime, get_forward_backward_func
 from megatron.pipeline.parallel import build_pipeline_context, ranks_of_my_stage
 from megatron.pipeline.runtime import StageRuntime
+from megatron.pipeline.schedules import get_schedule
 
 from . import checkpointing
 from .data import build_data_iterators
@@ -166,7 +167,7 @@ def pretrain(args, forward_step_func) -> TrainingState:
         data_parallel_group=parallel_state.get_data_parallel_group(),
         grad_norm_group=(
             parallel_state.get_model_parallel_group()
-            if args.pipeline_schedule == "1f1b"
+            if get_schedule(args.pipeline_schedule).global_grad_norm
             else parallel_state.get_tensor_model_parallel_group()
         ),
         tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),

@@ -23,21 +23,17 @@ is recognisable.
 
 import json
 import os
-import sys
 
 import pytest
 
+from megatron.pipeline.schedules import get_schedule
+from megatron.pipeline.schedules.base import ActionKind
+from megatron.pipeline.schedules.paci import FIXED_ORDER
+from megatron.pipeline.simulation import emulation as bench
+from megatron.pipeline.simulation import results, simulate
+from megatron.pipeline.trace import action_order, read_chrome_trace
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(REPO, "tools"))
-
-import benchmark_schedules as bench  # noqa: E402
-
-from megatron.pipeline.schedules import get_schedule  # noqa: E402
-from megatron.pipeline.schedules.base import ActionKind  # noqa: E402
-from megatron.pipeline.schedules.paci import FIXED_ORDER  # noqa: E402
-from megatron.pipeline.simulator import simulate  # noqa: E402
-from megatron.pipeline.trace import action_order, read_chrome_trace  # noqa: E402
 
 STAGES, STEPS = 4, 3
 FWD_MS, BWD_MS = 50.0, 100.0
@@ -146,7 +142,7 @@ def contested_margins(timeline, microbatches: int, latency: float) -> list[float
     data) and a backward were possible: how far in time the gradient's arrival is from
     flipping the choice. The stage takes the backward iff the gradient arrives no later than
     max(decision time, input arrival); the margin is the distance between the two."""
-    stages = bench.by_stage(timeline)
+    stages = results.by_stage(timeline)
     end = {
         (s, e.action.kind, e.action.microbatch): e.end_s for s, evs in stages.items() for e in evs
     }
@@ -200,7 +196,7 @@ def test_steady_state_throughput_matches_closed_forms(microbatches):
             forward_cost=f,
             backward_cost=b,
         )
-        measured = bench.steady_state_throughput(result.timeline, STAGES, microbatches, steps)
+        measured = results.steady_state_throughput(result.timeline, STAGES, microbatches, steps)
         assert measured == pytest.approx(expected, rel=1e-9), name
 
 

@@ -120,6 +120,19 @@ class Schedule:
     # counter-only order), used by --deterministic-mode so runs reproduce bit for bit.
     fixed_order: "Schedule | None" = None
 
+    @property
+    def global_grad_norm(self) -> bool:
+        """Whether a step may take the gradient norm over the whole model. That reduction spans
+        every stage, which only a schedule whose pipeline is empty at each step boundary (a
+        flush) can afford; the others take it over the stage's own parameters."""
+        return self.flushes_every_call
+
+    @property
+    def steps_within_call(self) -> bool:
+        """Whether stages step their optimizer in the middle of a call, so the caller must pass
+        the step (`optimizer_step_func`) instead of stepping after the call returns."""
+        return not self.flushes_every_call
+
 
 def steps_due(view: StageView) -> bool:
     """A step is due once `microbatches_per_step` backwards have accumulated since the last one."""

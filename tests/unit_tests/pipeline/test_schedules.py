@@ -166,3 +166,22 @@ def test_2bw_pins_batch_b_to_version_b_minus_1():
     version = pipedream_2bw.forward_weight_version
     m = 4
     assert [version(mb, m, 5) for mb in range(0, 16, 2)] == [0, 0, 0, 0, 1, 1, 2, 2]
+
+
+def test_schedule_properties_say_what_the_training_loop_needs():
+    flush, paci_schedule = get_schedule("1f1b"), get_schedule("paci")
+    assert flush.global_grad_norm and not flush.steps_within_call
+    assert not paci_schedule.global_grad_norm and paci_schedule.steps_within_call
+    assert get_schedule("gpipe", simulated=True).global_grad_norm  # synchronous too
+
+
+def test_every_registered_schedule_has_an_entry_point():
+    from megatron.pipeline.forward_backward import get_forward_backward_func
+    from megatron.pipeline.schedules import SCHEDULES
+
+    for name, schedule in SCHEDULES.items():
+        entry = get_forward_backward_func(name)
+        assert entry.args == (schedule,)
+    with pytest.raises(ValueError, match="pass optimizer_step_func"):
+        get_forward_backward_func("paci")(forward_step_func=None, data_iterator=None, model=None,
+                                          num_microbatches=1, seq_length=1, micro_batch_size=1)  # fmt: skip

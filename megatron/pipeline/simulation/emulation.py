@@ -1,0 +1,343 @@
+"""Emulated-compute schedule benchmark: the real runtime against the simulator's prediction.
+
+`tools/benchmark_schedules.py` is its command line.
+
+Launches `pretrain_gpt.py` through torchrun (gloo, one process per stage) once per schedule,
+with each stage's model replaced by a stand-in that sleeps ``--fwd-ms`` per forward and
+``--bwd-ms`` per backward (`megatron.training.emulation`) and a tiny hidden size, so what is
+measured is the schedule, the runtime and the transfers, not the CPU. Each run writes its
+Chrome trace (``--timeline-file``) and ``summary.json`` (``--metrics-dir``). The simulator then
+runs the same schedule definition with costs and p2p latency measured from that trace, and
+both timelines are reduced to the same steady-state throughput. Prints one JSON object (also
+written to ``OUTPUT/report.json``, beside each run's log, trace and summary).
+
+    python tools/benchmark_schedules.py --stages 4 --microbatches 8 --fwd-ms 50 --bwd-ms 100
+
+With ``--repeats R`` every schedule runs R times, interleaved with the other schedules so both
+see the same machine, and the top-level figures are each schedule's median run (by measured
+throughput; its prediction comes from its own trace); ``runs`` lists every run. On a shared
+machine other jobs' CPU bursts stall the pipeline now and then (a stage's wake-up comes tens
+to hundreds of ms late): the median run is the robust figure.
+
+Definitions (the same function reads the real and the simulated timeline):
+
+* steady-state throughput: `megatron.pipeline.simulation.results.steady_state_throughput`,
+  which reads the real trace and the simulated timeline alike.
+* p2p latency (`estimate_p2p_latency`): the mean, over transfers whose receiving stage was
+  already idle when the sender finished, of (receiver's start) - (sender's end). It includes
+  the receiving thread's wake-up and the decision, i.e. all the delay a transfer adds.
+* simulator costs (`measured_costs`): per stage, the mean duration of its forwards and of its
+  backwards in the trace (compute plus the runtime's own work inside the action); one step
+  cost for all stages, the smallest per-stage mean (1F1B-flush's step all-reduces the
+  gradient norm over the whole pipeline, so the other stages' steps include waiting for the
+  last stage to get there). Means, not medians: throughput is linear in the durations, so the
+  occasional slow action (another process had the CPU) must count with its weight.
+  ``simulated_throughput_nominal`` uses the nominal F and B and no step cost instead.
+* runtime overhead per action: ``runtime_overhead_us_per_action`` of summary.json
+  (`StageRuntime.overhead_per_action_us`): time in training calls that was neither compute,
+  nor posting a send, nor waiting; mean and max over stages.
+
+Acceptance: PACI/flush >= 95% of ``(m + N - 1) / m``, every prediction within 5%,
+overhead under 1 ms per action; reported under ``acceptance``.
+"""
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from ..schedules import get_schedule
+from ..schedules.base import ActionKind
+from ..trace import read_chrome_trace
+from .engine import simulate
+from .results import by_stage, steady_state_throughput, steady_state_window
+
+# pretrain_gpt.py is installed as a module beside this package; runs start in its directory.
+PRETRAIN_SCRIPT = importlib.util.find_spec("pretrain_gpt").origin
+REPO = os.path.dirname(PRETRAIN_SCRIPT)
+
+# The stand-in stage carries a (seq, micro-batch, hidden) activation of 2048 floats (8 KiB):
+# transfers cost next to nothing. The sequence is not shorter because megatron-core's mock
+# dataset (100k documents of up to 4096 tokens) builds one sample index entry per sequence:
+# 30+ s at 4 tokens, well under a second at 1024.
+MODEL_FLAGS = {
+    "--hidden-size": 2,
+    "--num-attention-heads": 1,
+    "--seq-length": 1024,
+    "--micro-batch-size": 1,
+    "--vocab-size": 128,
+    "--lr": 1e-3,
+}
+RATIO_TOLERANCE = 0.95  # measured ratio >= 95% of the closed form
+PREDICTION_TOLERANCE = 0.05  # simulator within 5% of each measurement
+OVERHEAD_LIMIT_US = 1000.0
+
+
+# ---------------------------------------------------------------------------- launching
+def emulated_run_args(
+    *,
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    fwd_ms: float,
+    bwd_ms: float,
+    steps: int,
+    metrics_dir: str,
+    timeline_file: str | None,
+    extra: list[str] | None = None,
+) -> list[str]:
+    """`pretrain_gpt.py` flags for an emulated run: no evaluation or checkpoint, so the only
+    drain is at the end, as in the simulator (`forward_limit = steps * m` on every call)."""
+    args = [
+        "--num-layers", str(stages),
+        "--pipeline-model-parallel-size", str(stages),
+        "--pipeline-schedule", schedule,
+        "--global-batch-size", str(microbatches * MODEL_FLAGS["--micro-batch-size"]),
+        "--train-iters", str(steps),
+        "--emulated-forward-ms", str(fwd_ms),
+        "--emulated-backward-ms", str(bwd_ms),
+        "--mock-data",
+        "--tokenizer-type", "NullTokenizer",
+        "--distributed-backend", "gloo",
+        "--eval-iters", "0",
+        "--log-interval", str(steps),
+        "--metrics-dir", metrics_dir,
+    ]  # fmt: skip
+    for flag, value in MODEL_FLAGS.items():
+        args += [flag, str(value)]
+    if timeline_file:
+        args += ["--timeline-file", timeline_file]
+    return args + list(extra or [])
+
+
+def torchrun_command(nproc: int, script: str, script_args: list[str]) -> list[str]:
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return [torchrun, "--standalone", f"--nproc-per-node={nproc}", script, *script_args]
+
+
+def launch(command: list[str], log_file: str, timeout_s: float) -> None:
+    """Run a torchrun command from the repository root; raise with the log's tail on failure."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    with open(log_file, "w") as log:
+        completed = subprocess.run(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
+        )
+    if completed.returncode != 0:
+        with open(log_file) as log:
+            tail = log.read()[-4000:]
+        raise RuntimeError(f"{' '.join(command)} failed (exit {completed.returncode}):\n{tail}")
+
+
+# ---------------------------------------------------------------------------- trace analysis
+def p2p_latency_samples(events) -> list[float]:
+    """(receiver start) - (sender end) for every transfer the receiver was idle for."""
+    stages = by_stage(events)
+    ends: dict[tuple[int, ActionKind, int], float] = {}
+    for stage, stage_events in stages.items():
+        for e in stage_events:
+            if e.action.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+                ends[(stage, e.action.kind, e.action.microbatch)] = e.end_s
+    last = max(stages)
+    samples = []
+    for stage, stage_events in stages.items():
+        for previous, event in zip(stage_events, stage_events[1:]):
+            kind, microbatch = event.action.kind, event.action.microbatch
+            if kind is ActionKind.FORWARD and stage > 0:
+                sender = (stage - 1, kind, microbatch)
+            elif kind is ActionKind.BACKWARD and stage < last:
+                sender = (stage + 1, kind, microbatch)
+            else:
+                continue
+            sent = ends.get(sender)
+            if sent is not None and previous.end_s < sent:  # idle before the tensor was sent
+                samples.append(event.start_s - sent)
+    return samples
+
+
+def estimate_p2p_latency(events) -> float:
+    samples = p2p_latency_samples(events)
+    return statistics.fmean(samples) if samples else 0.0
+
+
+def measured_costs(events, num_stages: int) -> dict:
+    """Per-stage mean forward/backward durations and one step cost (see the docstring)."""
+    stages = by_stage(events)
+
+    def means(kind: ActionKind) -> list[float]:
+        values = []
+        for s in range(num_stages):
+            durations = [e.duration_s for e in stages.get(s, []) if e.action.kind is kind]
+            values.append(statistics.fmean(durations) if durations else 0.0)
+        return values
+
+    return {
+        "forward_cost": means(ActionKind.FORWARD),
+        "backward_cost": means(ActionKind.BACKWARD),
+        "step_cost": min(means(ActionKind.STEP)),
+    }
+
+
+def simulated_steady_throughput(
+    schedule: str, *, num_stages: int, microbatches: int, steps: int, p2p_latency: float, **costs
+) -> float:
+    result = simulate(
+        get_schedule(schedule, simulated=True),
+        num_stages=num_stages,
+        microbatches_per_step=microbatches,
+        steps=steps,
+        p2p_latency=p2p_latency,
+        record_timeline=True,
+        **costs,
+    )
+    return steady_state_throughput(result.timeline, num_stages, microbatches, steps)
+
+
+# ---------------------------------------------------------------------------- one benchmark
+def run_schedule(schedule: str, options, run_dir: str) -> dict:
+    """One real emulated run of `schedule`; its trace, summary and the simulator's figures."""
+    os.makedirs(run_dir, exist_ok=True)
+    timeline = os.path.join(run_dir, "timeline.json")
+    args = emulated_run_args(
+        schedule=schedule,
+        stages=options.stages,
+        microbatches=options.microbatches,
+        fwd_ms=options.fwd_ms,
+        bwd_ms=options.bwd_ms,
+        steps=options.steps,
+        metrics_dir=run_dir,
+        timeline_file=timeline,
+    )
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    launch(
+        torchrun_command(options.stages, PRETRAIN_SCRIPT, args),
+        os.path.join(run_dir, "log.txt"),
+        options.timeout,
+    )
+    launch_s = time.perf_counter() - started
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    figures = trace_figures(schedule, options, read_chrome_trace(timeline))
+    overheads = [stage["runtime_overhead_us_per_action"] for stage in summary["stages"]]
+    total = summary["iterations"] * summary["num_microbatches"]
+    return {
+        **figures,
+        "overhead_us_per_action": {
+            "per_stage": overheads,
+            "mean": statistics.fmean(overheads),
+            "max": max(overheads),
+        },
+        "whole_run_throughput": total / summary["elapsed_s"],
+        "elapsed_s": summary["elapsed_s"],
+        "launch_s": launch_s,
+        "load_average_1min_before": load_before,
+        "timeline": timeline,
+    }
+
+
+def trace_figures(schedule: str, options, events) -> dict:
+    """A run's measured steady-state throughput and the simulator's prediction of it from the
+    costs and p2p latency measured in the same trace (and from the nominal costs)."""
+    n, m, steps = options.stages, options.microbatches, options.steps
+    measured = steady_state_throughput(events, n, m, steps)
+    latency_samples = p2p_latency_samples(events)
+    if options.p2p_ms is not None:
+        latency = options.p2p_ms / 1000.0
+    else:
+        latency = estimate_p2p_latency(events)
+    costs = measured_costs(events, n)
+    shape = dict(num_stages=n, microbatches=m, steps=steps, p2p_latency=latency)
+    simulated = simulated_steady_throughput(schedule, **shape, **costs)
+    nominal = simulated_steady_throughput(
+        schedule,
+        **shape,
+        forward_cost=options.fwd_ms / 1000.0,
+        backward_cost=options.bwd_ms / 1000.0,
+    )
+    return {
+        "measured": measured,
+        "simulated": simulated,
+        "prediction_error": relative_error(simulated, measured),
+        "simulated_nominal": nominal,
+        "p2p_latency_ms": 1000.0 * latency,
+        "p2p_latency_samples": len(latency_samples),
+        "costs_ms": {
+            "forward": [round(1000.0 * c, 3) for c in costs["forward_cost"]],
+            "backward": [round(1000.0 * c, 3) for c in costs["backward_cost"]],
+            "step": round(1000.0 * costs["step_cost"], 3),
+        },
+    }
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median measured throughput (the lower one of two middle runs)."""
+    ordered = sorted(runs, key=lambda r: r["measured"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def benchmark(options) -> dict:
+    """Run every schedule `options.repeats` times (interleaved, so both see the same machine)
+    and report each schedule's median run."""
+    n, m = options.stages, options.microbatches
+    steady_state_window(n, m, options.steps)  # reject too few steps before launching anything
+    workdir = options.output or tempfile.mkdtemp(prefix="benchmark_schedules_")
+    all_runs: dict[str, list[dict]] = {schedule: [] for schedule in options.schedules}
+    for repeat in range(options.repeats):
+        for schedule in options.schedules:
+            run_dir = os.path.join(workdir, f"{schedule}-{repeat}")
+            all_runs[schedule].append(run_schedule(schedule, options, run_dir))
+    runs = {schedule: median_run(results) for schedule, results in all_runs.items()}
+    measured = {s: r["measured"] for s, r in runs.items()}
+    simulated = {s: r["simulated"] for s, r in runs.items()}
+    errors = {s: r["prediction_error"] for s, r in runs.items()}
+    closed_form = (m + n - 1) / m
+    overheads = {s: max(r["overhead_us_per_action"]["max"] for r in all_runs[s]) for s in runs}
+    report = {
+        "stages": n,
+        "microbatches": m,
+        "steps": options.steps,
+        "fwd_ms": options.fwd_ms,
+        "bwd_ms": options.bwd_ms,
+        "repeats": options.repeats,
+        "measured_throughput": measured,
+        "simulated_throughput": simulated,
+        "prediction_error": errors,
+        "ratio_paci_over_flush": None,
+        "closed_form_ratio": closed_form,
+        "runtime_overhead_us_per_action": {
+            s: r["overhead_us_per_action"]["mean"] for s, r in runs.items()
+        },
+        "runtime_overhead_us_per_action_max": overheads,
+        "simulated_throughput_nominal": {s: r["simulated_nominal"] for s, r in runs.items()},
+        "ideal_throughput": {
+            "1f1b": 1000.0 * m / ((m + n - 1) * (options.fwd_ms + options.bwd_ms)),
+            "paci": 1000.0 / (options.fwd_ms + options.bwd_ms),
+        },
+        "p2p_latency_ms": {s: r["p2p_latency_ms"] for s, r in runs.items()},
+    }
+    acceptance = {
+        "prediction_within_5_percent": all(abs(e) <= PREDICTION_TOLERANCE for e in errors.values()),
+        "overhead_under_1_ms": all(value < OVERHEAD_LIMIT_US for value in overheads.values()),
+    }
+    if "paci" in measured and "1f1b" in measured:
+        ratio = measured["paci"] / measured["1f1b"]
+        report["ratio_paci_over_flush"] = ratio
+        report["ratio_over_closed_form"] = ratio / closed_form
+        report["simulated_ratio_paci_over_flush"] = simulated["paci"] / simulated["1f1b"]
+        acceptance["ratio_at_least_95_percent_of_closed_form"] = (
+            ratio >= RATIO_TOLERANCE * closed_form
+        )
+    report["acceptance"] = acceptance
+    report["runs"] = all_runs
+    report["output_dir"] = workdir
+    with open(os.path.join(workdir, "report.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    return report
