@@ -1,11 +1,5 @@
-import os
-import sys
-
 import pytest
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import run_cases  # noqa: E402
+import run_cases  # beside this file; pyproject.toml puts this directory on pytest's pythonpath
 
 
 @pytest.fixture(scope="session")

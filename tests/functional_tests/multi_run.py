@@ -9,17 +9,13 @@ CASES.json: [{"name": ..., "args": [...flags...], "metrics_dir": ...}, ...]
 """
 
 import json
-import os
 import sys
 
 import torch.distributed as dist
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
-
-from megatron.training.arguments import parse_args  # noqa: E402
-from megatron.training.training import pretrain  # noqa: E402
-from pretrain_gpt import forward_step  # noqa: E402
+from megatron.training.arguments import parse_args
+from megatron.training.training import pretrain
+from pretrain_gpt import forward_step  # installed beside megatron (setup.py py_modules)
 
 
 def main(cases_file: str) -> int:

@@ -13,12 +13,8 @@ prints a JSON list: the lm loss of each iteration.
 """
 
 import json
-import os
 import socket
 import sys
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
 
 
 def free_port() -> int:

@@ -2,15 +2,11 @@
 dataset. Everything is generated here; nothing is downloaded."""
 
 import json
-import os
-import sys
 
 import pytest
 
-# The helpers module sits beside this file; make it importable whatever pytest's import mode.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from datatests_support import (  # noqa: E402
+# The helpers module sits beside this file (on pytest's pythonpath: see pyproject.toml).
+from datatests_support import (
     TINY_VOCAB_SIZE,
     load_tool,
     random_documents,
