@@ -37,7 +37,7 @@ class SavedTensorMeter:
 
 @dataclass
 class StageStats:
-    """Per-stage figures reported in `summary.json` (see DESIGN.md section 5)."""
+    """Per-stage figures reported in `summary.json` (README: Observability)."""
 
     stage: int
     drift_histogram: collections.Counter = field(default_factory=collections.Counter)

@@ -1,4 +1,4 @@
-"""Issue 4, part 2: for uniform costs, a real run's per-stage action order equals the simulator's.
+"""For uniform costs, a real run's per-stage action order equals the simulator's.
 
 One torchrun launch (gloo, 4 processes) runs 1F1B-flush and PACI (reactive, the default) with
 emulated compute: every stage sleeps F per forward and B per backward. Each run writes its

@@ -83,6 +83,7 @@ class _Stage:
         self.gradients_arrived = 0
         self.busy_time = 0.0
         self.busy_intervals: list[tuple[float, float]] = []
+        self.backward_ends: dict[int, float] = {}  # microbatch -> end of its backward
         self.stash: dict[int, int] = {}  # version -> in-flight microbatches that stashed it
         self.pending_grads: list[int] = []  # forward versions of gradients not yet applied
         self.max_drift = 0
@@ -238,6 +239,7 @@ class _Simulator:
                 self.push(self.now + self.latency, _ACTIVATION, st.index + 1, mb)
         elif kind is ActionKind.BACKWARD:
             self.on_backward(st)
+            st.backward_ends[mb] = self.now
             if st.index > 0:
                 self.push(self.now + self.latency, _GRADIENT, st.index - 1, mb)
         elif kind is ActionKind.WEIGHT_GRAD:
@@ -299,8 +301,9 @@ class _Simulator:
         busy = [st.busy_time for st in stages]
         util = [b / makespan if makespan > 0 else 1.0 for b in busy]
         mean_util = sum(util) / n
-        steady = steady_utilization([st.call_ends for st in stages],
-                                    [st.busy_intervals for st in stages], self.calls)  # fmt: skip
+        steady = steady_utilization({st.index: st.backward_ends for st in stages},
+                                    [st.busy_intervals for st in stages], n, self.m,
+                                    self.calls)  # fmt: skip
         total = self.calls * self.m
         return SimulationResult(
             schedule=self.schedule.name,

@@ -24,9 +24,10 @@ Where the costs come from (one of):
   `megatron.pipeline.simulation.calibration.stage_costs_from_calibration` (even layer split). Its ``p2p_s`` is used unless ``--p2p-s``
   is given; without either, the p2p model above applies.
 
-Steady state: each configuration is simulated for k and 2k steps and the rate is
-m k / (makespan(2k) - makespan(k)), which removes PACI's one-time fill and drain (and is exact
-for flush, whose steps repeat). PACI runs with a = m (its step has the flush's batch).
+Steady state: `megatron.pipeline.simulation.results.steady_state_throughput`, the one definition
+the simulator and the benchmark use too, over the window from step k to step 2k (k >= 3 and
+>= 8N/m) of a run that drains after it: PACI's one-time fill and drain are left out, and
+flush's steps repeat exactly. PACI runs with a = m (its step has the flush's batch).
 
 The report (`summary`, `markdown`) is in `megatron.pipeline.simulation.projection_report`.
 """
@@ -42,6 +43,7 @@ from ..schedules.paci import drift_bound
 from .calibration import profile_sizes, read_calibration, stage_costs_from_calibration
 from .costs import StageCosts
 from .engine import simulate
+from .results import steady_state_throughput
 from .projection_report import summary
 
 PAPER = {"best_flush_gb128": 1.69, "best_flush_gb256": 1.41, "same_configuration": 2.04}
@@ -447,31 +449,28 @@ def _held_activations(result, splits_backward: bool) -> list[int]:
 
 
 def steady_state(name: str, costs: StageCosts, m: int, mbs: int, flush_sync_s: float) -> Outcome:
-    """Samples/s in steady state: m k / (makespan(2k) - makespan(k)), k >= 3 and >= 8N/m."""
+    """Samples/s in steady state (`results.steady_state_throughput`): the window from step k to
+    step 2k of a run that drains after step 2k, k >= 3 and >= 8N/m."""
     schedule = SIMULATED_SCHEDULES[name]
     n = len(costs.forward)
     step = costs.step
     if schedule.flushes_every_call and flush_sync_s:
         step = [s + flush_sync_s for s in step]
     k = max(3, math.ceil(8 * n / m))
-    runs = []
-    for steps in (k, 2 * k):
-        runs.append(
-            simulate(
-                schedule,
-                num_stages=n,
-                microbatches_per_step=m,
-                steps=steps,
-                forward_cost=costs.forward,
-                backward_cost=costs.backward,
-                weight_grad_cost=costs.weight_grad,
-                step_cost=step,
-                p2p_latency=costs.p2p_latency,
-                record_timeline=steps == 2 * k,
-            )
-        )
-    period = (runs[1].makespan - runs[0].makespan) / k
-    full = runs[1]
+    steps = 2 * k + math.ceil(n / m)
+    full = simulate(
+        schedule,
+        num_stages=n,
+        microbatches_per_step=m,
+        steps=steps,
+        forward_cost=costs.forward,
+        backward_cost=costs.backward,
+        weight_grad_cost=costs.weight_grad,
+        step_cost=step,
+        p2p_latency=costs.p2p_latency,
+        record_timeline=True,
+    )
+    period = m / steady_state_throughput(full.timeline, n, m, steps, first=k)
     per_stage = [
         m * (f + b + w) + s
         for f, b, w, s in zip(costs.forward, costs.backward, costs.weight_grad, step)

@@ -7,11 +7,11 @@ Metrics of a simulated run (`SimulationResult`):
   same timeline, so this is the per-step bubble: with uniform costs and no latency, 1F1B gives
   exactly ``(N - 1) / (m + N - 1)``. For the asynchronous schedules it is the one-time fill and
   drain spread over the run.
-* ``steady_utilization[s]``: the same over the middle half of stage s's calls (from the end of
-  its call q to the end of its call steps - q, q = max(1, steps // 4)), which leaves out the
-  one-time fill and drain of the asynchronous schedules once steps is large enough: equal to
-  ``utilization`` for flush schedules (each call is one period), 1.0 for PACI with uniform
-  costs. None when steps < 3.
+* ``steady_utilization[s]``: the same inside stage s's steady-state window (below, starting
+  after step max(1, steps // 4)), which leaves out the one-time fill and drain of the
+  asynchronous schedules: equal to
+  ``utilization`` for flush schedules (whole steps, each one period), 1.0 for PACI with
+  uniform costs. None when the run has too few steps for a window.
 * ``idle_per_step[s]`` = (makespan - busy time of s) / steps: the bubble in time units per
   optimizer step; for a flush schedule every stage idles this long in each step, one step
   being one period (uniform costs: 1F1B ``(N - 1)(F + B + W)``, ZB-H1 with m >= N
@@ -31,7 +31,8 @@ Metrics of a simulated run (`SimulationResult`):
   most distinct versions a stashing stage held at once (live + stashes of its in-flight
   microbatches) minus one.
 
-Steady-state throughput (`steady_state_throughput`) reads any timeline, a simulation's or a real
+Steady state, the one definition used everywhere (simulator, projection, benchmark):
+steady-state throughput (`steady_state_throughput`) reads any timeline, a simulation's or a real
 run's Chrome trace: per stage, microbatches per second between the end of the backward that
 closes step ``first`` and the end of the backward that closes step ``last``
 (`steady_state_window`): the first step (start-up, PACI's one-time pipeline fill) and the last
@@ -115,21 +116,6 @@ class SimulationResult:
         return json.dumps(self.to_dict(), **kwargs)
 
 
-def steady_utilization(call_ends, busy_intervals, calls: int) -> list[float] | None:
-    """Per stage, the busy fraction over the middle half of its calls (none when < 3)."""
-    if calls < 3:
-        return None
-    skip = max(1, calls // 4)
-    result = []
-    for ends, intervals in zip(call_ends, busy_intervals):
-        lo, hi = ends[skip - 1], ends[calls - skip - 1]
-        if hi <= lo:
-            return None
-        busy = sum(max(0.0, min(e, hi) - max(b, lo)) for b, e in intervals)
-        result.append(busy / (hi - lo))
-    return result
-
-
 def by_stage(events) -> dict[int, list[TraceEvent]]:
     """Each stage's work events (WAIT/DONE left out) in order of start time."""
     stages: dict[int, list[TraceEvent]] = {}
@@ -139,34 +125,68 @@ def by_stage(events) -> dict[int, list[TraceEvent]]:
     return {s: sorted(evs, key=lambda e: e.start_s) for s, evs in sorted(stages.items())}
 
 
-def steady_state_window(num_stages: int, microbatches: int, steps: int) -> tuple[int, int]:
+def steady_state_window(
+    num_stages: int, microbatches: int, steps: int, first: int = 1
+) -> tuple[int, int]:
     """Steps (first, last) whose closing backwards bound the measurement window.
 
-    It starts after step 1 (start-up; PACI's fill) and ends before the final drain: stage s
-    forwards its last microbatch right after its backward N - s microbatches earlier, so the
-    window ends at least N microbatches before the end of the data, on a step boundary.
+    It starts after step `first` (at least 1: start-up; PACI's fill) and ends before the final
+    drain: stage s forwards its last microbatch right after its backward N - s microbatches
+    earlier, so the window ends at least N microbatches before the end of the data, on a step
+    boundary.
     """
-    first, last = 1, steps - math.ceil(num_stages / microbatches)
+    last = steps - math.ceil(num_stages / microbatches)
     if last <= first:
-        need = 2 + math.ceil(num_stages / microbatches)
+        need = first + 1 + math.ceil(num_stages / microbatches)
         raise ValueError(f"a steady-state window needs at least {need} steps, got {steps}")
     return first, last
 
 
-def steady_state_throughput(events, num_stages: int, microbatches: int, steps: int) -> float:
-    """Microbatches per second in the steady-state window (see the module docstring)."""
-    first, last = steady_state_window(num_stages, microbatches, steps)
+def backward_ends(events) -> dict[int, dict[int, float]]:
+    """Per stage, microbatch -> end time of its backward."""
+    ends: dict[int, dict[int, float]] = {}
+    for event in events:
+        if event.action.kind is ActionKind.BACKWARD:
+            ends.setdefault(event.stage, {})[event.action.microbatch] = event.end_s
+    return ends
+
+
+def window_per_stage(ends, num_stages: int, microbatches: int, steps: int, first: int = 1):
+    """The steady-state window of every stage as (start, end) times, and the microbatches it
+    holds: from the end of the backward closing step `first` to the end of the one closing
+    the last step before the drain (`steady_state_window`)."""
+    first, last = steady_state_window(num_stages, microbatches, steps, first)
     lo, hi = first * microbatches - 1, last * microbatches - 1
-    lengths = []
-    for stage, stage_events in by_stage(events).items():
-        backward_end = {
-            e.action.microbatch: e.end_s
-            for e in stage_events
-            if e.action.kind is ActionKind.BACKWARD
-        }
-        if lo not in backward_end or hi not in backward_end:
+    if len(ends) != num_stages:
+        raise ValueError(f"the trace has {len(ends)} stages, expected {num_stages}")
+    windows = []
+    for stage, stage_ends in sorted(ends.items()):
+        if lo not in stage_ends or hi not in stage_ends:
             raise ValueError(f"stage {stage}: the trace lacks backward {lo} or {hi}")
-        lengths.append(backward_end[hi] - backward_end[lo])
-    if len(lengths) != num_stages:
-        raise ValueError(f"the trace has {len(lengths)} stages, expected {num_stages}")
-    return (hi - lo) / statistics.fmean(lengths)
+        windows.append((stage_ends[lo], stage_ends[hi]))
+    return windows, hi - lo
+
+
+def steady_state_throughput(
+    events, num_stages: int, microbatches: int, steps: int, first: int = 1
+) -> float:
+    """Microbatches per second in the steady-state window (see the module docstring)."""
+    windows, count = window_per_stage(backward_ends(events), num_stages, microbatches, steps, first)
+    return count / statistics.fmean(hi - lo for lo, hi in windows)
+
+
+def steady_utilization(ends, busy_intervals, num_stages: int, microbatches: int, steps: int):
+    """Per stage, the busy fraction inside its steady-state window, started after a quarter of
+    the steps (a long fill, as with p2p latency, is then left out); None: too few steps."""
+    try:
+        first = max(1, steps // 4)
+        windows, _ = window_per_stage(ends, num_stages, microbatches, steps, first)
+    except ValueError:
+        return None
+    result = []
+    for (lo, hi), intervals in zip(windows, busy_intervals):
+        if hi <= lo:
+            return None
+        busy = sum(max(0.0, min(e, hi) - max(b, lo)) for b, e in intervals)
+        result.append(busy / (hi - lo))
+    return result

@@ -1,4 +1,4 @@
-"""The discrete-event simulator: issue 4's acceptance for the simulator, traces, and the CLI."""
+"""The discrete-event simulator: bubbles, drift, in-flight and delays, traces, and the CLI."""
 
 import json
 import math
@@ -36,7 +36,7 @@ def run(name, n, m, steps, fwd=1.0, bwd=2.0, **kw):
     )
 
 
-# ------------------------------------------------------------------ acceptance (issue 4)
+# ------------------------------------------------------------------ closed forms
 
 
 @pytest.mark.parametrize("n", [4, 8])
