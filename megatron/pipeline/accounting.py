@@ -82,10 +82,6 @@ class StageStats:
         }
 
 
-def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 @contextlib.contextmanager
 def preserve_versions(parameters):
     """Update parameters in place while older microbatches' graphs still hold them.
