@@ -128,7 +128,7 @@ echo "gpu_check: per-microbatch times of each of $STAGES pipeline stages (from $
 import json
 import sys
 
-from megatron.pipeline.simulator import stage_costs_from_calibration
+from megatron.pipeline.simulation.calibration import stage_costs_from_calibration
 
 path, stages = sys.argv[1], int(sys.argv[2])
 with open(path, encoding="utf-8") as f:

@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
 
     from megatron.pipeline.accounting import preserve_versions
     from megatron.pipeline.schedules import get_schedule
-    from megatron.pipeline.simulator import simulate
+    from megatron.pipeline.simulation import simulate
     from megatron.training.data import build_data_iterators
     from megatron.training.model import build_gpt_stage
     from megatron.training.optimizer import (

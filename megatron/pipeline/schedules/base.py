@@ -3,7 +3,7 @@
 A schedule looks at what one stage knows (a `StageView`: counters, whether the next input or
 gradient has arrived) and names the next `Action`. It never touches tensors, clocks or process
 groups, so the very same function drives the real runtime (`megatron.pipeline.runtime`) and the
-discrete-event simulator (`megatron.pipeline.simulator`).
+discrete-event simulator (`megatron.pipeline.simulation`).
 
 Conventions shared by every schedule:
 

@@ -43,8 +43,8 @@ from ..schedules.paci import drift_bound
 from .calibration import profile_sizes, read_calibration, stage_costs_from_calibration
 from .costs import StageCosts
 from .engine import simulate
-from .results import steady_state_throughput
 from .projection_report import summary
+from .results import steady_state_throughput
 
 PAPER = {"best_flush_gb128": 1.69, "best_flush_gb256": 1.41, "same_configuration": 2.04}
 
