@@ -4,6 +4,9 @@ One `StageRuntime` per rank lives for the whole run, so an asynchronous schedule
 microbatches, weight version and pending receives carry over from one call to the next. The
 runtime does not decide anything: ordering is the schedule's (`megatron.pipeline.schedules`),
 and the work itself is injected (Megatron's `forward_step_func`, an optimizer-step callable).
+Counters, weight versions, the `StageView` and the check of every action are the stage's
+`StageState` (`megatron.pipeline.stage_state`), the same the simulator keeps: an action the
+stage cannot run raises `IllegalActionError` with the stage's state and recent actions.
 """
 
 import collections

@@ -19,10 +19,10 @@ throughput; its prediction comes from its own trace); ``runs`` lists every run. 
 machine other jobs' CPU bursts stall the pipeline now and then (a stage's wake-up comes tens
 to hundreds of ms late): the median run is the robust figure.
 
-Definitions (the same function reads the real and the simulated timeline):
+Definitions (the same functions read the real and the simulated timeline):
 
 * steady-state throughput: `megatron.pipeline.simulation.results.steady_state_throughput`,
-  which reads the real trace and the simulated timeline alike.
+  from the end of step 1 to the last step before the final drain.
 * p2p latency (`estimate_p2p_latency`): the mean, over transfers whose receiving stage was
   already idle when the sender finished, of (receiver's start) - (sender's end). It includes
   the receiving thread's wake-up and the decision, i.e. all the delay a transfer adds.
