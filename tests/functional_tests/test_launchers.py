@@ -7,6 +7,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import run_cases
@@ -195,3 +196,19 @@ def test_two_nodes_on_loopback_train_like_one(tmp_path):
     golden = run_cases.golden_losses(REFERENCE_CASE)
     assert max_relative_difference(summary["loss"], golden) <= 1e-5
     assert [stage["max_drift"] for stage in summary["stages"]] == [1, 1, 1, 0]
+
+
+def test_replicate_cases_use_one_global_batch_and_accepted_flags(tmp_path):
+    """examples/paci/replicate_cpu.sh's runs: every case parses, all at the same global batch,
+    flush plus PACI with a in {1, 2, 4, 8}, each with its own output directory."""
+    command = [sys.executable, os.path.join(REPO, "tools", "replicate.py"), "cases", "--seed", "3",
+               "--iterations", "20", "--runs", str(tmp_path)]  # fmt: skip
+    cases = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    parsed = [build_parser().parse_args(case["args"]) for case in cases]
+    runs = sorted(
+        (args.pipeline_schedule, args.global_batch_size // args.micro_batch_size) for args in parsed
+    )
+    assert runs == [("1f1b", 8), ("paci", 1), ("paci", 2), ("paci", 4), ("paci", 8)]
+    assert {args.global_batch_size for args in parsed} == {16}
+    assert {args.seed for args in parsed} == {3}
+    assert len({case["metrics_dir"] for case in cases}) == len(cases)
