@@ -106,8 +106,9 @@ def _draw_gantt(ax, events: list[tuple], start: float, end: float) -> None:
     for stage, kind, begin, duration, microbatch in events:
         if begin + duration < start or begin > end:
             continue
-        ax.broken_barh([(1000 * (begin - start), 1000 * duration)], (stage - 0.4, 0.8),
-                       facecolors=COLORS.get(kind, "grey"), edgecolors="white", linewidth=0.3)  # fmt: skip
+        box = [(1000 * (begin - start), 1000 * duration)]
+        color = COLORS.get(kind, "grey")
+        ax.broken_barh(box, (stage - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3)
     ax.set_yticks(range(stages), [f"stage {s + 1}" for s in range(stages)], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, 1000 * (end - start))

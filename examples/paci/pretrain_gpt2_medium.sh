@@ -73,9 +73,11 @@ PRETRAIN=${PRETRAIN:-$REPO/pretrain_gpt.py}
 
 # Micro batch from the global batch: GLOBAL_BATCH = micro x A x data parallel.
 WORLD=$((NNODES * NPROC_PER_NODE))
-[ $((WORLD % (TP * PP))) = 0 ] || fail "NNODES x NPROC_PER_NODE = $WORLD is not divisible by TP x PP = $((TP * PP))"
+[ $((WORLD % (TP * PP))) = 0 ] ||
+  fail "NNODES x NPROC_PER_NODE = $WORLD is not divisible by TP x PP = $((TP * PP))"
 DP=$((WORLD / (TP * PP)))
-[ $((GLOBAL_BATCH % (A * DP))) = 0 ] || fail "GLOBAL_BATCH $GLOBAL_BATCH is not divisible by A x data parallel = $A x $DP"
+[ $((GLOBAL_BATCH % (A * DP))) = 0 ] ||
+  fail "GLOBAL_BATCH $GLOBAL_BATCH is not divisible by A x data parallel = $A x $DP"
 MICRO_BATCH=$((GLOBAL_BATCH / (A * DP)))
 
 # The paper's learning-rate rule: 3e-4 at global batch 256, scaled by the square root.
@@ -98,7 +100,8 @@ case "$TOKENIZER_TYPE" in
   NullTokenizer)
     need VOCAB_SIZE "the vocabulary size"
     DATA_ARGS+=(--vocab-size "$VOCAB_SIZE") ;;
-  *) fail "unknown TOKENIZER_TYPE $TOKENIZER_TYPE (GPT2BPETokenizer, SentencePieceTokenizer, NullTokenizer)" ;;
+  *) fail "unknown TOKENIZER_TYPE $TOKENIZER_TYPE (GPT2BPETokenizer, SentencePieceTokenizer," \
+    "NullTokenizer)" ;;
 esac
 if [ "${MOCK_DATA:-0}" = 1 ]; then
   DATA_ARGS+=(--mock-data)
@@ -143,7 +146,11 @@ COMMAND=("$TORCHRUN" "${LAUNCH[@]}" "$PRETRAIN" "${ARGS[@]}" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then
   # Shell-quoted only where needed, so the line can be pasted as is.
   for word in "${COMMAND[@]}"; do
-    if [[ "$word" =~ ^[A-Za-z0-9_./:,=+@%-]+$ ]]; then printf '%s ' "$word"; else printf '%q ' "$word"; fi
+    if [[ "$word" =~ ^[A-Za-z0-9_./:,=+@%-]+$ ]]; then
+      printf '%s ' "$word"
+    else
+      printf '%q ' "$word"
+    fi
   done
   printf '\n'
   exit 0

@@ -58,7 +58,8 @@ def test_sbatch_script_trains_on_a_loopback_cluster(cluster):
     }  # fmt: skip
     environment = {**script_environment(**variables), **cluster.environment}
     job_id, code = cluster.sbatch_wait(
-        ["--nodes", "1", "--time", "10", f"--output={job_log}", SLURM_SCRIPT, *CPU_CASE_EXTRA_FLAGS],
+        ["--nodes", "1", "--time", "10", f"--output={job_log}", SLURM_SCRIPT,
+         *CPU_CASE_EXTRA_FLAGS],
         timeout=400, cwd=REPO, env=environment,
     )  # fmt: skip
     log = open(job_log.replace("%j", str(job_id))).read()
