@@ -316,7 +316,8 @@ and figure on this page comes from that run; re-running the script rewrites the 
 **Setup.** GPT ({MODEL['num_layers']} layers, hidden {MODEL['hidden_size']},
 {MODEL['num_attention_heads']} heads, seq {SEQ_LENGTH}, 8k sentencepiece vocabulary, untied
 embeddings) on the default corpus (the Python standard library's sources, `make data`),
-{STAGES} pipeline stages on {STAGES} processes (gloo), global batch {GLOBAL_BATCH} sequences for every run, so every run sees the same tokens
+{STAGES} pipeline stages on {STAGES} processes (gloo), global batch
+{GLOBAL_BATCH} sequences for every run, so every run sees the same tokens
 in the same order for a given seed. AdamW (betas 0.9/0.95, weight decay 0.1), peak LR 1e-3 with
 10 warmup iterations and cosine decay to 1e-4, clip-grad 1.0, {iterations} iterations
 ({tokens:,} tokens), seeds {', '.join(map(str, options.seeds))} (the seed sets the
