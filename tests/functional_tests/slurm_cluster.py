@@ -15,7 +15,7 @@ import socket
 import subprocess
 import time
 
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "squeue", "scancel")
 
 
 def missing_commands() -> list[str]:
@@ -183,6 +183,19 @@ class LoopbackSlurm:
         fields = dict(item.split("=", 1) for item in text.split() if "=" in item)
         return f"{fields.get('JobState')} {fields.get('ExitCode')}"
 
+    def _cancel_jobs(self, timeout: float = 20.0) -> None:
+        """Cancel what still runs (a test that timed out) so no job outlives the cluster."""
+        try:
+            self.run(["scancel", "--full", "--user", _user_name()], check=False, timeout=10)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                queue = self.run(["squeue", "--noheader"], check=False, timeout=10)
+                if queue.returncode != 0 or not queue.stdout.strip():
+                    return
+                time.sleep(0.5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
     def logs(self) -> str:
         parts = []
         for name in sorted(os.listdir(self.path("log"))):
@@ -191,6 +204,8 @@ class LoopbackSlurm:
         return "\n".join(parts)
 
     def stop(self) -> None:
+        if self.processes:
+            self._cancel_jobs()
         for process in reversed(self.processes):
             if process.poll() is None:
                 process.terminate()
