@@ -50,8 +50,17 @@ def training_flags(iterations: int, seed: int, cache: str) -> list[str]:
         "--tokenizer-model", os.path.join(REPO, "data", "tokenizer", "stdlib.model"),
         "--pipeline-model-parallel-size", str(STAGES), "--distributed-backend", "gloo",
         "--log-interval", "10", "--eval-interval", str(iterations), "--eval-iters", "10",
-        "--seed", str(seed),
+        "--seed", str(seed), *embedding_flags(),
     ]  # fmt: skip
+
+
+def embedding_flags() -> list[str]:
+    """Untied embeddings, the only kind PACI runs, where the parser has the switch for it."""
+    sys.path.insert(0, REPO)
+    from megatron.training.arguments import build_parser
+
+    untie = "--untie-embeddings-and-output-weights"
+    return [untie] if untie in build_parser()._option_string_actions else []
 
 
 def run_directory(runs: str, seed: int, name: str) -> str:

@@ -126,10 +126,17 @@ else
     --rdzv-id "$RDZV_ID")
 fi
 
+# Untied input and output embeddings, the paper's setup and the only one PACI runs (tying them
+# needs a first/last-stage all-reduce every step). Passed where the parser knows the flag.
+EMBEDDING_ARGS=()
+if grep -rqs -- "--untie-embeddings-and-output-weights" "$REPO/megatron/training/"; then
+  EMBEDDING_ARGS=(--untie-embeddings-and-output-weights)
+fi
+
 ARGS=(
   --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS"
   --seq-length "$SEQ" --max-position-embeddings "$SEQ"
-  --attention-dropout 0.0 --hidden-dropout 0.0 "${PRECISION_ARGS[@]}"
+  --attention-dropout 0.0 --hidden-dropout 0.0 "${PRECISION_ARGS[@]}" "${EMBEDDING_ARGS[@]}"
   --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
   --optimizer adam --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine
   --lr-warmup-iters "$WARMUP_ITERS" --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
