@@ -3,12 +3,12 @@
 # a in {1, 2, 4, 8} at the same global batch, several seeds, 4 stages on 4 CPU processes; then
 # figures and docs/results/README.md (tables, the exact commands). About 10-15 minutes on
 # 2 cores with the defaults. Run from the repository root after `make data`.
-#   [ITERS=150] [SEEDS="1 2 3"] [RUNS=runs/replicate] [RESULTS=docs/results] \
+#   [ITERS=100] [SEEDS="1 2 3"] [RUNS=runs/replicate] [RESULTS=docs/results] \
 #     bash examples/paci/replicate_cpu.sh
 # REPORT_ONLY=1 redraws the figures and the report from the runs already in RUNS.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-ITERS=${ITERS:-150}
+ITERS=${ITERS:-100}
 SEEDS=${SEEDS:-1 2 3}
 RUNS=${RUNS:-runs/replicate}
 RESULTS=${RESULTS:-docs/results}
