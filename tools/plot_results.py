@@ -28,20 +28,23 @@ def plot_loss_curves(curves: dict[str, tuple[list[float], list[list[float]]]], x
     ax.set_ylabel("training lm loss (trailing mean of 10 iterations)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right")
+    ax.legend(loc="lower left")
     _zoom_on_tail(ax, curves)
     _save(fig, path)
 
 
 def _zoom_on_tail(ax, curves) -> None:
-    """Inset of the last 40% of the run, where the schedules' differences show."""
-    inset = ax.inset_axes([0.09, 0.09, 0.42, 0.33])
+    """Inset of the last 40% of the run, where the schedules' differences show (the curves fall
+    from top left to bottom right, so the top right is free)."""
+    inset = ax.inset_axes([0.52, 0.52, 0.45, 0.33])
     for name, (xs, per_seed) in curves.items():
         start = int(len(xs) * 0.6)
         columns = list(zip(*per_seed))[start:]
         inset.plot(xs[start:], [statistics.median(c) for c in columns], linewidth=1.2)
     inset.grid(alpha=0.3)
     inset.tick_params(labelsize=7)
+    inset.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
+    inset.set_title("last 40%, medians", fontsize=7)
 
 
 def plot_drift_histograms(histograms: dict[str, list[dict[int, int]]], path: str) -> None:
@@ -86,6 +89,7 @@ def step_window(events: list[tuple], first_step: int, steps: int) -> tuple[float
     last = max(e[0] for e in events)
     ends = sorted(start + duration for stage, kind, start, duration, _ in events
                   if stage == last and kind == "S")  # fmt: skip
+    first_step = max(1, min(first_step, len(ends) - steps))  # stay inside a short run
     return ends[first_step - 1], ends[first_step + steps - 1]
 
 
