@@ -229,7 +229,8 @@ def loss_curves(summaries, seconds_per_iteration=None) -> tuple[list[float], lis
 
 
 def timeline_figure(options, name: str, schedule: str, microbatches: int, iterations: int) -> str:
-    """Measured (seed 1) and simulated timelines of three iterations in mid-run."""
+    """Measured (seed 1) and simulated (this model's stages; balanced stages) timelines of three
+    iterations in mid-run."""
     import plot_results
 
     measured_path = os.path.join(
@@ -237,16 +238,20 @@ def timeline_figure(options, name: str, schedule: str, microbatches: int, iterat
     )
     measured = plot_results.trace_events(measured_path)
     simulated_path = os.path.join(options.runs, f"simulated_{name}.json")
-    costs = cost_flags(options.calibration, microbatches, balanced=False)
-    simulate(schedule, microbatches, 8, costs, "--timeline", simulated_path)
-    simulated = plot_results.trace_events(simulated_path)
+    simulated = {}
+    for balanced in (False, True):
+        costs = cost_flags(options.calibration, microbatches, balanced)
+        simulate(schedule, microbatches, 8, costs, "--timeline", simulated_path)
+        simulated[balanced] = plot_results.trace_events(simulated_path)
     label = f"{name} ({schedule}, {microbatches} microbatches of {micro_batch_size(microbatches)})"
     panels = [
         (f"{label}: measured, iterations {iterations // 2 + 1}-{iterations // 2 + 3}, 4 processes "
          "sharing 2 CPU cores (gaps include waiting for a core)", measured,
          plot_results.step_window(measured, iterations // 2, 3)),
-        (f"{label}: simulated with the calibrated costs, one core per stage, steps 4-6", simulated,
-         plot_results.step_window(simulated, 3, 3)),
+        (f"{label}: simulated with the calibrated costs, one core per stage, steps 4-6",
+         simulated[False], plot_results.step_window(simulated[False], 3, 3)),
+        (f"{label}: simulated, the same work balanced over the stages, steps 4-6",
+         simulated[True], plot_results.step_window(simulated[True], 3, 3)),
     ]  # fmt: skip
     filename = f"timeline_{name}.png"
     plot_results.plot_timelines(panels, os.path.join(options.output, filename))
@@ -440,8 +445,9 @@ is the bottleneck and flush's bubble costs little: it is the other stages that w
 figure and the "balanced stages" columns spread the same total work evenly over the 4 stages,
 as a pipeline split for balance would (the PACI paper's 8 stages of 3 GPT-2 Medium layers are
 close to it); there flush idles `(N - 1) / (m + N - 1)` = 3/11 of each step. The costs are
-measured afresh each time the script runs: on this shared machine two measurements gave flush
-0.110 and 0.117 s per iteration; the ratios between the runs moved by about 0.02.
+measured afresh each time the script runs and move with the machine's load: while this page was
+being prepared (2026-11-30, shared 2-core machine) four measurements put flush between 0.110 and
+0.135 s per iteration, and the ratios between the runs moved by at most 0.02.
 
 {chr(10).join(cost_table(stats, projections))}
 
@@ -458,7 +464,8 @@ never drifts.
 ## Timelines
 
 One figure per run: three measured iterations in mid-run (seed {options.seeds[0]}), above the
-simulator's timeline with the calibrated costs.
+simulator's timelines with the calibrated costs of this model's stages and with the same work
+balanced over the stages.
 
 {figures}
 
