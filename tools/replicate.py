@@ -55,7 +55,6 @@ def training_flags(iterations: int, seed: int, cache: str) -> list[str]:
 
 def embedding_flags() -> list[str]:
     """Untied embeddings, the only kind PACI runs, where the parser has the switch for it."""
-    sys.path.insert(0, REPO)
     from megatron.training.arguments import build_parser
 
     untie = "--untie-embeddings-and-output-weights"
@@ -87,7 +86,6 @@ def write_cases(options: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- projection
 def simulate(schedule: str, microbatches: int, steps: int, costs: list[str], *extra: str) -> dict:
     """tools/simulate_pipeline.py's report for this pipeline, run in this process."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import simulate_pipeline
 
     flags = [
@@ -482,7 +480,6 @@ version.
 
 
 def write_report(options: argparse.Namespace) -> int:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     os.makedirs(options.output, exist_ok=True)
     summaries = load_summaries(options.runs, options.seeds)
     measured_calibration = options.calibration

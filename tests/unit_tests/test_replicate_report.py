@@ -1,15 +1,26 @@
 """tools/replicate.py report on synthetic runs: every figure is written, and the tables carry
 the numbers the runs hold (final loss, same-seed gap to flush, drift)."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tools"))
 
-import replicate  # noqa: E402
+
+def load_replicate():
+    """tools/replicate.py as a module (a script beside the packages, not one of them)."""
+    spec = importlib.util.spec_from_file_location(
+        "replicate", os.path.join(REPO, "tools", "replicate.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+replicate = load_replicate()
 
 SEEDS = [1, 2]
 
