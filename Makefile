@@ -8,7 +8,7 @@ CORPUS := $(DATA)/stdlib.jsonl
 TOKENIZER := $(DATA)/tokenizer/stdlib.model
 DATASET := $(DATA)/stdlib_text_document
 
-.PHONY: venv data demo test unit-test functional-test lint format clean
+.PHONY: venv data demo test cluster-test unit-test functional-test lint format clean
 
 venv: $(VENV)/.installed
 
@@ -38,6 +38,12 @@ demo: venv data
 
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The Slurm launch test on a one-node cluster it starts on loopback. Installs Debian's Slurm and
+# MUNGE first (needs root); there a missing package fails the test instead of skipping it.
+cluster-test: venv
+	bash tools/install_slurm.sh
+	PACI_REQUIRE_SLURM=1 $(PY) -m pytest -q -p no:cacheprovider tests/functional_tests/test_slurm.py
 
 unit-test: venv
 	$(PY) -m pytest -q tests/unit_tests
