@@ -20,6 +20,11 @@ from megatron.pipeline.trace import write_chrome_trace
 from .checkpointing import atomic_write_text
 
 
+# Megatron scales the loss only for fp16 training (not supported here): fp32 and bf16 runs
+# report a loss scale of 1, as Megatron's do.
+LOSS_SCALE = 1.0
+
+
 def is_logging_rank() -> bool:
     """Megatron logs from the last pipeline stage (it has the loss); its first TP/DP rank."""
     return (
@@ -57,14 +62,16 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer) -> N
     drift = runtime.drift_by_stage()
     drift_text = " ".join(f"{mx}/{mean:.2f}" for mx, mean in drift)
     report = step_func.last
+    # Megatron's field order; our per-stage weight drift comes last.
     print(
         f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {state.iteration:8d}/"
         f"{args.train_iters:8d} | consumed samples: {state.consumed_train_samples:12d} | "
         f"elapsed time per iteration (ms): {per_iteration_ms:.1f} | "
         f"learning rate: {report.learning_rate:.6E} | "
         f"global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} | "
-        f"grad norm: {report.grad_norm:.3f} | weight drift max/mean by stage: {drift_text} | "
-        f"number of skipped iterations:   0 | number of nan iterations:   0 |",
+        f"loss scale: {LOSS_SCALE:.1f} | grad norm: {report.grad_norm:.3f} | "
+        f"number of skipped iterations:   0 | number of nan iterations:   0 | "
+        f"weight drift max/mean by stage: {drift_text} |",
         flush=True,
     )
     if writer is not None:

@@ -6,6 +6,7 @@ optimizer itself when a step is due.
 """
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -72,6 +73,54 @@ def padded_vocab_size(vocab_size: int, args) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+# Megatron's defaults for the model switches, for namespaces built without our parser
+# (tools that construct a model directly).
+_MODEL_SWITCH_DEFAULTS = {
+    "normalization": "LayerNorm",
+    "norm_epsilon": 1e-5,
+    "apply_layernorm_1p": False,
+    "disable_bias_linear": False,
+    "add_qkv_bias": False,
+    "swiglu": False,
+    "squared_relu": False,
+    "num_query_groups": None,
+    "kv_channels": None,
+    "qk_layernorm": False,
+    "attention_softmax_in_fp32": False,
+    "apply_query_key_layer_scaling": False,
+    "apply_residual_connection_post_layernorm": False,
+    "rotary_interleaved": False,
+}
+
+
+def model_switches(args) -> dict:
+    """The TransformerConfig fields that Megatron's model switches set."""
+    get = {name: getattr(args, name, default) for name, default in _MODEL_SWITCH_DEFAULTS.items()}
+    activation = torch.nn.functional.gelu
+    if get["swiglu"]:
+        activation = torch.nn.functional.silu
+    elif get["squared_relu"]:
+        from megatron.core.activations import squared_relu
+
+        activation = squared_relu
+    return dict(
+        normalization=get["normalization"],
+        layernorm_epsilon=get["norm_epsilon"],
+        layernorm_zero_centered_gamma=get["apply_layernorm_1p"],
+        add_bias_linear=not get["disable_bias_linear"],
+        add_qkv_bias=get["add_qkv_bias"],
+        gated_linear_unit=get["swiglu"],
+        activation_func=activation,
+        num_query_groups=get["num_query_groups"],
+        kv_channels=get["kv_channels"],
+        qk_layernorm=get["qk_layernorm"],
+        attention_softmax_in_fp32=get["attention_softmax_in_fp32"],
+        apply_query_key_layer_scaling=get["apply_query_key_layer_scaling"],
+        apply_residual_connection_post_layernorm=get["apply_residual_connection_post_layernorm"],
+        rotary_interleaved=get["rotary_interleaved"],
+    )
+
+
 def transformer_config(args, device: torch.device) -> TransformerConfig:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return TransformerConfig(
@@ -82,6 +131,7 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         init_method_std=args.init_method_std,
         attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout,
+        **model_switches(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
@@ -124,6 +174,10 @@ def build_stage_model(args, vocab_size: int, device: torch.device) -> torch.nn.M
         position_embedding_type=args.position_embedding_type,
         device=device,
         seed=args.seed,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        use_transformer_engine=args.transformer_impl == "transformer_engine",
     )
 
 
@@ -172,10 +226,12 @@ def pretrain(args, forward_step_func) -> TrainingState:
         tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
         clip_grad=args.clip_grad,
     )
+    if args.pipeline_schedule == "1f1b":
+        step_func = TiedEmbeddingGradSync(step_func, model)
     state = TrainingState()
     if args.load:
         state.iteration, state.consumed_train_samples = checkpointing.load(
-            args.load, model=model, optimizer=optimizer, scheduler=scheduler
+            args.load, model=model, optimizer=optimizer, scheduler=scheduler, args=args
         )
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     runtime = StageRuntime(
@@ -208,8 +264,12 @@ def pretrain(args, forward_step_func) -> TrainingState:
     print_rank_0(f"> setup done in {time.perf_counter() - wall_start:.1f} s, training ...")
 
     with _maybe_audit() as audit:
-        train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state,
-              writer, audit)  # fmt: skip
+        if args.skip_train:
+            print_rank_0("> --skip-train: evaluation only")
+            evaluate(args, forward_step_func, model, valid_iter, state, writer)
+        else:
+            train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter,
+                  state, writer, audit)  # fmt: skip
     if audit_requested():
         state.cross_stage_collectives = len(audit.violations)
 
@@ -231,17 +291,49 @@ def _maybe_audit():
         yield audit
 
 
+class TiedEmbeddingGradSync:
+    """Megatron's gradient all-reduce for tied embeddings under 1F1B-flush: before the step,
+    the first stage's input embedding and the last stage's output layer (two copies of one
+    weight) sum their gradients over megatron-core's embedding group, so both copies take the
+    same update and the model equals a non-pipelined tied one. Wraps the stage's step."""
+
+    def __init__(self, step_func: StageOptimizerStep, model: torch.nn.Module):
+        self.step_func = step_func
+        self.weights = [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
+        self.group = parallel_state.get_embedding_group() if self.weights else None
+
+    def __call__(self):
+        for weight in self.weights:
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            dist.all_reduce(weight.grad, group=self.group)
+        return self.step_func()
+
+    def __getattr__(self, name):  # optimizer, scheduler, last: the wrapped step's
+        return getattr(self.step_func, name)
+
+
 def _eval_samples(args) -> int:
-    evaluations = args.train_iters // args.eval_interval
+    evaluations = args.train_iters // args.eval_interval + int(args.skip_train)
     return args.eval_iters * args.global_batch_size if evaluations and args.eval_iters else 0
+
+
+def stop_iteration(args, start_iteration: int) -> int:
+    """--train-iters, or earlier the first iteration after the start that --exit-interval
+    divides (Megatron saves with --save and exits there)."""
+    if args.exit_interval is None:
+        return args.train_iters
+    first_exit = (start_iteration // args.exit_interval + 1) * args.exit_interval
+    return min(args.train_iters, first_exit)
 
 
 def drain_points(args, start_iteration: int) -> list[int]:
     """Iterations after which the pipeline must be empty: evaluation, checkpoint, the end."""
-    points = {args.train_iters}
+    stop = stop_iteration(args, start_iteration)
+    points = {stop}
     for interval in (args.eval_interval if args.eval_iters else None, args.save_interval):
         if interval:
-            points.update(range(interval, args.train_iters + 1, interval))
+            points.update(range(interval, stop + 1, interval))
     return sorted(p for p in points if p > start_iteration)
 
 
@@ -249,10 +341,11 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
           writer, audit) -> None:  # fmt: skip
     schedule_function = get_forward_backward_func(args.pipeline_schedule)
     drains = drain_points(args, state.iteration)
+    stop = drains[-1] if drains else state.iteration
     m = args.num_microbatches
     interval_start, interval_losses = time.perf_counter(), []
     train_start = time.perf_counter()
-    while state.iteration < args.train_iters:
+    while state.iteration < stop:
         iteration = state.iteration + 1
         next_drain = next(p for p in drains if p >= iteration)
         loss_dicts = schedule_function(
@@ -281,13 +374,18 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
             interval_start = time.perf_counter()  # evaluation time is not iteration time
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             with audit.paused():  # the pipeline is drained here: not a training step
-                checkpointing.save(
-                    args.save, state, model, step_func.optimizer, step_func.scheduler
-                )
+                _save(args, state, model, step_func)
     state.train_time_s = time.perf_counter() - train_start
     if args.save and not (args.save_interval and state.iteration % args.save_interval == 0):
         with audit.paused():
-            checkpointing.save(args.save, state, model, step_func.optimizer, step_func.scheduler)
+            _save(args, state, model, step_func)
+    if state.iteration < args.train_iters:
+        print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval)")
+
+
+def _save(args, state, model, step_func) -> None:
+    checkpointing.save(args.save, state, model, step_func.optimizer, step_func.scheduler,
+                       optim=not args.no_save_optim, rng=not args.no_save_rng)  # fmt: skip
 
 
 def _average_loss(loss_dicts: list[dict]) -> float:
@@ -322,8 +420,14 @@ def evaluate(args, forward_step_func, model, valid_iter, state, writer) -> None:
     model.train()
     if parallel_state.is_pipeline_last_stage():
         loss = sum(losses) / len(losses)
+        ppl = math.exp(min(20.0, loss))  # Megatron caps the exponent at 20
         state.validation.append({"iteration": state.iteration, "lm loss": loss})
-        line = f" validation loss at iteration {state.iteration} | lm loss value: {loss:.6E} |"
+        line = (
+            f" validation loss at iteration {state.iteration} | lm loss value: {loss:.6E} | "
+            f"lm loss PPL: {ppl:.6E} |"
+        )
         print_rank_last("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
         if writer is not None and is_logging_rank():
             writer.add_scalar("lm loss validation", loss, state.iteration)
+            if args.log_validation_ppl_to_tensorboard:
+                writer.add_scalar("lm loss validation ppl", ppl, state.iteration)
