@@ -1,0 +1,90 @@
+"""Megatron command lines on real multi-process runs: tied embeddings, a GPT-3 style command
+line on GPT-2 BPE data, a Llama-style model, and run control (exit, resume, skip-train).
+
+References: a one-stage run of the same command line for every pipelined flush run (1F1B-flush
+is numerically a non-pipelined run), and the uninterrupted run for resumed ones."""
+
+import glob
+import math
+import os
+
+import pytest
+import torch
+from test_gpt_cases import drift_bound, max_relative_difference
+
+# (pipelined flush case, its one-stage reference)
+FLUSH_EQUALS_ONE_STAGE = [
+    ("gpt_pp4_tied_1f1b", "gpt_pp1_tied_1f1b"),
+    ("gpt_gpt3style_pp4_1f1b", "gpt_gpt3style_pp1_1f1b"),
+    ("gpt_llama_pp4_1f1b", "gpt_llama_pp1_1f1b"),
+]
+PACI_CASES = ["gpt_gpt3style_pp4_paci", "gpt_llama_pp4_paci"]
+
+
+@pytest.mark.parametrize("pipelined, reference", FLUSH_EQUALS_ONE_STAGE)
+def test_pipelined_flush_equals_one_stage(case_results, pipelined, reference):
+    """With tied embeddings this holds only if the first and last stages' copies of the
+    embedding sum their gradients every step (the embedding-group all-reduce)."""
+    expected = case_results[reference]["loss"]
+    assert len(expected) == 8
+    assert max_relative_difference(case_results[pipelined]["loss"], expected) <= 1e-5
+
+
+def test_tied_embeddings_change_the_model(case_results):
+    tied, untied = case_results["gpt_pp1_tied_1f1b"]["loss"], case_results["gpt_pp1_1f1b"]["loss"]
+    assert max_relative_difference(tied, untied) > 1e-3
+
+
+@pytest.mark.parametrize("name", PACI_CASES)
+def test_paci_megatron_style_runs_keep_drift_bound_and_no_global_sync(case_results, name):
+    summary = case_results[name]
+    assert summary["cross_stage_collectives"] == 0
+    for report in summary["stages"]:
+        bound = drift_bound(
+            report["stage"], summary["pipeline_stages"], summary["num_microbatches"]
+        )
+        assert report["max_drift"] == bound
+    assert summary["loss"][-1] < summary["loss"][0]
+
+
+def test_gpt3_style_run_logs_like_megatron(case_results):
+    summary = case_results["gpt_gpt3style_pp4_1f1b"]
+    log = summary["log"]
+    assert "checkpoints (no latest_checkpointed_iteration.txt): training from scratch" in log
+    assert "| lm loss: " in log and "| loss scale: 1.0 | grad norm: " in log
+    loss = summary["validation"][0]["lm loss"]
+    assert f"lm loss value: {loss:.6E} | lm loss PPL: {math.exp(loss):.6E} |" in log
+
+
+def test_validation_ppl_reaches_tensorboard(case_results):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    summary = case_results["gpt_gpt3style_pp1_1f1b"]
+    directory = os.path.join(summary["metrics_dir"], "tensorboard")
+    events = EventAccumulator(directory)
+    events.Reload()
+    ppl = [event.value for event in events.Scalars("lm loss validation ppl")]
+    expected = [math.exp(v["lm loss"]) for v in summary["validation"]]
+    assert ppl == pytest.approx(expected, rel=1e-5)
+
+
+def test_exit_interval_then_resume_with_train_samples(case_results):
+    """--exit-interval 6 stops an 8-iteration run after 6 (and saves without RNG state); a
+    run given --train-samples 64 (= 8 x 8) resumes at 7 and equals the uninterrupted run."""
+    uninterrupted = case_results["gpt_pp4_1f1b"]["loss"]
+    first = case_results["gpt_runcontrol_1_exit"]
+    assert first["iterations"] == 6 and first["loss"] == uninterrupted[:6]
+    assert "> exiting at iteration 6 (--exit-interval)" in first["log"]
+    resumed = case_results["gpt_runcontrol_2_resume"]["loss"]
+    assert resumed == uninterrupted[6:]
+    checkpoints = os.path.join(os.path.dirname(first["metrics_dir"]), "runcontrol")
+    saved = glob.glob(os.path.join(checkpoints, "iter_0000006", "*", "*.pt"))
+    assert len(saved) == 4
+    assert all("rng_state" not in torch.load(path, weights_only=False) for path in saved)
+
+
+def test_skip_train_only_evaluates(case_results):
+    summary = case_results["gpt_runcontrol_3_skiptrain"]
+    assert summary["loss"] == [] and summary["iterations"] == 6
+    assert [v["iteration"] for v in summary["validation"]] == [6]
+    assert 0 < summary["validation"][0]["lm loss"] < math.log(1001)
