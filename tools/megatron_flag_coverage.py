@@ -138,6 +138,10 @@ def classify(flags: list) -> tuple[str, list[str]]:
     return "accepted", []
 
 
+def _with_torch_format(flags: list) -> list:
+    return [["--ckpt-format", "torch"] if f[0] == "--ckpt-format" else f for f in flags]
+
+
 def report(command_lines: dict) -> str:
     outcomes = {name: classify(flags) for name, flags in command_lines.items()}
     total = len(outcomes)
@@ -151,7 +155,14 @@ def report(command_lines: dict) -> str:
     ]
     for outcome in ("accepted", "not supported yet", "other error", "parse error"):
         lines.append(f"| {outcome} | {counts[outcome]} | {100 * counts[outcome] / total:.1f}% |")
-    lines += ["", f"Parsed: {parsed} of {total} ({100 * parsed / total:.1f}%).", ""]
+    only_format = sum(
+        classify(_with_torch_format(command_lines[name]))[0] == "accepted"
+        for name, (_, details) in outcomes.items()
+        if details == ["--ckpt-format torch_dist"]
+    )
+    lines += ["", f"Parsed: {parsed} of {total} ({100 * parsed / total:.1f}%).",
+              f"Rejected only for `--ckpt-format torch_dist`, and accepted with `--ckpt-format "
+              f"torch`: {only_format}.", ""]  # fmt: skip
     lines += _blocking_table(outcomes)
     lines += _error_list(outcomes)
     return "\n".join(lines)

@@ -149,6 +149,12 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     add("--eval-iters", type=int, default=100)
     add("--tensorboard-dir", default=None)
     add("--log-validation-ppl-to-tensorboard", action="store_true")
+    add("--log-params-norm", action="store_true",
+        help="1F1B: the model's; PACI: the logging (last) stage's")  # fmt: skip
+    add("--log-num-zeros-in-grad", action="store_true",
+        help="1F1B: the model's; PACI: the logging (last) stage's")  # fmt: skip
+    add("--log-timers-to-tensorboard", action="store_true")
+    add("--log-memory-to-tensorboard", action="store_true")
     add("--metrics-dir", default=None, help="write summary.json here when the run ends")
     add("--timeline-file", default=None, help="Chrome trace of every stage's actions")
 
@@ -189,6 +195,8 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     _validate_parallel_layout(args, world_size)
     _validate_model_shape(args)
     _validate_batch_and_run_length(args)
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        raise UserError("--tokenizer-type HuggingFaceTokenizer is not supported yet")
     if check_files:
         _validate_data_args(args)
     elif args.mock_data and args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:

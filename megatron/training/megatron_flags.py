@@ -175,10 +175,6 @@ NOT_SUPPORTED = [
     Flag("--exit-duration-in-mins", float),
     Flag("--exit-signal-handler"),
     Flag("--calculate-per-token-loss"),
-    Flag("--log-params-norm"),
-    Flag("--log-num-zeros-in-grad"),
-    Flag("--log-memory-to-tensorboard"),
-    Flag("--log-timers-to-tensorboard"),
     Flag("--log-throughput"),
     # logging and profiling outside this process
     Flag("--wandb-project", str),

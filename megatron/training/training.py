@@ -226,8 +226,7 @@ def pretrain(args, forward_step_func) -> TrainingState:
         tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
         clip_grad=args.clip_grad,
     )
-    if args.pipeline_schedule == "1f1b":
-        step_func = TiedEmbeddingGradSync(step_func, model)
+    step_func = MegatronStep(step_func, model, args)
     state = TrainingState()
     if args.load:
         state.iteration, state.consumed_train_samples = checkpointing.load(
@@ -291,26 +290,86 @@ def _maybe_audit():
         yield audit
 
 
-class TiedEmbeddingGradSync:
-    """Megatron's gradient all-reduce for tied embeddings under 1F1B-flush: before the step,
-    the first stage's input embedding and the last stage's output layer (two copies of one
-    weight) sum their gradients over megatron-core's embedding group, so both copies take the
-    same update and the model equals a non-pipelined tied one. Wraps the stage's step."""
+class MegatronStep:
+    """The stage's optimizer step with Megatron's extras around it.
 
-    def __init__(self, step_func: StageOptimizerStep, model: torch.nn.Module):
+    * Tied embeddings under 1F1B-flush: before the step, the first stage's input embedding and
+      the last stage's output layer (two copies of one weight) sum their gradients over
+      megatron-core's embedding group, so both copies take the same update and the model equals
+      a non-pipelined tied one. (PACI with several stages refuses tying, see arguments.py.)
+    * --log-num-zeros-in-grad: zeros in the stage's gradient before the step (before the
+      data-parallel average); --log-params-norm: the stage's squared parameter norm after it.
+    * --log-timers-to-tensorboard: time spent in the step.
+    """
+
+    def __init__(self, step_func: StageOptimizerStep, model: torch.nn.Module, args):
         self.step_func = step_func
-        self.weights = [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
-        self.group = parallel_state.get_embedding_group() if self.weights else None
+        sync_tied = args.pipeline_schedule == "1f1b"
+        shared = [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
+        self.tied_weights = shared if sync_tied else []
+        self.group = parallel_state.get_embedding_group() if self.tied_weights else None
+        self.count_zeros, self.norm = args.log_num_zeros_in_grad, args.log_params_norm
+        self.num_zeros, self.params_norm_squared, self.step_seconds = 0.0, 0.0, 0.0
 
     def __call__(self):
-        for weight in self.weights:
+        for weight in self.tied_weights:
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
             dist.all_reduce(weight.grad, group=self.group)
-        return self.step_func()
+        if self.count_zeros:
+            self.num_zeros = _zeros_in_grad(self.step_func.params)
+        start = time.perf_counter()
+        report = self.step_func()
+        self.step_seconds += time.perf_counter() - start
+        if self.norm:
+            self.params_norm_squared = _squared_norm(self.step_func.params)
+        return report
 
     def __getattr__(self, name):  # optimizer, scheduler, last: the wrapped step's
         return getattr(self.step_func, name)
+
+
+def _counted_once(params):
+    """Parameters as Megatron counts them for norms and zeros: the last stage's copy of a
+    tied embedding and tensor-parallel duplicates (norm weights, ...) off TP rank 0 skipped."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    for param in params:
+        if getattr(param, "shared", False):
+            continue
+        if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
+            yield param
+
+
+def _zeros_in_grad(params) -> float:
+    zeros = 0
+    for param in _counted_once(params):
+        nonzero = 0 if param.grad is None else int(torch.count_nonzero(param.grad))
+        zeros += param.numel() - nonzero
+    return float(zeros)
+
+
+def _squared_norm(params) -> float:
+    return sum(float(p.detach().float().pow(2).sum()) for p in _counted_once(params))
+
+
+def megatron_log_fields(args, step_func: MegatronStep) -> dict:
+    """'num zeros' and 'params norm' for the iteration line. 1F1B-flush sums the stages'
+    values over the model-parallel group (the pipeline is flushed at every step anyway); PACI
+    reports the logging (last) stage's own, since a sum over stages would synchronize them."""
+    if not (args.log_num_zeros_in_grad or args.log_params_norm):
+        return {}
+    local = [step_func.num_zeros, step_func.params_norm_squared]
+    values = torch.tensor(local, dtype=torch.float64)
+    if args.pipeline_schedule == "1f1b":
+        params = step_func.step_func.params
+        values = values.to(params[0].device if params else torch.device("cpu"))
+        dist.all_reduce(values, group=parallel_state.get_model_parallel_group())
+    fields = {}
+    if args.log_num_zeros_in_grad:
+        fields["num zeros"] = float(values[0])
+    if args.log_params_norm:
+        fields["params norm"] = math.sqrt(float(values[1]))
+    return fields
 
 
 def _eval_samples(args) -> int:
@@ -367,7 +426,10 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
             interval_losses.append(loss)
         if iteration % args.log_interval == 0:
             elapsed = time.perf_counter() - interval_start
-            log_iteration(args, state, runtime, step_func, interval_losses, elapsed, writer)
+            fields = megatron_log_fields(args, step_func)
+            log_iteration(args, state, runtime, step_func, interval_losses, elapsed, writer,
+                          fields)  # fmt: skip
+            step_func.step_seconds = 0.0
             interval_start, interval_losses = time.perf_counter(), []
         if args.eval_iters and iteration % args.eval_interval == 0:
             evaluate(args, forward_step_func, model, valid_iter, state, writer)

@@ -56,16 +56,35 @@ def test_gpt3_style_run_logs_like_megatron(case_results):
     assert f"lm loss value: {loss:.6E} | lm loss PPL: {math.exp(loss):.6E} |" in log
 
 
-def test_validation_ppl_reaches_tensorboard(case_results):
+def tensorboard_scalars(summary) -> dict[str, list[float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    summary = case_results["gpt_gpt3style_pp1_1f1b"]
-    directory = os.path.join(summary["metrics_dir"], "tensorboard")
-    events = EventAccumulator(directory)
+    events = EventAccumulator(os.path.join(summary["metrics_dir"], "tensorboard"))
     events.Reload()
-    ppl = [event.value for event in events.Scalars("lm loss validation ppl")]
-    expected = [math.exp(v["lm loss"]) for v in summary["validation"]]
-    assert ppl == pytest.approx(expected, rel=1e-5)
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_megatron_logging_switches_reach_tensorboard(case_results):
+    summary = case_results["gpt_gpt3style_pp1_1f1b"]
+    scalars = tensorboard_scalars(summary)
+    expected_ppl = [math.exp(v["lm loss"]) for v in summary["validation"]]
+    assert scalars["lm loss validation ppl"] == pytest.approx(expected_ppl, rel=1e-5)
+    for tag in ("params-norm", "num-zeros", "optimizer-time", "forward-backward-time",
+                "mem-max-rss-bytes"):  # fmt: skip
+        assert len(scalars[tag]) == 8 and all(v >= 0 for v in scalars[tag]), tag
+    assert all(v > 1e6 for v in scalars["mem-max-rss-bytes"])
+
+
+def test_params_norm_is_the_models_under_flush(case_results):
+    """The norm summed over the stages (the tied embedding counted once) is the one-stage
+    model's; PACI's line reports the last stage's own, which is smaller."""
+    one_stage = tensorboard_scalars(case_results["gpt_gpt3style_pp1_1f1b"])["params-norm"]
+    pipelined = tensorboard_scalars(case_results["gpt_gpt3style_pp4_1f1b"])["params-norm"]
+    assert max_relative_difference(pipelined, one_stage) <= 1e-5
+    last_stage = tensorboard_scalars(case_results["gpt_gpt3style_pp4_paci"])["params-norm"]
+    assert all(0 < stage < model for stage, model in zip(last_stage, one_stage))
+    log = case_results["gpt_gpt3style_pp4_1f1b"]["log"]
+    assert f"| params norm: {pipelined[0]:.3f} |" in log and "| num zeros: " in log
 
 
 def test_exit_interval_then_resume_with_train_samples(case_results):
