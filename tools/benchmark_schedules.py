@@ -103,6 +103,7 @@ def emulated_run_args(
         "--emulated-backward-ms", str(bwd_ms),
         "--mock-data",
         "--tokenizer-type", "NullTokenizer",
+        "--untie-embeddings-and-output-weights",
         "--distributed-backend", "gloo",
         "--eval-iters", "0",
         "--log-interval", str(steps),

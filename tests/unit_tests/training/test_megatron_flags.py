@@ -181,3 +181,42 @@ def test_flag_coverage_of_megatron_command_lines():
     outcomes = [coverage.classify(flags)[0] for flags in command_lines.values()]
     assert outcomes.count("parse error") == 0
     assert outcomes.count("other error") == 0
+
+
+def _scheduler_for(extra: list[str]):
+    import torch
+
+    from megatron.training.optimizer import build_lr_scheduler
+
+    args = validated(extra)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=args.lr)
+    return optimizer, build_lr_scheduler(optimizer, args)
+
+
+@pytest.mark.parametrize(
+    "flag, loaded_lr",
+    [(None, None), ("--override-opt_param-scheduler", 1e-3), ("--use-checkpoint-opt_param-scheduler", 2e-3)],
+)  # fmt: skip
+def test_scheduler_settings_are_checked_against_the_checkpoint(flag, loaded_lr):
+    """Megatron's rule: a command line whose LR schedule differs from the checkpoint's fails
+    (one line) unless one of the two flags says which one wins."""
+    from megatron.training import checkpointing
+
+    _, saved = _scheduler_for(["--lr", "2e-3"])
+    payload = {"optimizer": _scheduler_for([])[0].state_dict(),
+               "opt_param_scheduler": saved.state_dict()}  # fmt: skip
+    optimizer, scheduler = _scheduler_for([flag] if flag else [])
+    if flag is None:
+        with pytest.raises(UserError, match="do not match.*--override-opt_param-scheduler"):
+            checkpointing._load_optimizer("ckpt", payload, optimizer, scheduler)
+        return
+    checkpointing._load_optimizer("ckpt", payload, optimizer, scheduler)
+    assert scheduler.max_lr == loaded_lr
+
+
+def test_checkpoint_without_optimizer_state_says_how_to_load_it():
+    from megatron.training import checkpointing
+
+    optimizer, scheduler = _scheduler_for([])
+    with pytest.raises(UserError, match="add --no-load-optim"):
+        checkpointing._load_optimizer("ckpt", {"model": {}}, optimizer, scheduler)
