@@ -73,7 +73,10 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, args) -> OptimizerParam
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
+        # Weight decay is constant here, so its increment length has no effect; it is the LR
+        # decay length rather than --train-iters so that the checkpoint check below does not
+        # reject a resumed run with another --train-iters for a setting that changes nothing.
+        wd_incr_steps=decay_iters,
         wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=getattr(
             args, "use_checkpoint_opt_param_scheduler", False

@@ -197,6 +197,25 @@ class TrainingState:
     cross_stage_collectives: int | None = None  # counted when MEGATRON_AUDIT_COLLECTIVES=1
 
 
+def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
+    """The stage's optimizer step. The gradient norm's reach: the whole model under 1F1B-flush
+    (as Megatron), the stage's tensor-parallel ranks under PACI (no global synchronization)."""
+    step_func = StageOptimizerStep(
+        model,
+        optimizer,
+        scheduler,
+        data_parallel_group=parallel_state.get_data_parallel_group(),
+        grad_norm_group=(
+            parallel_state.get_model_parallel_group()
+            if args.pipeline_schedule == "1f1b"
+            else parallel_state.get_tensor_model_parallel_group()
+        ),
+        tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
+        clip_grad=args.clip_grad,
+    )
+    return MegatronStep(step_func, model, args)
+
+
 def pretrain(args, forward_step_func) -> TrainingState:
     wall_start = time.perf_counter()
     device = initialize_distributed(args)
@@ -217,20 +236,7 @@ def pretrain(args, forward_step_func) -> TrainingState:
     model = build_stage_model(args, args.padded_vocab_size, device)
     optimizer = build_optimizer(model, args)
     scheduler = build_lr_scheduler(optimizer, args)
-    step_func = StageOptimizerStep(
-        model,
-        optimizer,
-        scheduler,
-        data_parallel_group=parallel_state.get_data_parallel_group(),
-        grad_norm_group=(
-            parallel_state.get_model_parallel_group()
-            if args.pipeline_schedule == "1f1b"
-            else parallel_state.get_tensor_model_parallel_group()
-        ),
-        tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
-        clip_grad=args.clip_grad,
-    )
-    step_func = MegatronStep(step_func, model, args)
+    step_func = build_step(args, model, optimizer, scheduler)
     state = TrainingState()
     if args.load:
         state.iteration, state.consumed_train_samples = checkpointing.load(
