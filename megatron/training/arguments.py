@@ -195,8 +195,6 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     _validate_parallel_layout(args, world_size)
     _validate_model_shape(args)
     _validate_batch_and_run_length(args)
-    if args.tokenizer_type == "HuggingFaceTokenizer":
-        raise UserError("--tokenizer-type HuggingFaceTokenizer is not supported yet")
     if check_files:
         _validate_data_args(args)
     elif args.mock_data and args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
