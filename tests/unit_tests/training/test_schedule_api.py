@@ -1,19 +1,29 @@
 """Megatron's calling conventions for the schedule entry points (megatron/pipeline/
 forward_backward.py): the selector without arguments, the 3-tuple loss_func, wrapped models."""
 
+import functools
+
 import pytest
 import torch
 
 from megatron.pipeline import forward_backward as fb
 
 
+def schedule_name(schedule_function) -> str:
+    """Which schedule a selected function runs (a named entry point, or a partial of the
+    registered schedule)."""
+    if isinstance(schedule_function, functools.partial):
+        return schedule_function.args[0].name
+    return schedule_function.__name__.rsplit("_", 1)[-1]
+
+
 def test_selector_returns_the_configured_schedule_when_called_as_megatron_does():
     try:
-        assert fb.get_forward_backward_func() is fb.forward_backward_pipelining_1f1b
+        assert schedule_name(fb.get_forward_backward_func()) == "1f1b"
         fb.set_pipeline_schedule("paci")
-        assert fb.get_forward_backward_func() is fb.forward_backward_pipelining_paci
-        assert fb.get_forward_backward_func(4, 1) is fb.forward_backward_pipelining_paci
-        assert fb.get_forward_backward_func("1f1b") is fb.forward_backward_pipelining_1f1b
+        assert schedule_name(fb.get_forward_backward_func()) == "paci"
+        assert schedule_name(fb.get_forward_backward_func(4, 1)) == "paci"  # pp_size, vp_size
+        assert schedule_name(fb.get_forward_backward_func("1f1b")) == "1f1b"
         with pytest.raises(NotImplementedError):
             fb.get_forward_backward_func(4, 2)  # interleaved virtual pipeline
     finally:
