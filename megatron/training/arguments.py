@@ -154,6 +154,7 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     add("--log-num-zeros-in-grad", action="store_true",
         help="1F1B: the model's; PACI: the logging (last) stage's")  # fmt: skip
     add("--log-timers-to-tensorboard", action="store_true")
+    add("--log-throughput", action="store_true", help="model TFLOP/s per GPU on the iteration line")
     add("--log-memory-to-tensorboard", action="store_true")
     add("--metrics-dir", default=None, help="write summary.json here when the run ends")
     add("--timeline-file", default=None, help="Chrome trace of every stage's actions")

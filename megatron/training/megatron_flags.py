@@ -175,7 +175,6 @@ NOT_SUPPORTED = [
     Flag("--exit-duration-in-mins", float),
     Flag("--exit-signal-handler"),
     Flag("--calculate-per-token-loss"),
-    Flag("--log-throughput"),
     # logging and profiling outside this process
     Flag("--wandb-project", str),
     Flag("--wandb-entity", str),

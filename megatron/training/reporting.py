@@ -64,6 +64,10 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fiel
     drift_text = " ".join(f"{mx}/{mean:.2f}" for mx, mean in drift)
     report = step_func.last
     fields = fields or {}
+    throughput = ""
+    if args.log_throughput:
+        tflops = floating_point_operations(args) / (per_iteration_ms / 1000.0) / 1e12
+        throughput = f"throughput per GPU (TFLOP/s/GPU): {tflops / args.world_size:.1f} | "
     extra = "".join(
         f"{name}: {fields[name]:{form}} | "
         for name, form in (("num zeros", ".1f"), ("params norm", ".3f"))
@@ -73,7 +77,7 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fiel
     print(
         f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {state.iteration:8d}/"
         f"{args.train_iters:8d} | consumed samples: {state.consumed_train_samples:12d} | "
-        f"elapsed time per iteration (ms): {per_iteration_ms:.1f} | "
+        f"elapsed time per iteration (ms): {per_iteration_ms:.1f} | {throughput}"
         f"learning rate: {report.learning_rate:.6E} | "
         f"global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} | "
         f"loss scale: {LOSS_SCALE:.1f} | grad norm: {report.grad_norm:.3f} | {extra}"
@@ -89,6 +93,21 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fiel
             _write_timers(args, writer, state.iteration, per_iteration_ms, step_func)
         if args.log_memory_to_tensorboard:
             _write_memory(writer, state.iteration, runtime)
+
+
+def floating_point_operations(args) -> float:
+    """Model FLOPs of one iteration (forward and backward, global batch), Megatron's formula
+    for a dense GPT: 3 passes x 2 FLOPs per multiply-add x 2 (QKV/proj, MLP, logits) terms."""
+    heads, groups = args.num_attention_heads, args.num_query_groups or args.num_attention_heads
+    h, s, layers = args.hidden_size, args.seq_length, args.num_layers
+    query_ratio = args.kv_channels * heads / h
+    gated = 1.5 if args.swiglu else 1.0
+    per_layer = (
+        (1 + groups / heads + s / h) * query_ratio
+        + (args.ffn_hidden_size / h) * gated
+        + args.padded_vocab_size / (2 * layers * h)
+    )
+    return 12.0 * args.global_batch_size * s * layers * h * h * per_layer
 
 
 def _write_scalars(args, writer, step, loss, report, per_iteration_ms, drift) -> None:

@@ -7,6 +7,7 @@ is numerically a non-pipelined run), and the uninterrupted run for resumed ones.
 import glob
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -52,6 +53,10 @@ def test_gpt3_style_run_logs_like_megatron(case_results):
     log = summary["log"]
     assert "checkpoints (no latest_checkpointed_iteration.txt): training from scratch" in log
     assert "| lm loss: " in log and "| loss scale: 1.0 | grad norm: " in log
+    throughput = (
+        r"elapsed time per iteration \(ms\): [\d.]+ \| throughput per GPU \(TFLOP/s/GPU\): "
+    )
+    assert re.search(throughput + r"[\d.]+ \| learning rate: ", log)
     loss = summary["validation"][0]["lm loss"]
     assert f"lm loss value: {loss:.6E} | lm loss PPL: {math.exp(loss):.6E} |" in log
 

@@ -220,3 +220,17 @@ def test_checkpoint_without_optimizer_state_says_how_to_load_it():
     optimizer, scheduler = _scheduler_for([])
     with pytest.raises(UserError, match="add --no-load-optim"):
         checkpointing._load_optimizer("ckpt", {"model": {}}, optimizer, scheduler)
+
+
+def test_throughput_flops_match_the_published_gpt_formula():
+    """72 B s L h^2 (1 + s/6h + V/12Lh) (Narayanan et al., 2021) for a GPT with 4h MLP and
+    one key/value head per query head; --log-throughput uses Megatron's general form."""
+    from megatron.training.reporting import floating_point_operations
+
+    args = validated(["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12",
+                      "--seq-length", "1024", "--micro-batch-size", "8",
+                      "--global-batch-size", "8"])  # fmt: skip
+    args.padded_vocab_size = 50304
+    b, s, layers, h, v = 8, 1024, 12, 768, 50304
+    published = 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+    assert floating_point_operations(args) == pytest.approx(published, rel=1e-12)
