@@ -107,8 +107,11 @@ def test_exit_interval_then_resume_with_train_samples(case_results):
     assert all("rng_state" not in torch.load(path, weights_only=False) for path in saved)
 
 
-def test_skip_train_only_evaluates(case_results):
+def test_skip_train_with_finetune_evaluates_the_loaded_model_at_iteration_0(case_results):
+    """--finetune loads the model only and starts at iteration 0; --skip-train evaluates it.
+    The loaded (trained) model scores below the untrained model's first training loss."""
     summary = case_results["gpt_runcontrol_3_skiptrain"]
-    assert summary["loss"] == [] and summary["iterations"] == 6
-    assert [v["iteration"] for v in summary["validation"]] == [6]
-    assert 0 < summary["validation"][0]["lm loss"] < math.log(1001)
+    assert summary["loss"] == [] and summary["iterations"] == 0
+    assert [v["iteration"] for v in summary["validation"]] == [0]
+    untrained = case_results["gpt_pp4_1f1b"]["loss"][0]
+    assert 0 < summary["validation"][0]["lm loss"] < untrained - 0.05
