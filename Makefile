@@ -8,7 +8,7 @@ CORPUS := $(DATA)/stdlib.jsonl
 TOKENIZER := $(DATA)/tokenizer/stdlib.model
 DATASET := $(DATA)/stdlib_text_document
 
-.PHONY: venv data demo test cluster-test unit-test functional-test lint format clean
+.PHONY: venv data data-gpt2 demo test cluster-test unit-test functional-test lint format clean
 
 venv: $(VENV)/.installed
 
@@ -31,6 +31,22 @@ $(DATASET).idx: $(TOKENIZER)
 		--tokenizer-type SentencePieceTokenizer --tokenizer-model $(TOKENIZER) --append-eod --workers 2
 
 data: $(DATASET).idx
+
+# GPT-2 style BPE (Megatron's default GPT2BPETokenizer) trained on the default corpus, and the
+# corpus tokenized with it: --vocab-file data/gpt2/vocab.json --merge-file data/gpt2/merges.txt
+#   --data-path data/stdlib_gpt2_text_document
+GPT2_VOCAB := $(DATA)/gpt2/vocab.json
+GPT2_DATASET := $(DATA)/stdlib_gpt2_text_document
+
+$(GPT2_VOCAB): $(CORPUS)
+	$(PY) tools/train_gpt2_bpe.py --input $(CORPUS) --output-dir $(DATA)/gpt2 --vocab-size 8192
+
+$(GPT2_DATASET).idx: $(GPT2_VOCAB)
+	$(PY) tools/preprocess_data.py --input $(CORPUS) --json-keys text --output-prefix $(DATA)/stdlib_gpt2 \
+		--tokenizer-type GPT2BPETokenizer --vocab-file $(GPT2_VOCAB) --merge-file $(DATA)/gpt2/merges.txt \
+		--append-eod --workers 2
+
+data-gpt2: $(GPT2_DATASET).idx
 
 # 4-stage CPU pretraining with 1F1B-flush, then PACI, on the same data; prints both side by side.
 demo: venv data

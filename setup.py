@@ -23,7 +23,8 @@ setup(
         "pytorch_optimizer>=3.0",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pyyaml", "black", "isort", "matplotlib"],
+        "dev": ["pytest>=8", "pyyaml", "black", "isort", "matplotlib", "tokenizers"],
+        "hf": ["tokenizers"],  # --tokenizer-type HuggingFaceTokenizer
         "gpu": ["transformer-engine[pytorch]", "apex"],
     },
 )

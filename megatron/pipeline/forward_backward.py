@@ -13,6 +13,13 @@ other stages), so a Megatron training loop can call any of them. Two keywords ar
 
 The stage's persistent state (in-flight microbatches, receives, statistics) is the
 `StageRuntime` registered for the model with `attach_stage_runtime`.
+
+Megatron's calling conventions are accepted as well: `get_forward_backward_func()` with no
+argument (or Megatron's `pp_size`, `vp_size`) returns the configured schedule; the keywords
+`p2p_communicator`, `pg_collection` (when they name the pipeline group this stage runs on) and
+`force_all_reduce` (our step always all-reduces over data-parallel ranks); a `loss_func` that
+returns Megatron's 3-tuple `(loss sum, number of tokens, {'lm loss': [sum, tokens]})`; and
+a model wrapped by megatron-core's `DistributedDataParallel` (anything with `.module`).
 """
 
 import functools
@@ -32,10 +39,48 @@ def attach_stage_runtime(model: torch.nn.Module, runtime: StageRuntime) -> None:
 
 
 def stage_runtime_of(model: torch.nn.Module) -> StageRuntime:
-    try:
-        return _RUNTIMES[model]
-    except KeyError:
-        raise RuntimeError("no StageRuntime attached to this model: call attach_stage_runtime")
+    """The runtime of `model` or of the model it wraps (`.module`, as megatron-core's DDP)."""
+    while True:
+        runtime = _RUNTIMES.get(model)
+        if runtime is not None:
+            return runtime
+        if not isinstance(getattr(model, "module", None), torch.nn.Module):
+            raise RuntimeError("no StageRuntime attached to this model: call attach_stage_runtime")
+        model = model.module
+
+
+def _megatron_loss_contract(forward_step_func: Callable) -> Callable:
+    """forward_step whose loss_func may return Megatron's 3-tuple; the schedule sees the
+    2-tuple `(loss sum / tokens, {'lm loss': sum / tokens})`, Megatron's meaning without
+    --calculate-per-token-loss."""
+
+    def forward_step(data_iterator, model):
+        output, loss_func = forward_step_func(data_iterator, model)
+        return output, functools.partial(_two_tuple_loss, loss_func)
+
+    return forward_step
+
+
+def _two_tuple_loss(loss_func: Callable, output):
+    result = loss_func(output)
+    if not (isinstance(result, tuple) and len(result) == 3):
+        return result
+    loss_sum, num_tokens, reduced = result
+    averaged = {
+        name: value[0] / value[1] if torch.is_tensor(value) and value.numel() == 2 else value
+        for name, value in reduced.items()
+    }
+    return loss_sum / num_tokens, averaged
+
+
+def _check_process_groups(p2p_communicator, pg_collection) -> None:
+    """Megatron may hand its groups in; they must be the ones this stage's runtime uses."""
+    from megatron.core import parallel_state
+
+    ours = parallel_state.get_pipeline_model_parallel_group()
+    given = [getattr(pg_collection, "pp", None), getattr(p2p_communicator, "pp_group", None)]
+    if any(group is not None and group is not ours for group in given):
+        raise ValueError("pg_collection / p2p_communicator name another pipeline group")
 
 
 def _single_chunk(model):
@@ -60,11 +105,16 @@ def _run_schedule(
     collect_non_loss_data: bool = False,
     first_val_step: bool | None = None,
     adjust_tensor_shapes_fn: Callable | None = None,
+    p2p_communicator=None,
+    pg_collection=None,
+    force_all_reduce: bool | None = False,
     optimizer_step_func: Callable[[], object] | None = None,
     microbatches_before_drain: int | None = None,
 ) -> list[dict]:
     if collect_non_loss_data or adjust_tensor_shapes_fn is not None:
         raise NotImplementedError("collect_non_loss_data / adjust_tensor_shapes_fn")
+    _check_process_groups(p2p_communicator, pg_collection)
+    forward_step_func = _megatron_loss_contract(forward_step_func)
     model = _single_chunk(model)
     runtime = stage_runtime_of(model)
     expected_shape = (seq_length, micro_batch_size)
@@ -107,9 +157,26 @@ def _run_registered(schedule: Schedule, **kwargs) -> list[dict]:
     return _run_schedule(schedule, **kwargs)
 
 
-def get_forward_backward_func(pipeline_schedule: str = "1f1b") -> Callable[..., list[dict]]:
+_CONFIGURED = {"schedule": "1f1b"}
+
+
+def set_pipeline_schedule(pipeline_schedule: str) -> None:
+    """What `get_forward_backward_func()` returns from now on (the training loop sets it from
+    --pipeline-schedule)."""
+    get_schedule(pipeline_schedule)  # a clear error for unknown names
+    _CONFIGURED["schedule"] = pipeline_schedule
+
+
+def get_forward_backward_func(
+    pipeline_schedule: str | int | None = None, vp_size: int | None = None, *, pp_size=None
+) -> Callable[..., list[dict]]:
     """The schedule function for `--pipeline-schedule` (the selector): any schedule of the
-    runtime's registry (`megatron.pipeline.schedules.SCHEDULES`)."""
+    runtime's registry (`megatron.pipeline.schedules.SCHEDULES`). Called as Megatron calls it
+    (no argument, or `pp_size, vp_size`), it returns the configured schedule."""
+    if vp_size is not None and vp_size > 1:
+        raise NotImplementedError("interleaved (virtual pipeline) schedules are not supported")
+    if pipeline_schedule is None or isinstance(pipeline_schedule, int):
+        pipeline_schedule = _CONFIGURED["schedule"]
     schedule = get_schedule(pipeline_schedule)  # a clear error for unknown names
     return functools.partial(_run_registered, schedule)
 
@@ -119,4 +186,5 @@ __all__ = [
     "forward_backward_pipelining_1f1b",
     "forward_backward_pipelining_paci",
     "get_forward_backward_func",
+    "set_pipeline_schedule",
 ]

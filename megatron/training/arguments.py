@@ -10,6 +10,15 @@ import os
 from megatron.pipeline.schedules import SCHEDULES
 
 from .errors import UserError
+from .megatron_flags import add_compatibility_flags, reject_unsupported_flags
+
+TOKENIZER_CHOICES = [
+    "GPT2BPETokenizer",
+    "GPTSentencePieceTokenizer",
+    "SentencePieceTokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,24 +27,56 @@ def build_parser() -> argparse.ArgumentParser:
         "pipeline schedules",
         allow_abbrev=False,
     )
+    for add_group in (_add_model_args, _add_parallel_args, _add_training_args,
+                      _add_optimizer_args, _add_data_args, _add_logging_args,
+                      _add_checkpoint_args, _add_benchmark_args):  # fmt: skip
+        add_group(parser)
+    add_compatibility_flags(parser)
+    return parser
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("model").add_argument
     add("--num-layers", type=int, required=True)
     add("--hidden-size", type=int, required=True)
-    add("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
+    add("--ffn-hidden-size", type=int, default=None,
+        help="default: 4 x hidden size (with --swiglu: 8/3 x hidden size, as Megatron)")  # fmt: skip
     add("--num-attention-heads", type=int, required=True)
+    add("--group-query-attention", action="store_true")
+    add(
+        "--num-query-groups",
+        type=int,
+        default=1,
+        help="key/value heads with --group-query-attention",
+    )
+    add("--kv-channels", type=int, default=None, help="head dim; default hidden / heads")
     add("--seq-length", type=int, required=True)
     add("--max-position-embeddings", type=int, default=None, help="default: seq length")
     add("--init-method-std", type=float, default=0.02)
     add("--attention-dropout", type=float, default=0.1)
     add("--hidden-dropout", type=float, default=0.1)
-    add(
-        "--position-embedding-type",
-        default="learned_absolute",
-        choices=["learned_absolute", "rope"],
-    )
+    add("--position-embedding-type", default="learned_absolute",
+        choices=["learned_absolute", "rope", "none"])  # fmt: skip
+    add("--rotary-percent", type=float, default=1.0)
+    add("--rotary-base", type=int, default=10000)
+    add("--rotary-interleaved", action="store_true")
+    add("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    add("--norm-epsilon", type=float, default=1e-5)
+    add("--apply-layernorm-1p", action="store_true",
+        help="zero-centered norm weight (stores gamma - 1)")  # fmt: skip
+    add("--qk-layernorm", action="store_true")
+    add("--apply-residual-connection-post-layernorm", action="store_true")
+    add("--swiglu", action="store_true")
+    add("--squared-relu", action="store_true")
+    add("--disable-bias-linear", action="store_true")
+    add("--add-qkv-bias", action="store_true")
+    add("--untie-embeddings-and-output-weights", action="store_true",
+        help="separate input embedding and output layer weights (default: tied, as Megatron)")  # fmt: skip
     add("--make-vocab-size-divisible-by", type=int, default=128)
     add("--bf16", action="store_true", help="bf16 parameters and activations (GPU)")
 
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("parallelism").add_argument
     add("--tensor-model-parallel-size", type=int, default=1)
     add("--pipeline-model-parallel-size", type=int, default=1)
@@ -49,23 +90,37 @@ def build_parser() -> argparse.ArgumentParser:
     add("--pipeline-schedule", default="1f1b",
         help=f"one of: {', '.join(sorted(SCHEDULES))}")  # fmt: skip
 
-    add = parser.add_argument_group("batch").add_argument
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument_group("batch and run control").add_argument
     add("--micro-batch-size", type=int, required=True)
     add("--global-batch-size", type=int, default=None, help="default: micro x data parallel")
-    add("--train-iters", type=int, required=True)
+    add("--train-iters", type=int, default=None)
+    add("--train-samples", type=int, default=None, help="instead of --train-iters")
+    add("--exit-interval", type=int, default=None, help="stop after an iteration divisible by N")
+    add("--skip-train", action="store_true", help="only evaluate")
+    add("--seed", type=int, default=1234)
+    add("--deterministic-mode", action="store_true",
+        help="reproducible runs: PACI follows the fixed 1F1B order instead of reacting to "
+        "arrivals")  # fmt: skip
 
+
+def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("optimizer").add_argument
     add("--optimizer", default="adam", choices=["adam", "sgd"])
     add("--lr", type=float, required=True)
     add("--min-lr", type=float, default=0.0)
-    add(
-        "--lr-decay-style",
-        default="linear",
-        choices=["constant", "linear", "cosine", "inverse-square-root"],
-    )
+    add("--lr-decay-style", default="linear",
+        choices=["constant", "linear", "cosine", "inverse-square-root"])  # fmt: skip
     add("--lr-decay-iters", type=int, default=None)
+    add("--lr-decay-samples", type=int, default=None)
     add("--lr-warmup-iters", type=int, default=0)
+    add("--lr-warmup-samples", type=int, default=0)
     add("--lr-warmup-fraction", type=float, default=None)
+    add("--override-opt_param-scheduler", action="store_true",
+        help="take the LR schedule from the command line, not the checkpoint")  # fmt: skip
+    add("--use-checkpoint-opt_param-scheduler", action="store_true",
+        help="take the LR schedule from the checkpoint")  # fmt: skip
     add("--weight-decay", type=float, default=0.01)
     add("--clip-grad", type=float, default=1.0)
     add("--adam-beta1", type=float, default=0.9)
@@ -73,38 +128,57 @@ def build_parser() -> argparse.ArgumentParser:
     add("--adam-eps", type=float, default=1e-8)
     add("--sgd-momentum", type=float, default=0.9)
 
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("data").add_argument
     add("--data-path", nargs="*", default=None, help="prefixes, or 'weight prefix ...' pairs")
     add("--split", default="969,30,1")
     add("--mock-data", action="store_true", help="synthetic tokens (megatron-core MockGPTDataset)")
-    add("--tokenizer-type", default="SentencePieceTokenizer",
-        choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])  # fmt: skip
+    add("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_CHOICES)
     add("--tokenizer-model", default=None)
     add("--vocab-file", default=None)
     add("--merge-file", default=None)
     add("--vocab-size", type=int, default=None, help="for NullTokenizer")
     add("--data-cache-path", default=None)
 
-    add = parser.add_argument_group("logging and checkpoints").add_argument
-    add("--log-interval", type=int, default=1)
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument_group("logging").add_argument
+    add("--log-interval", type=int, default=100)
     add("--eval-interval", type=int, default=1000)
-    add("--eval-iters", type=int, default=10)
+    add("--eval-iters", type=int, default=100)
     add("--tensorboard-dir", default=None)
+    add("--log-validation-ppl-to-tensorboard", action="store_true")
+    add("--log-params-norm", action="store_true",
+        help="1F1B: the model's; PACI: the logging (last) stage's")  # fmt: skip
+    add("--log-num-zeros-in-grad", action="store_true",
+        help="1F1B: the model's; PACI: the logging (last) stage's")  # fmt: skip
+    add("--log-timers-to-tensorboard", action="store_true")
+    add("--log-throughput", action="store_true", help="model TFLOP/s per GPU on the iteration line")
+    add("--log-memory-to-tensorboard", action="store_true")
     add("--metrics-dir", default=None, help="write summary.json here when the run ends")
     add("--timeline-file", default=None, help="Chrome trace of every stage's actions")
+
+
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument_group("checkpoints").add_argument
     add("--save", default=None)
     add("--save-interval", type=int, default=None)
     add("--load", default=None)
-    add("--seed", type=int, default=1234)
-    add("--deterministic-mode", action="store_true",
-        help="reproducible runs: PACI follows the fixed 1F1B order instead of reacting to "
-        "arrivals")  # fmt: skip
+    add("--ckpt-format", default="torch", help="torch (ours); torch_dist is not supported yet")
+    add("--no-load-optim", action="store_true")
+    add("--no-load-rng", action="store_true")
+    add("--no-save-optim", action="store_true")
+    add("--no-save-rng", action="store_true")
+    add("--finetune", action="store_true",
+        help="load the model only and start at iteration 0")  # fmt: skip
 
+
+def _add_benchmark_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("benchmarking").add_argument
     add("--emulated-forward-ms", type=float, default=None,
         help="replace each stage's forward by a wait of this many ms (schedule benchmarks)")  # fmt: skip
     add("--emulated-backward-ms", type=float, default=None)
-    return parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -113,8 +187,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def validate_args(args: argparse.Namespace, *, world_size: int) -> None:
-    """Fill defaults that depend on other flags and reject inconsistent ones."""
+def validate_args(args: argparse.Namespace, *, world_size: int, check_files: bool = True) -> None:
+    """Fill defaults that depend on other flags and reject inconsistent ones.
+
+    `check_files=False` skips the checks that read the data files (for measuring which command
+    lines parse, see tools/megatron_flag_coverage.py)."""
+    reject_unsupported_flags(args)
+    _validate_parallel_layout(args, world_size)
+    _validate_model_shape(args)
+    _validate_batch_and_run_length(args)
+    if check_files:
+        _validate_data_args(args)
+    elif args.mock_data and args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise UserError("NullTokenizer needs --vocab-size")
+    if (args.emulated_forward_ms is None) != (args.emulated_backward_ms is None):
+        raise UserError("--emulated-forward-ms and --emulated-backward-ms go together")
+    if args.save_interval is not None and args.save is None:
+        raise UserError("--save-interval needs --save DIR")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise UserError(
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
+            "each other"
+        )
+
+
+def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise UserError(
@@ -131,11 +228,47 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> None:
         known = ", ".join(sorted(SCHEDULES))
         raise UserError(f"unknown --pipeline-schedule {args.pipeline_schedule!r} (known: {known})")
     _validate_layer_split(args, pp)
-    if args.hidden_size % args.num_attention_heads != 0:
+    tied = not args.untie_embeddings_and_output_weights
+    if tied and pp > 1 and args.pipeline_schedule == "paci":
+        raise UserError(
+            "tied embeddings need a first/last-stage all-reduce every step, which PACI does not "
+            "have: add --untie-embeddings-and-output-weights"
+        )
+
+
+def _validate_model_shape(args: argparse.Namespace) -> None:
+    tp = args.tensor_model_parallel_size
+    heads = args.num_attention_heads
+    if args.kv_channels is None and args.hidden_size % heads != 0:
         raise UserError("--hidden-size must be divisible by --num-attention-heads")
-    if args.num_attention_heads % tp != 0:
+    if heads % tp != 0:
         raise UserError("--num-attention-heads must be divisible by --tensor-model-parallel-size")
-    for flag in ("micro_batch_size", "train_iters", "seq_length", "log_interval", "eval_interval"):
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        if groups < 1 or heads % groups != 0 or groups % tp != 0:
+            raise UserError(
+                "--num-query-groups must divide --num-attention-heads and be divisible by "
+                "--tensor-model-parallel-size"
+            )
+    else:
+        args.num_query_groups = None  # megatron-core: one key/value head per query head
+    if args.swiglu and args.squared_relu:
+        raise UserError("--swiglu and --squared-relu exclude each other")
+    if args.ffn_hidden_size is None:
+        # Megatron's default: 4h, or 8h/3 rounded down to a multiple of 64 with SwiGLU
+        four_h = 4 * args.hidden_size
+        args.ffn_hidden_size = int(four_h * 2 / 3 / 64) * 64 if args.swiglu else four_h
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // heads
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        raise UserError("--seq-length exceeds --max-position-embeddings")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise UserError("--rotary-percent must be in (0, 1]")
+
+
+def _validate_batch_and_run_length(args: argparse.Namespace) -> None:
+    for flag in ("micro_batch_size", "seq_length", "log_interval", "eval_interval"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
     per_microbatch = args.micro_batch_size * args.data_parallel_size
@@ -148,15 +281,25 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> None:
             f"{args.data_parallel_size}"
         )
     args.num_microbatches = args.global_batch_size // per_microbatch
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
-    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
-    if args.seq_length > args.max_position_embeddings:
-        raise UserError("--seq-length exceeds --max-position-embeddings")
-    _validate_data_args(args)
-    if (args.emulated_forward_ms is None) != (args.emulated_backward_ms is None):
-        raise UserError("--emulated-forward-ms and --emulated-backward-ms go together")
-    if args.save_interval is not None and args.save is None:
-        raise UserError("--save-interval needs --save DIR")
+    _validate_run_length(args)
+    if args.exit_interval is not None and args.exit_interval < 1:
+        raise UserError("--exit-interval must be >= 1")
+
+
+def _validate_run_length(args: argparse.Namespace) -> None:
+    """--train-iters or --train-samples; a sample-based run takes its LR schedule in samples."""
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise UserError("pass exactly one of --train-iters and --train-samples")
+    if args.train_samples is not None:
+        if args.lr_decay_iters is not None or args.lr_warmup_iters:
+            raise UserError(
+                "with --train-samples use --lr-decay-samples / --lr-warmup-samples, not iterations"
+            )
+        args.train_iters = args.train_samples // args.global_batch_size
+    elif args.lr_decay_samples is not None or args.lr_warmup_samples:
+        raise UserError("--lr-decay-samples / --lr-warmup-samples need --train-samples")
+    if args.train_iters < 1:
+        raise UserError("--train-iters must be >= 1 (or --train-samples >= --global-batch-size)")
 
 
 def _validate_layer_split(args: argparse.Namespace, pp: int) -> None:

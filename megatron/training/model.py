@@ -18,11 +18,16 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -73,10 +78,41 @@ class SDPACoreAttention(MegatronModule):
         return context.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
-def portable_layer_spec() -> ModuleSpec:
+class ZeroCenteredNorm(torch.nn.Module):
+    """LayerNorm or RMSNorm whose weight stores gamma - 1 (Megatron's --apply-layernorm-1p).
+
+    megatron-core's torch norm wrapper has no zero-centered variant (only Transformer Engine's
+    has), so the portable spec uses this one when the flag is given."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.rms = config.normalization == "RMSNorm"
+        self.shape, self.eps = (hidden_size,), eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.weight.zero_centered = True  # our initialization draws it as zeros, not ones
+        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gamma = 1.0 + self.weight
+        if self.rms:
+            return torch.nn.functional.rms_norm(x, self.shape, gamma, self.eps)
+        return torch.nn.functional.layer_norm(x, self.shape, gamma, self.bias, self.eps)
+
+
+def portable_layer_spec(
+    normalization: str = "LayerNorm", qk_layernorm: bool = False, zero_centered: bool = False
+) -> ModuleSpec:
     """megatron-core's local GPT layer spec with our SDPA core attention swapped in."""
-    spec = copy.deepcopy(get_gpt_layer_local_spec())
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    spec = copy.deepcopy(
+        get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    )
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = SDPACoreAttention
+    if zero_centered:
+        spec.submodules.input_layernorm = ZeroCenteredNorm
+        spec.submodules.pre_mlp_layernorm = ZeroCenteredNorm
+        if qk_layernorm:
+            attention.q_layernorm = attention.k_layernorm = ZeroCenteredNorm
     return spec
 
 
@@ -88,15 +124,62 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def layer_spec_for(device: torch.device) -> ModuleSpec:
-    """Transformer Engine's spec on CUDA when TE is installed, else the portable spec."""
-    if device.type == "cuda" and transformer_engine_available():
+def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: bool = True):
+    """Transformer Engine's spec on CUDA when TE is installed (and `use_te`), else the portable
+    spec; the portable one as a block (the layers of this stage and the final norm) when the
+    norms are zero-centered, which megatron-core's default final norm cannot be."""
+    qk_layernorm = config.qk_layernorm
+    if use_te and device.type == "cuda" and transformer_engine_available():
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    return portable_layer_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    zero_centered = config.layernorm_zero_centered_gamma
+    spec = portable_layer_spec(config.normalization, qk_layernorm, zero_centered)
+    if not zero_centered:
+        return spec
+    layers = get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=ZeroCenteredNorm)
+
+
+class HostRotaryEmbedding(RotaryEmbedding):
+    """megatron-core's rotary embedding, without its move of the frequencies to CUDA at the
+    first forward (a CPU run keeps them on the host)."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # [seq, dim / 2]
+        if self.rotary_interleaved:  # each frequency twice in a row: f0 f0 f1 f1 ...
+            emb = freqs.repeat_interleave(2, dim=-1)
+        else:  # the frequencies, then the same again: f0 f1 ... f0 f1 ...
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, None, None, :]
+
+
+class GPTStageModel(GPTModel):
+    """megatron-core's GPTModel; only the set-up of tied embeddings differs.
+
+    With tied input/output embeddings over several stages, megatron-core gives the last stage a
+    zeroed copy of the embedding and fills it by an all-reduce on a CUDA tensor. Our
+    layout-independent initialization draws both copies from the same generator instead, so
+    here only the attributes are set: `shared_embedding` on both copies (their gradients are
+    summed over the embedding group every step, see training.py) and `shared` on the last
+    stage's copy (counted once in the gradient norm)."""
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if self.post_process and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
+        if not self.share_embeddings_and_output_weights:
+            return
+        weight = self.shared_embedding_or_output_weight()
+        if self.config.pipeline_model_parallel_size == 1:
+            weight.zero_out_wgrad = True
+            return
+        weight.shared_embedding = True
+        if self.post_process and not self.pre_process:
+            weight.shared = True
 
 
 @dataclass
@@ -151,20 +234,28 @@ def build_gpt_stage(
     position_embedding_type: str,
     device: torch.device,
     seed: int,
+    share_embeddings_and_output_weights: bool = False,
+    rotary_percent: float = 1.0,
+    rotary_base: int = 10000,
+    use_transformer_engine: bool = True,
 ) -> GPTModel:
     """Build this rank's GPT stage on `device`, initialized independently of the layout."""
-    model = GPTModel(
+    model = GPTStageModel(
         config=config,
-        transformer_layer_spec=layer_spec_for(device),
+        transformer_layer_spec=layer_spec_for(device, config, use_te=use_transformer_engine),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=layout.is_first,
         post_process=layout.is_last,
-        # Tied embeddings would need a first<->last stage all-reduce every step: a global
-        # synchronization PACI must not have. Input and output embeddings are separate.
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
+        rotary_percent=rotary_percent,
+        rotary_base=rotary_base,
     )
+    if device.type != "cuda" and isinstance(
+        getattr(model, "rotary_pos_emb", None), RotaryEmbedding
+    ):
+        model.rotary_pos_emb.__class__ = HostRotaryEmbedding
     initialize_layout_independent(model, layout, seed=seed, init_method_std=config.init_method_std)
     return model.to(device)
 
@@ -172,8 +263,11 @@ def build_gpt_stage(
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-def global_parameter_name(name: str, layout: StageLayout) -> str:
-    """`decoder.layers.<local>.x` -> `decoder.layers.<global>.x`; other names unchanged."""
+def global_parameter_name(name: str, layout: StageLayout, *, tied: bool = False) -> str:
+    """`decoder.layers.<local>.x` -> `decoder.layers.<global>.x`; a tied output layer is the
+    input embedding (both copies are drawn alike); other names unchanged."""
+    if tied and name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
     match = _LOCAL_LAYER.match(name)
     if match is None:
         return name
@@ -181,8 +275,10 @@ def global_parameter_name(name: str, layout: StageLayout) -> str:
     return f"decoder.layers.{global_index}." + name[match.end() :]
 
 
-def _init_kind(name: str) -> str:
+def _init_kind(name: str, param: torch.nn.Parameter) -> str:
     leaf = name.rsplit(".", 1)[-1]
+    if getattr(param, "zero_centered", False):
+        return "zeros"
     if "norm" in name and leaf in ("weight", "layer_norm_weight"):
         return "ones"
     if leaf.endswith("bias"):
@@ -200,7 +296,7 @@ def initialize_layout_independent(
     norms and biases), drawn per parameter from its global name so it is layout-independent."""
     scaled_std = init_method_std / math.sqrt(2.0 * layout.num_layers)
     for name, param in model.named_parameters():
-        kind = _init_kind(name)
+        kind = _init_kind(name, param)
         if kind == "ones":
             param.fill_(1.0)
             continue
@@ -212,7 +308,7 @@ def initialize_layout_independent(
         sharded = getattr(param, "tensor_model_parallel", False) and partition_dim >= 0
         if sharded:
             full_shape[partition_dim] *= layout.tensor_size
-        global_name = global_parameter_name(name, layout)
+        global_name = global_parameter_name(name, layout, tied=getattr(param, "shared", False))
         generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{global_name}".encode()))
         std = scaled_std if kind == "scaled_normal" else init_method_std
         full = torch.empty(full_shape, dtype=torch.float32).normal_(0.0, std, generator=generator)

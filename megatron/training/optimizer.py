@@ -45,12 +45,24 @@ def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {args.optimizer!r}")
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, args) -> OptimizerParamScheduler:
-    decay_iters = args.lr_decay_iters or args.train_iters
-    if args.lr_warmup_fraction is not None:
-        warmup_iters = int(args.lr_warmup_fraction * decay_iters)
+def _schedule_lengths(args) -> tuple[float, float]:
+    """(warmup, decay) in iterations. A sample-based run (--train-samples) gives them in
+    samples; with a constant global batch, samples / batch is Megatron's sample schedule."""
+    if getattr(args, "train_samples", None) is not None:
+        batch = args.global_batch_size
+        decay = (args.lr_decay_samples or args.train_samples) / batch
+        warmup = args.lr_warmup_samples / batch
     else:
-        warmup_iters = args.lr_warmup_iters
+        decay = args.lr_decay_iters or args.train_iters
+        warmup = args.lr_warmup_iters
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+        warmup = warmup if getattr(args, "train_samples", None) is not None else int(warmup)
+    return warmup, decay
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, args) -> OptimizerParamScheduler:
+    warmup_iters, decay_iters = _schedule_lengths(args)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -61,8 +73,15 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, args) -> OptimizerParam
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
+        # Weight decay is constant here, so its increment length has no effect; it is the LR
+        # decay length rather than --train-iters so that the checkpoint check below does not
+        # reject a resumed run with another --train-iters for a setting that changes nothing.
+        wd_incr_steps=decay_iters,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=getattr(
+            args, "use_checkpoint_opt_param_scheduler", False
+        ),
+        override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
     )
 
 
@@ -133,6 +152,8 @@ class StageOptimizerStep:
         device = self.params[0].device
         total = torch.zeros((), dtype=torch.float32, device=device)
         for param in self.params:
+            if getattr(param, "shared", False):
+                continue  # the last stage's copy of a tied embedding: counted on the first stage
             if getattr(param, "tensor_model_parallel", False) or self.tensor_parallel_rank == 0:
                 total += param.grad.detach().float().pow(2).sum()
         group = self.grad_norm_group

@@ -19,6 +19,10 @@ from megatron.pipeline.trace import write_chrome_trace
 
 from .checkpointing import atomic_write_text
 
+# Megatron scales the loss only for fp16 training (not supported here): fp32 and bf16 runs
+# report a loss scale of 1, as Megatron's do.
+LOSS_SCALE = 1.0
+
 
 def is_logging_rank() -> bool:
     """Megatron logs from the last pipeline stage (it has the loss); its first TP/DP rank."""
@@ -49,7 +53,9 @@ def print_rank_0(message: str) -> None:
 # ---------------------------------------------------------------------------- the loop
 
 
-def log_iteration(args, state, runtime, step_func, losses, elapsed, writer) -> None:
+def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fields=None) -> None:
+    """Megatron's iteration line; `fields` ('num zeros', 'params norm') come after the grad
+    norm, where Megatron prints them."""
     if not is_logging_rank():
         return
     per_iteration_ms = 1000.0 * elapsed / args.log_interval
@@ -57,25 +63,82 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer) -> N
     drift = runtime.drift_by_stage()
     drift_text = " ".join(f"{mx}/{mean:.2f}" for mx, mean in drift)
     report = step_func.last
+    fields = fields or {}
+    throughput = ""
+    if args.log_throughput:
+        tflops = floating_point_operations(args) / (per_iteration_ms / 1000.0) / 1e12
+        throughput = f"throughput per GPU (TFLOP/s/GPU): {tflops / args.world_size:.1f} | "
+    extra = "".join(
+        f"{name}: {fields[name]:{form}} | "
+        for name, form in (("num zeros", ".1f"), ("params norm", ".3f"))
+        if name in fields
+    )
+    # Megatron's field order; our per-stage weight drift comes last.
     print(
         f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {state.iteration:8d}/"
         f"{args.train_iters:8d} | consumed samples: {state.consumed_train_samples:12d} | "
-        f"elapsed time per iteration (ms): {per_iteration_ms:.1f} | "
+        f"elapsed time per iteration (ms): {per_iteration_ms:.1f} | {throughput}"
         f"learning rate: {report.learning_rate:.6E} | "
         f"global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} | "
-        f"grad norm: {report.grad_norm:.3f} | weight drift max/mean by stage: {drift_text} | "
-        f"number of skipped iterations:   0 | number of nan iterations:   0 |",
+        f"loss scale: {LOSS_SCALE:.1f} | grad norm: {report.grad_norm:.3f} | {extra}"
+        f"number of skipped iterations:   0 | number of nan iterations:   0 | "
+        f"weight drift max/mean by stage: {drift_text} |",
         flush=True,
     )
     if writer is not None:
-        step = state.iteration
-        writer.add_scalar("lm loss", loss, step)
-        writer.add_scalar("learning-rate", report.learning_rate, step)
-        writer.add_scalar("grad-norm", report.grad_norm, step)
-        writer.add_scalar("iteration-time", per_iteration_ms / 1000.0, step)
-        for stage, (max_drift, mean_drift) in enumerate(drift):
-            writer.add_scalar(f"drift/stage{stage}/max", max_drift, step)
-            writer.add_scalar(f"drift/stage{stage}/mean", mean_drift, step)
+        _write_scalars(args, writer, state.iteration, loss, report, per_iteration_ms, drift)
+        for name, value in fields.items():
+            writer.add_scalar(name.replace(" ", "-"), value, state.iteration)
+        if args.log_timers_to_tensorboard:
+            _write_timers(args, writer, state.iteration, per_iteration_ms, step_func)
+        if args.log_memory_to_tensorboard:
+            _write_memory(writer, state.iteration, runtime)
+
+
+def floating_point_operations(args) -> float:
+    """Model FLOPs of one iteration (forward and backward, global batch), Megatron's formula
+    for a dense GPT: 3 passes x 2 FLOPs per multiply-add x 2 (QKV/proj, MLP, logits) terms."""
+    heads, groups = args.num_attention_heads, args.num_query_groups or args.num_attention_heads
+    h, s, layers = args.hidden_size, args.seq_length, args.num_layers
+    query_ratio = args.kv_channels * heads / h
+    gated = 1.5 if args.swiglu else 1.0
+    per_layer = (
+        (1 + groups / heads + s / h) * query_ratio
+        + (args.ffn_hidden_size / h) * gated
+        + args.padded_vocab_size / (2 * layers * h)
+    )
+    return 12.0 * args.global_batch_size * s * layers * h * h * per_layer
+
+
+def _write_scalars(args, writer, step, loss, report, per_iteration_ms, drift) -> None:
+    writer.add_scalar("lm loss", loss, step)
+    writer.add_scalar("learning-rate", report.learning_rate, step)
+    writer.add_scalar("grad-norm", report.grad_norm, step)
+    writer.add_scalar("iteration-time", per_iteration_ms / 1000.0, step)
+    for stage, (max_drift, mean_drift) in enumerate(drift):
+        writer.add_scalar(f"drift/stage{stage}/max", max_drift, step)
+        writer.add_scalar(f"drift/stage{stage}/mean", mean_drift, step)
+
+
+def _write_timers(args, writer, step, per_iteration_ms, step_func) -> None:
+    """The logging stage's time per iteration in its optimizer step and outside it."""
+    optimizer_s = step_func.step_seconds / args.log_interval
+    writer.add_scalar("optimizer-time", optimizer_s, step)
+    writer.add_scalar("forward-backward-time", per_iteration_ms / 1000.0 - optimizer_s, step)
+
+
+def _write_memory(writer, step, runtime) -> None:
+    """The logging stage's memory: CUDA allocator figures on a GPU, peak RSS on a CPU."""
+    device = next(runtime.model.parameters()).device
+    if device.type == "cuda":
+        writer.add_scalar("mem-allocated-bytes", torch.cuda.memory_allocated(device), step)
+        writer.add_scalar("mem-max-allocated-bytes", torch.cuda.max_memory_allocated(device), step)
+        writer.add_scalar("mem-reserved-bytes", torch.cuda.memory_reserved(device), step)
+        return
+    import resource
+
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    writer.add_scalar("mem-max-rss-bytes", peak_kib * 1024, step)
 
 
 def tensorboard_writer(args):

@@ -11,6 +11,10 @@ Types:
   ``eod`` is the model's eos id.
 - ``GPT2BPETokenizer``: ``--vocab-file`` (vocab.json) and ``--merge-file`` (merges.txt), GPT-2's
   byte-level BPE, implemented here; ``eod`` is ``<|endoftext|>``.
+- ``HuggingFaceTokenizer``: ``--tokenizer-model`` is a local ``tokenizer.json`` or a directory
+  holding one, read with the ``tokenizers`` package (nothing is downloaded); ``eod`` is the
+  ``eos_token`` of a ``tokenizer_config.json`` beside it, else the first of ``</s>``,
+  ``<|endoftext|>``, ``<|end_of_text|>``, ``<eos>`` in the vocabulary.
 - ``NullTokenizer``: ``--vocab-size N``; text is whitespace-separated integer ids. As in
   Megatron, ``eod`` is ``N`` and ``vocab_size`` is ``N + 1``.
 
@@ -19,6 +23,7 @@ This module imports neither torch nor megatron-core, so tools that only tokenize
 
 import functools
 import json
+import os
 import re
 import unicodedata
 from collections import OrderedDict
@@ -26,7 +31,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.training.errors import UserError
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+TOKENIZER_TYPES = (
+    "SentencePieceTokenizer",
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+)
 _ALIASES = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
 
 
@@ -50,6 +60,9 @@ def build_tokenizer(
         _require(vocab_file, "--vocab-file", tokenizer_type)
         _require(merge_file, "--merge-file", tokenizer_type)
         return GPT2BPETokenizer(vocab_file, merge_file)
+    if kind == "HuggingFaceTokenizer":
+        _require(tokenizer_model, "--tokenizer-model", tokenizer_type)
+        return HuggingFaceTokenizer(tokenizer_model)
     if kind == "NullTokenizer":
         _require(vocab_size, "--vocab-size", tokenizer_type)
         return NullTokenizer(vocab_size)
@@ -288,6 +301,60 @@ class GPT2BPETokenizer(Tokenizer):
                     i += 1
             parts = merged
         return parts
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizer.json`` read from local files with the ``tokenizers`` package."""
+
+    EOD_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        try:
+            from tokenizers import Tokenizer as TokenizerFile
+        except ImportError:
+            raise UserError(
+                "--tokenizer-type HuggingFaceTokenizer needs the tokenizers package "
+                "(pip install tokenizers)"
+            ) from None
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise UserError(
+                f"--tokenizer-model {path}: no tokenizer.json there (local files only; "
+                "nothing is downloaded)"
+            )
+        try:
+            self._tokenizer = TokenizerFile.from_file(file)
+        except Exception:  # the package raises its own exception types for malformed files
+            raise UserError(f"--tokenizer-model {file} is not a tokenizer.json") from None
+        self._eod = self._find_eod(os.path.dirname(file))
+
+    def _find_eod(self, directory: str) -> int:
+        names = list(self.EOD_CANDIDATES)
+        config = os.path.join(directory, "tokenizer_config.json")
+        if os.path.isfile(config):
+            eos = json.loads(_read_text(config, "tokenizer_config.json")).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            names = [eos] + names if eos else names
+        for name in names:
+            token_id = self._tokenizer.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        raise UserError(f"--tokenizer-model {directory}: no end-of-document token ({names})")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def bytes_to_unicode() -> Dict[int, str]:

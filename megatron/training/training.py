@@ -6,6 +6,7 @@ optimizer itself when a step is due.
 """
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,11 @@ from megatron.pipeline.audit import (
     audit_requested,
     record_cross_stage_collectives,
 )
-from megatron.pipeline.forward_backward import attach_stage_runtime, get_forward_backward_func
+from megatron.pipeline.forward_backward import (
+    attach_stage_runtime,
+    get_forward_backward_func,
+    set_pipeline_schedule,
+)
 from megatron.pipeline.parallel import build_pipeline_context, ranks_of_my_stage
 from megatron.pipeline.runtime import StageRuntime
 from megatron.pipeline.schedules import get_schedule
@@ -73,6 +78,54 @@ def padded_vocab_size(vocab_size: int, args) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+# Megatron's defaults for the model switches, for namespaces built without our parser
+# (tools that construct a model directly).
+_MODEL_SWITCH_DEFAULTS = {
+    "normalization": "LayerNorm",
+    "norm_epsilon": 1e-5,
+    "apply_layernorm_1p": False,
+    "disable_bias_linear": False,
+    "add_qkv_bias": False,
+    "swiglu": False,
+    "squared_relu": False,
+    "num_query_groups": None,
+    "kv_channels": None,
+    "qk_layernorm": False,
+    "attention_softmax_in_fp32": False,
+    "apply_query_key_layer_scaling": False,
+    "apply_residual_connection_post_layernorm": False,
+    "rotary_interleaved": False,
+}
+
+
+def model_switches(args) -> dict:
+    """The TransformerConfig fields that Megatron's model switches set."""
+    get = {name: getattr(args, name, default) for name, default in _MODEL_SWITCH_DEFAULTS.items()}
+    activation = torch.nn.functional.gelu
+    if get["swiglu"]:
+        activation = torch.nn.functional.silu
+    elif get["squared_relu"]:
+        from megatron.core.activations import squared_relu
+
+        activation = squared_relu
+    return dict(
+        normalization=get["normalization"],
+        layernorm_epsilon=get["norm_epsilon"],
+        layernorm_zero_centered_gamma=get["apply_layernorm_1p"],
+        add_bias_linear=not get["disable_bias_linear"],
+        add_qkv_bias=get["add_qkv_bias"],
+        gated_linear_unit=get["swiglu"],
+        activation_func=activation,
+        num_query_groups=get["num_query_groups"],
+        kv_channels=get["kv_channels"],
+        qk_layernorm=get["qk_layernorm"],
+        attention_softmax_in_fp32=get["attention_softmax_in_fp32"],
+        apply_query_key_layer_scaling=get["apply_query_key_layer_scaling"],
+        apply_residual_connection_post_layernorm=get["apply_residual_connection_post_layernorm"],
+        rotary_interleaved=get["rotary_interleaved"],
+    )
+
+
 def transformer_config(args, device: torch.device) -> TransformerConfig:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return TransformerConfig(
@@ -83,6 +136,7 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         init_method_std=args.init_method_std,
         attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout,
+        **model_switches(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
@@ -125,6 +179,10 @@ def build_stage_model(args, vocab_size: int, device: torch.device) -> torch.nn.M
         position_embedding_type=args.position_embedding_type,
         device=device,
         seed=args.seed,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        use_transformer_engine=args.transformer_impl == "transformer_engine",
     )
 
 
@@ -138,6 +196,25 @@ class TrainingState:
     tokens: int = 0
     train_time_s: float = 0.0
     cross_stage_collectives: int | None = None  # counted when MEGATRON_AUDIT_COLLECTIVES=1
+
+
+def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
+    """The stage's optimizer step. The gradient norm's reach: the whole model under 1F1B-flush
+    (as Megatron), the stage's tensor-parallel ranks under PACI (no global synchronization)."""
+    step_func = StageOptimizerStep(
+        model,
+        optimizer,
+        scheduler,
+        data_parallel_group=parallel_state.get_data_parallel_group(),
+        grad_norm_group=(
+            parallel_state.get_model_parallel_group()
+            if get_schedule(args.pipeline_schedule).global_grad_norm
+            else parallel_state.get_tensor_model_parallel_group()
+        ),
+        tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
+        clip_grad=args.clip_grad,
+    )
+    return MegatronStep(step_func, model, args)
 
 
 def pretrain(args, forward_step_func) -> TrainingState:
@@ -160,23 +237,11 @@ def pretrain(args, forward_step_func) -> TrainingState:
     model = build_stage_model(args, args.padded_vocab_size, device)
     optimizer = build_optimizer(model, args)
     scheduler = build_lr_scheduler(optimizer, args)
-    step_func = StageOptimizerStep(
-        model,
-        optimizer,
-        scheduler,
-        data_parallel_group=parallel_state.get_data_parallel_group(),
-        grad_norm_group=(
-            parallel_state.get_model_parallel_group()
-            if get_schedule(args.pipeline_schedule).global_grad_norm
-            else parallel_state.get_tensor_model_parallel_group()
-        ),
-        tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
-        clip_grad=args.clip_grad,
-    )
+    step_func = build_step(args, model, optimizer, scheduler)
     state = TrainingState()
     if args.load:
         state.iteration, state.consumed_train_samples = checkpointing.load(
-            args.load, model=model, optimizer=optimizer, scheduler=scheduler
+            args.load, model=model, optimizer=optimizer, scheduler=scheduler, args=args
         )
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     runtime = StageRuntime(
@@ -188,6 +253,7 @@ def pretrain(args, forward_step_func) -> TrainingState:
         deterministic=args.deterministic_mode,
     )
     attach_stage_runtime(model, runtime)
+    set_pipeline_schedule(args.pipeline_schedule)
     train_iter, valid_iter, _ = build_data_iterators(
         data_path=None if args.mock_data else args.data_path,
         mock_data=args.mock_data,
@@ -209,8 +275,12 @@ def pretrain(args, forward_step_func) -> TrainingState:
     print_rank_0(f"> setup done in {time.perf_counter() - wall_start:.1f} s, training ...")
 
     with _maybe_audit() as audit:
-        train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state,
-              writer, audit)  # fmt: skip
+        if args.skip_train:
+            print_rank_0("> --skip-train: evaluation only")
+            evaluate(args, forward_step_func, model, valid_iter, state, writer)
+        else:
+            train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter,
+                  state, writer, audit)  # fmt: skip
     if audit_requested():
         state.cross_stage_collectives = len(audit.violations)
 
@@ -232,28 +302,121 @@ def _maybe_audit():
         yield audit
 
 
+class MegatronStep:
+    """The stage's optimizer step with Megatron's extras around it.
+
+    * Tied embeddings under 1F1B-flush: before the step, the first stage's input embedding and
+      the last stage's output layer (two copies of one weight) sum their gradients over
+      megatron-core's embedding group, so both copies take the same update and the model equals
+      a non-pipelined tied one. (PACI with several stages refuses tying, see arguments.py.)
+    * --log-num-zeros-in-grad: zeros in the stage's gradient before the step (before the
+      data-parallel average); --log-params-norm: the stage's squared parameter norm after it.
+    * --log-timers-to-tensorboard: time spent in the step.
+    """
+
+    def __init__(self, step_func: StageOptimizerStep, model: torch.nn.Module, args):
+        self.step_func = step_func
+        sync_tied = get_schedule(args.pipeline_schedule).flushes_every_call
+        shared = [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
+        self.tied_weights = shared if sync_tied else []
+        self.group = parallel_state.get_embedding_group() if self.tied_weights else None
+        self.count_zeros, self.norm = args.log_num_zeros_in_grad, args.log_params_norm
+        self.num_zeros, self.params_norm_squared, self.step_seconds = 0.0, 0.0, 0.0
+
+    def __call__(self):
+        for weight in self.tied_weights:
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            dist.all_reduce(weight.grad, group=self.group)
+        if self.count_zeros:
+            self.num_zeros = _zeros_in_grad(self.step_func.params)
+        start = time.perf_counter()
+        report = self.step_func()
+        self.step_seconds += time.perf_counter() - start
+        if self.norm:
+            self.params_norm_squared = _squared_norm(self.step_func.params)
+        return report
+
+    def __getattr__(self, name):  # optimizer, scheduler, last: the wrapped step's
+        return getattr(self.step_func, name)
+
+
+def _counted_once(params):
+    """Parameters as Megatron counts them for norms and zeros: the last stage's copy of a
+    tied embedding and tensor-parallel duplicates (norm weights, ...) off TP rank 0 skipped."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    for param in params:
+        if getattr(param, "shared", False):
+            continue
+        if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
+            yield param
+
+
+def _zeros_in_grad(params) -> float:
+    zeros = 0
+    for param in _counted_once(params):
+        nonzero = 0 if param.grad is None else int(torch.count_nonzero(param.grad))
+        zeros += param.numel() - nonzero
+    return float(zeros)
+
+
+def _squared_norm(params) -> float:
+    return sum(float(p.detach().float().pow(2).sum()) for p in _counted_once(params))
+
+
+def megatron_log_fields(args, step_func: MegatronStep) -> dict:
+    """'num zeros' and 'params norm' for the iteration line. 1F1B-flush sums the stages'
+    values over the model-parallel group (the pipeline is flushed at every step anyway); PACI
+    reports the logging (last) stage's own, since a sum over stages would synchronize them."""
+    if not (args.log_num_zeros_in_grad or args.log_params_norm):
+        return {}
+    local = [step_func.num_zeros, step_func.params_norm_squared]
+    values = torch.tensor(local, dtype=torch.float64)
+    if get_schedule(args.pipeline_schedule).global_grad_norm:
+        params = step_func.step_func.params
+        values = values.to(params[0].device if params else torch.device("cpu"))
+        dist.all_reduce(values, group=parallel_state.get_model_parallel_group())
+    fields = {}
+    if args.log_num_zeros_in_grad:
+        fields["num zeros"] = float(values[0])
+    if args.log_params_norm:
+        fields["params norm"] = math.sqrt(float(values[1]))
+    return fields
+
+
 def _eval_samples(args) -> int:
-    evaluations = args.train_iters // args.eval_interval
+    evaluations = args.train_iters // args.eval_interval + int(args.skip_train)
     return args.eval_iters * args.global_batch_size if evaluations and args.eval_iters else 0
+
+
+def stop_iteration(args, start_iteration: int) -> int:
+    """--train-iters, or earlier the first iteration after the start that --exit-interval
+    divides (Megatron saves with --save and exits there)."""
+    if args.exit_interval is None:
+        return args.train_iters
+    first_exit = (start_iteration // args.exit_interval + 1) * args.exit_interval
+    return min(args.train_iters, first_exit)
 
 
 def drain_points(args, start_iteration: int) -> list[int]:
     """Iterations after which the pipeline must be empty: evaluation, checkpoint, the end."""
-    points = {args.train_iters}
+    stop = stop_iteration(args, start_iteration)
+    points = {stop}
     for interval in (args.eval_interval if args.eval_iters else None, args.save_interval):
         if interval:
-            points.update(range(interval, args.train_iters + 1, interval))
+            points.update(range(interval, stop + 1, interval))
     return sorted(p for p in points if p > start_iteration)
 
 
 def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state,
           writer, audit) -> None:  # fmt: skip
-    schedule_function = get_forward_backward_func(args.pipeline_schedule)
+    schedule_function = get_forward_backward_func()  # Megatron's call: the configured one
     drains = drain_points(args, state.iteration)
+    stop = drains[-1] if drains else state.iteration
     m = args.num_microbatches
     interval_start, interval_losses = time.perf_counter(), []
     train_start = time.perf_counter()
-    while state.iteration < args.train_iters:
+    while state.iteration < stop:
         iteration = state.iteration + 1
         next_drain = next(p for p in drains if p >= iteration)
         loss_dicts = schedule_function(
@@ -275,20 +438,28 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
             interval_losses.append(loss)
         if iteration % args.log_interval == 0:
             elapsed = time.perf_counter() - interval_start
-            log_iteration(args, state, runtime, step_func, interval_losses, elapsed, writer)
+            fields = megatron_log_fields(args, step_func)
+            log_iteration(args, state, runtime, step_func, interval_losses, elapsed, writer,
+                          fields)  # fmt: skip
+            step_func.step_seconds = 0.0
             interval_start, interval_losses = time.perf_counter(), []
         if args.eval_iters and iteration % args.eval_interval == 0:
             evaluate(args, forward_step_func, model, valid_iter, state, writer)
             interval_start = time.perf_counter()  # evaluation time is not iteration time
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             with audit.paused():  # the pipeline is drained here: not a training step
-                checkpointing.save(
-                    args.save, state, model, step_func.optimizer, step_func.scheduler
-                )
+                _save(args, state, model, step_func)
     state.train_time_s = time.perf_counter() - train_start
     if args.save and not (args.save_interval and state.iteration % args.save_interval == 0):
         with audit.paused():
-            checkpointing.save(args.save, state, model, step_func.optimizer, step_func.scheduler)
+            _save(args, state, model, step_func)
+    if state.iteration < args.train_iters:
+        print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval)")
+
+
+def _save(args, state, model, step_func) -> None:
+    checkpointing.save(args.save, state, model, step_func.optimizer, step_func.scheduler,
+                       optim=not args.no_save_optim, rng=not args.no_save_rng)  # fmt: skip
 
 
 def _average_loss(loss_dicts: list[dict]) -> float:
@@ -306,7 +477,7 @@ def evaluate(args, forward_step_func, model, valid_iter, state, writer) -> None:
     if valid_iter is None:
         return
     model.eval()
-    schedule_function = get_forward_backward_func(args.pipeline_schedule)
+    schedule_function = get_forward_backward_func()  # Megatron's call: the configured one
     losses = []
     for _ in range(args.eval_iters):
         loss_dicts = schedule_function(
@@ -323,8 +494,14 @@ def evaluate(args, forward_step_func, model, valid_iter, state, writer) -> None:
     model.train()
     if parallel_state.is_pipeline_last_stage():
         loss = sum(losses) / len(losses)
+        ppl = math.exp(min(20.0, loss))  # Megatron caps the exponent at 20
         state.validation.append({"iteration": state.iteration, "lm loss": loss})
-        line = f" validation loss at iteration {state.iteration} | lm loss value: {loss:.6E} |"
+        line = (
+            f" validation loss at iteration {state.iteration} | lm loss value: {loss:.6E} | "
+            f"lm loss PPL: {ppl:.6E} |"
+        )
         print_rank_last("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
         if writer is not None and is_logging_rank():
             writer.add_scalar("lm loss validation", loss, state.iteration)
+            if args.log_validation_ppl_to_tensorboard:
+                writer.add_scalar("lm loss validation ppl", ppl, state.iteration)

@@ -33,20 +33,45 @@ def discover_cases() -> dict[str, dict]:
 
 
 def flags(model_args: dict, output: str) -> list[str]:
-    """Flags from a case's MODEL_ARGS; `{output}` in a value is the run's output directory."""
+    """Flags from a case's MODEL_ARGS; `{output}` in a value is the run's output directory,
+    `{gpt2}` the GPT-2 BPE data that `prepare_gpt2_data` builds there."""
     result = []
     for flag, value in model_args.items():
         if value is True:
             result.append(flag)
         elif value is not False and value is not None:
-            result.extend([flag, str(value).replace("{output}", output)])
+            value = str(value).replace("{gpt2}", os.path.join(output, "gpt2"))
+            result.extend([flag, value.replace("{output}", output)])
     return result
+
+
+def prepare_gpt2_data(output: str) -> None:
+    """A GPT-2 BPE vocab.json/merges.txt pair trained on a slice of the default corpus (the
+    Python standard library's sources) and that slice tokenized with it, under output/gpt2."""
+    directory = os.path.join(output, "gpt2")
+    if os.path.exists(os.path.join(directory, "stdlib_text_document.idx")):
+        return
+    corpus = os.path.join(directory, "stdlib.jsonl")
+    steps = [
+        ["build_corpus.py", "--output", corpus, "--max-docs", "12"],
+        ["train_gpt2_bpe.py", "--input", corpus, "--output-dir", directory,
+         "--vocab-size", "1024"],
+        ["preprocess_data.py", "--input", corpus, "--json-keys", "text", "--output-prefix",
+         os.path.join(directory, "stdlib"), "--tokenizer-type", "GPT2BPETokenizer",
+         "--vocab-file", os.path.join(directory, "vocab.json"), "--merge-file",
+         os.path.join(directory, "merges.txt"), "--append-eod", "--workers", "1"],
+    ]  # fmt: skip
+    for tool, *arguments in steps:
+        command = [sys.executable, os.path.join(REPO, "tools", tool), *arguments]
+        subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True)
 
 
 def run(case_names: list[str], output: str) -> dict[str, dict]:
     """Run the cases; return each case's summary.json (plus its log under 'log')."""
     cases = discover_cases()
     os.makedirs(output, exist_ok=True)
+    if any("{gpt2}" in str(cases[name]["MODEL_ARGS"]) for name in case_names):
+        prepare_gpt2_data(output)
     groups: dict[tuple, list[str]] = {}
     for name in case_names:
         case = cases[name]
@@ -81,6 +106,7 @@ def run(case_names: list[str], output: str) -> dict[str, dict]:
         for name in names:
             summary = json.load(open(os.path.join(output, name, "summary.json")))
             summary["log"] = log
+            summary["metrics_dir"] = os.path.join(output, name)
             results[name] = summary
     return results
 

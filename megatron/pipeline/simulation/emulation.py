@@ -101,6 +101,7 @@ def emulated_run_args(
         "--emulated-forward-ms", str(fwd_ms),
         "--emulated-backward-ms", str(bwd_ms),
         "--mock-data",
+        "--untie-embeddings-and-output-weights",
         "--tokenizer-type", "NullTokenizer",
         "--distributed-backend", "gloo",
         "--eval-iters", "0",

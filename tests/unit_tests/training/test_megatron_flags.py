@@ -1,0 +1,236 @@
+"""Megatron flag parity: every flag we accept works, is our behaviour, or says it is not
+supported yet (one line); the model switches reach megatron-core's TransformerConfig."""
+
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, REPO)
+
+from megatron.training.arguments import build_parser, validate_args  # noqa: E402
+from megatron.training.errors import UserError  # noqa: E402
+from megatron.training.megatron_flags import NOT_SUPPORTED, OUR_BEHAVIOUR  # noqa: E402
+
+BASE = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--train-iters", "4", "--lr", "1e-3", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+]  # fmt: skip
+
+
+def validated(extra: list[str], world_size: int = 1):
+    args = build_parser().parse_args(BASE + extra)
+    validate_args(args, world_size=world_size)
+    return args
+
+
+def error_of(extra: list[str], world_size: int = 1) -> str:
+    with pytest.raises(UserError) as caught:
+        validated(extra, world_size)
+    return str(caught.value)
+
+
+def non_default_value(flag) -> list[str]:
+    """The flag set to something other than its default (what a command line would pass)."""
+    if flag.type is None:
+        return [flag.name]
+    sample = {int: "3", float: "0.5", str: "x"}[flag.type]
+    return [flag.name] + ([sample, sample] if flag.nargs in ("+", "*") else [sample])
+
+
+@pytest.mark.parametrize("flag", NOT_SUPPORTED, ids=lambda f: f.name)
+def test_not_supported_flag_fails_with_one_line(flag):
+    assert error_of(non_default_value(flag)) == f"{flag.name} is not supported yet"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist is not supported yet"),
+        (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor is not supported yet"),
+        (["--context-parallel-size", "2"], "--context-parallel-size 2 is not supported yet"),
+        (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 is not supported yet"),
+        (["--rerun-mode", "validate_results"], "--rerun-mode validate_results is not supported yet"),
+        (["--timing-log-level", "2"], "--timing-log-level 2 is not supported yet"),
+        (["--transformer-impl", "inference_optimized"],
+         "--transformer-impl inference_optimized is not supported yet"),
+    ],
+)  # fmt: skip
+def test_unsupported_values_fail_naming_the_value(extra, message):
+    assert error_of(extra) == message
+
+
+def test_our_behaviour_flags_are_accepted():
+    extra = [flag.name for flag in OUR_BEHAVIOUR if flag.type is None]
+    extra += ["--transformer-impl", "local", "--attention-backend", "flash", "--ckpt-format",
+              "torch", "--context-parallel-size", "1", "--rerun-mode", "disabled",
+              "--timing-log-level", "0", "--num-workers", "6", "--dist-ckpt-strictness",
+              "log_all"]  # fmt: skip
+    validated(extra)
+
+
+def test_pretrain_gpt_prints_one_error_line_and_exits_2(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    import pretrain_gpt
+
+    assert pretrain_gpt.main(BASE + ["--use-distributed-optimizer"]) == 2
+    assert capsys.readouterr().err == "error: --use-distributed-optimizer is not supported yet\n"
+
+
+def test_tied_embeddings_refused_under_paci_with_stages():
+    message = error_of(["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "paci"], 2)
+    assert message.endswith("add --untie-embeddings-and-output-weights")
+    validated(["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "paci",
+               "--untie-embeddings-and-output-weights"], 2)  # fmt: skip
+    validated(["--pipeline-schedule", "paci"])  # one stage: tying is local
+
+
+def test_megatron_defaults():
+    minimal = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "8",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--train-iters",
+        "1",
+        "--lr",
+        "1",
+    ]
+    args = build_parser().parse_args(minimal)  # fmt: skip
+    assert args.tokenizer_type == "GPT2BPETokenizer"
+    assert not args.untie_embeddings_and_output_weights
+    assert (args.log_interval, args.eval_interval, args.eval_iters) == (100, 1000, 100)
+    assert args.ckpt_format == "torch"
+
+
+def test_swiglu_ffn_default_and_kv_channels():
+    args = validated(["--swiglu", "--hidden-size", "96", "--num-attention-heads", "4"])
+    assert args.ffn_hidden_size == 256  # int(4 * 96 * 2 / 3 / 64) * 64
+    assert args.kv_channels == 24
+
+
+def test_train_samples_set_iterations_and_sample_schedule():
+    from megatron.training.optimizer import _schedule_lengths
+
+    at = BASE.index("--train-iters")
+    args = build_parser().parse_args(
+        BASE[:at]
+        + BASE[at + 2 :]
+        + ["--train-samples", "40", "--lr-decay-samples", "36", "--lr-warmup-samples", "12"]
+    )
+    validate_args(args, world_size=1)
+    assert args.train_iters == 5  # 40 samples / global batch 8
+    assert _schedule_lengths(args) == (1.5, 4.5)  # samples / global batch
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--train-samples", "16"], "exactly one of --train-iters and --train-samples"),
+        (["--lr-decay-samples", "16"], "need --train-samples"),
+        (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups"),
+        (["--swiglu", "--squared-relu"], "exclude each other"),
+        (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+         "exclude each other"),
+        (["--exit-interval", "0"], "--exit-interval must be >= 1"),
+    ],
+)  # fmt: skip
+def test_inconsistent_run_and_model_flags(extra, needle):
+    assert needle in error_of(extra)
+
+
+def test_model_switches_reach_transformer_config():
+    import torch
+
+    from megatron.training.training import transformer_config
+
+    args = validated(["--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
+                      "--num-query-groups", "2", "--disable-bias-linear", "--qk-layernorm",
+                      "--apply-layernorm-1p", "--kv-channels", "32", "--norm-epsilon", "1e-6",
+                      "--attention-softmax-in-fp32", "--rotary-interleaved",
+                      "--apply-residual-connection-post-layernorm"])  # fmt: skip
+    config = transformer_config(args, torch.device("cpu"))
+    assert config.normalization == "RMSNorm" and config.layernorm_epsilon == 1e-6
+    assert config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
+    assert config.num_query_groups == 2 and config.kv_channels == 32
+    assert not config.add_bias_linear and config.qk_layernorm
+    assert config.layernorm_zero_centered_gamma and config.attention_softmax_in_fp32
+    assert config.rotary_interleaved and config.apply_residual_connection_post_layernorm
+
+
+def test_flag_coverage_of_megatron_command_lines():
+    """Every stored Megatron GPT command line parses; each is either accepted or names the
+    features we lack (tools/megatron_flag_coverage.py, whose report is in the docs)."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import json
+
+    import megatron_flag_coverage as coverage
+
+    with open(coverage.DATA_FILE) as handle:
+        command_lines = coverage.decode(json.load(handle))
+    assert len(command_lines) == 163
+    outcomes = [coverage.classify(flags)[0] for flags in command_lines.values()]
+    assert outcomes.count("parse error") == 0
+    assert outcomes.count("other error") == 0
+
+
+def _scheduler_for(extra: list[str]):
+    import torch
+
+    from megatron.training.optimizer import build_lr_scheduler
+
+    args = validated(extra)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=args.lr)
+    return optimizer, build_lr_scheduler(optimizer, args)
+
+
+@pytest.mark.parametrize(
+    "flag, loaded_lr",
+    [(None, None), ("--override-opt_param-scheduler", 1e-3), ("--use-checkpoint-opt_param-scheduler", 2e-3)],
+)  # fmt: skip
+def test_scheduler_settings_are_checked_against_the_checkpoint(flag, loaded_lr):
+    """Megatron's rule: a command line whose LR schedule differs from the checkpoint's fails
+    (one line) unless one of the two flags says which one wins."""
+    from megatron.training import checkpointing
+
+    _, saved = _scheduler_for(["--lr", "2e-3"])
+    payload = {"optimizer": _scheduler_for([])[0].state_dict(),
+               "opt_param_scheduler": saved.state_dict()}  # fmt: skip
+    optimizer, scheduler = _scheduler_for([flag] if flag else [])
+    if flag is None:
+        with pytest.raises(UserError, match="do not match.*--override-opt_param-scheduler"):
+            checkpointing._load_optimizer("ckpt", payload, optimizer, scheduler)
+        return
+    checkpointing._load_optimizer("ckpt", payload, optimizer, scheduler)
+    assert scheduler.max_lr == loaded_lr
+
+
+def test_checkpoint_without_optimizer_state_says_how_to_load_it():
+    from megatron.training import checkpointing
+
+    optimizer, scheduler = _scheduler_for([])
+    with pytest.raises(UserError, match="add --no-load-optim"):
+        checkpointing._load_optimizer("ckpt", {"model": {}}, optimizer, scheduler)
+
+
+def test_throughput_flops_match_the_published_gpt_formula():
+    """72 B s L h^2 (1 + s/6h + V/12Lh) (Narayanan et al., 2021) for a GPT with 4h MLP and
+    one key/value head per query head; --log-throughput uses Megatron's general form."""
+    from megatron.training.reporting import floating_point_operations
+
+    args = validated(["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12",
+                      "--seq-length", "1024", "--micro-batch-size", "8",
+                      "--global-batch-size", "8"])  # fmt: skip
+    args.padded_vocab_size = 50304
+    b, s, layers, h, v = 8, 1024, 12, 768, 50304
+    published = 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+    assert floating_point_operations(args) == pytest.approx(published, rel=1e-12)

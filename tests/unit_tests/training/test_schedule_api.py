@@ -1,0 +1,65 @@
+"""Megatron's calling conventions for the schedule entry points (megatron/pipeline/
+forward_backward.py): the selector without arguments, the 3-tuple loss_func, wrapped models."""
+
+import functools
+
+import pytest
+import torch
+
+from megatron.pipeline import forward_backward as fb
+
+
+def schedule_name(schedule_function) -> str:
+    """Which schedule a selected function runs (a named entry point, or a partial of the
+    registered schedule)."""
+    if isinstance(schedule_function, functools.partial):
+        return schedule_function.args[0].name
+    return schedule_function.__name__.rsplit("_", 1)[-1]
+
+
+def test_selector_returns_the_configured_schedule_when_called_as_megatron_does():
+    try:
+        assert schedule_name(fb.get_forward_backward_func()) == "1f1b"
+        fb.set_pipeline_schedule("paci")
+        assert schedule_name(fb.get_forward_backward_func()) == "paci"
+        assert schedule_name(fb.get_forward_backward_func(4, 1)) == "paci"  # pp_size, vp_size
+        assert schedule_name(fb.get_forward_backward_func("1f1b")) == "1f1b"
+        with pytest.raises(NotImplementedError):
+            fb.get_forward_backward_func(4, 2)  # interleaved virtual pipeline
+    finally:
+        fb.set_pipeline_schedule("1f1b")
+
+
+def test_three_tuple_loss_is_the_mean_over_tokens():
+    losses = torch.tensor([2.0, 4.0, 6.0, 8.0])
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
+
+    def megatron_loss_func(output):  # Megatron's current contract
+        loss_sum = torch.sum(output * mask)
+        tokens = mask.sum().to(torch.int)
+        return loss_sum, tokens, {"lm loss": torch.cat([loss_sum.view(1), tokens.view(1)])}
+
+    def forward_step(data_iterator, model):
+        return losses, megatron_loss_func
+
+    output, loss_func = fb._megatron_loss_contract(forward_step)(None, None)
+    loss, reduced = loss_func(output)
+    assert loss.item() == pytest.approx(14.0 / 3) and reduced["lm loss"].item() == loss.item()
+
+
+def test_two_tuple_loss_passes_through_unchanged():
+    expected = (torch.tensor(1.5), {"lm loss": torch.tensor(1.5)})
+    assert fb._two_tuple_loss(lambda output: expected, None) is expected
+
+
+def test_runtime_found_through_a_data_parallel_wrapper():
+    class Wrapper(torch.nn.Module):  # what megatron-core's DistributedDataParallel looks like
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    model, runtime = torch.nn.Linear(2, 2), object()
+    fb.attach_stage_runtime(model, runtime)
+    assert fb.stage_runtime_of(Wrapper(Wrapper(model))) is runtime
+    with pytest.raises(RuntimeError):
+        fb.stage_runtime_of(torch.nn.Linear(2, 2))
