@@ -13,7 +13,8 @@ from functools import partial
 import torch
 
 from megatron.training.arguments import parse_args
-from megatron.training.errors import UserError
+from megatron.training.errors import RunFailed, UserError
+from megatron.training.faults import report_error
 
 
 def get_batch(data_iterator, model):
@@ -51,11 +52,12 @@ def main(argv=None) -> int:
         from megatron.training.training import pretrain
 
         pretrain(args, forward_step)
-    except UserError as error:
-        rank = __import__("os").environ.get("RANK", "0")
-        if rank == "0":
-            print(f"error: {error}", file=sys.stderr, flush=True)
+    except UserError as error:  # every rank's, once per distinct message
+        report_error(str(error))
         return 2
+    except RunFailed as failure:  # diverged, or a peer is gone
+        report_error(str(failure))
+        return failure.exit_code
     return 0
 
 

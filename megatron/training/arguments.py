@@ -10,6 +10,7 @@ import os
 from megatron.pipeline.schedules import SCHEDULES
 
 from .errors import UserError
+from .validation import add_reliability_args, validate_reliability
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--emulated-forward-ms", type=float, default=None,
         help="replace each stage's forward by a wait of this many ms (schedule benchmarks)")  # fmt: skip
     add("--emulated-backward-ms", type=float, default=None)
+    add_reliability_args(parser)
     return parser
 
 
@@ -115,6 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def validate_args(args: argparse.Namespace, *, world_size: int) -> None:
     """Fill defaults that depend on other flags and reject inconsistent ones."""
+    validate_reliability(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise UserError(
