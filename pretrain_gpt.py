@@ -14,7 +14,8 @@ import torch
 
 from megatron.training.arguments import parse_args
 from megatron.training.errors import RunFailed, UserError
-from megatron.training.faults import report_error
+from megatron.pipeline.p2p import PeerLost
+from megatron.training.faults import end_stuck_peer, report_error
 
 
 def get_batch(data_iterator, model):
@@ -55,9 +56,14 @@ def main(argv=None) -> int:
     except UserError as error:  # every rank's, once per distinct message
         report_error(str(error))
         return 2
-    except RunFailed as failure:  # diverged, or a peer is gone
+    except RunFailed as failure:  # diverged
         report_error(str(failure))
         return failure.exit_code
+    except PeerLost as lost:  # a neighbouring stage is stuck or gone
+        if lost.timed_out:
+            end_stuck_peer(lost.peer)  # a stopped process would ignore the launcher's SIGTERM
+        report_error(str(lost))
+        return 1
     return 0
 
 
