@@ -41,8 +41,7 @@ _SCHEDULE_FIELDS = {
     "lr_decay_steps": "decay iterations (--lr-decay-iters, default --train-iters)",
     "lr_decay_style": "--lr-decay-style",
     "start_wd": "--weight-decay",
-    "wd_incr_steps": "--train-iters",
-}
+}  # (the weight-decay increment's length is unused: its style is always constant)
 
 
 def atomic_write_text(path: str, text: str) -> None:

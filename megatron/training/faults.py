@@ -70,19 +70,24 @@ def report_error(message: str) -> None:
     """`error: <message> (rank R)` on stderr, unless another rank already printed it."""
     if not _first_to_report(message):
         return
-    where = f" (rank {_rank()})" if _world_size() > 1 else ""
+    rank = f"(rank {_rank()})"
+    where = f" {rank}" if _world_size() > 1 and rank not in message else ""
     print(f"error: {message}{where}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------- timeouts
 def apply_timeout_to_all_groups(minutes: int) -> None:
-    """Set the timeout of every process group this rank belongs to."""
+    """Set the timeout of every process group this rank belongs to (torch's private API, as
+    megatron-core's `update_pg_timeout` uses it; if it changes, say so and go on)."""
     timeout = datetime.timedelta(minutes=minutes)
     c10d = dist.distributed_c10d
-    for group in list(c10d._world.pg_map):
-        if c10d._rank_not_in_group(group):
-            continue
-        c10d._set_pg_timeout(timeout, group)
+    try:
+        for group in list(c10d._world.pg_map):
+            if not c10d._rank_not_in_group(group):
+                c10d._set_pg_timeout(timeout, group)
+    except (AttributeError, RuntimeError, ValueError) as error:
+        print(f"warning: could not set --distributed-timeout-minutes on every process group "
+              f"({error}); groups created later keep torch's default", flush=True)  # fmt: skip
 
 
 def register_peers() -> None:
