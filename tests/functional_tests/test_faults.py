@@ -141,7 +141,7 @@ def test_error_of_one_rank_is_printed_with_its_rank(diverged):
     latest = int(open(ckpt / "latest_checkpointed_iteration.txt").read())
     missing = ckpt / f"iter_{latest:07d}" / "mp_rank_00_002" / "model_optim_rng.pt"
     os.remove(missing)
-    args = SMALL + ["--train-iters", "20", "--lr", "1e3", "--lr-decay-style", "constant",
+    args = SMALL + ["--train-iters", "12", "--lr", "1e3", "--lr-decay-style", "constant",
                     "--data-path", DATA, "--tokenizer-model", TOKENIZER, "--load", str(ckpt)]  # fmt: skip
     returncode, output = run(args)
     assert returncode != 0
