@@ -14,8 +14,8 @@ import torch
 
 from megatron.training.arguments import parse_args
 from megatron.training.errors import RunFailed, UserError
-from megatron.pipeline.p2p import PeerLost
-from megatron.training.faults import end_stuck_peer, report_error
+from megatron.pipeline.p2p import PeerLost, describe_rank
+from megatron.training.faults import end_stopped_peers, report_error
 
 
 def get_batch(data_iterator, model):
@@ -60,9 +60,9 @@ def main(argv=None) -> int:
         report_error(str(failure))
         return failure.exit_code
     except PeerLost as lost:  # a neighbouring stage is stuck or gone
-        if lost.timed_out:
-            end_stuck_peer(lost.peer)  # a stopped process would ignore the launcher's SIGTERM
-        report_error(str(lost))
+        stopped = end_stopped_peers() if lost.timed_out else []
+        ended = "".join(f"; {describe_rank(rank)} was stopped: ended" for rank in stopped)
+        report_error(f"{lost}{ended}")
         return 1
     return 0
 

@@ -38,10 +38,12 @@ class PeerLost(RuntimeError):
             # gloo's message starts with its source location: keep what follows
             text = re.sub(r"^\[[^\]]*\]\s*", "", str(cause).strip()) or type(cause).__name__
             what, problem = "lost", text.splitlines()[0][:100]
-        super().__init__(f"{_where(dist.get_rank())} {what} {_where(peer)}: {problem}")
+        super().__init__(
+            f"{describe_rank(dist.get_rank())} {what} {describe_rank(peer)}: {problem}"
+        )
 
 
-def _where(rank: int) -> str:
+def describe_rank(rank: int) -> str:
     from megatron.core import parallel_state
 
     ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())

@@ -8,9 +8,9 @@ dead peer, a launcher that disappeared.
   including those megatron-core and the pipeline create with torch's 30-minute default.
 * `watch_launcher`: workers end when torchrun itself dies (SIGKILL leaves them orphaned,
   and nothing else would stop them).
-* `register_peers` / `end_stuck_peer`: a rank that timed out waiting for a peer on the same
-  host kills it, because a stopped or hung process ignores the launcher's SIGTERM and the
-  launcher waits 30 s more before its SIGKILL.
+* `register_peers` / `end_stopped_peers`: a rank that timed out waiting for a peer kills the
+  stopped processes of the job on its host, because a stopped process ignores the launcher's
+  SIGTERM and the launcher waits 30 s more before its SIGKILL.
 """
 
 import datetime
@@ -98,15 +98,26 @@ def register_peers() -> None:
     _peers.update(enumerate(gathered))
 
 
-def end_stuck_peer(rank: int) -> None:
-    """Kill a peer on this host that stopped answering (it would ignore SIGTERM)."""
-    host, pid = _peers.get(rank, (None, None))
-    if host != socket.gethostname() or pid is None or pid == os.getpid():
-        return
+def _process_state(pid: int) -> str:
     try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def end_stopped_peers() -> list[int]:
+    """Kill the peers on this host whose process is stopped (SIGSTOP): a stopped process
+    ignores the launcher's SIGTERM, and the launcher waits 30 s more before its SIGKILL.
+    Returns their ranks. (Linux /proc; elsewhere nothing is found.)"""
+    here, ended = socket.gethostname(), []
+    for rank, (host, pid) in sorted(_peers.items()):
+        if host == here and pid != os.getpid() and _process_state(pid) == "T":
+            try:
+                os.kill(pid, signal.SIGKILL)
+                ended.append(rank)
+            except OSError:
+                pass
+    return ended
 
 
 # ---------------------------------------------------------------------------- the launcher

@@ -170,7 +170,9 @@ def test_frozen_stage_ends_every_rank_within_the_timeout(tmp_path):
     finally:
         _kill_group(process)
     output = open(log_path).read()
-    assert ended_after < 90, ended_after
+    print(f"every process ended {ended_after:.1f} s after stage 1 was frozen")
+    print("\n".join(our_errors(output)))
+    assert ended_after < 90, (ended_after, output[-3000:])
     assert any("stage 1 (rank 1)" in line for line in our_errors(output)), output[-3000:]
 
 
