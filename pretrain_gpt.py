@@ -12,9 +12,9 @@ from functools import partial
 
 import torch
 
+from megatron.pipeline.p2p import PeerLost, describe_rank
 from megatron.training.arguments import parse_args
 from megatron.training.errors import RunFailed, UserError
-from megatron.pipeline.p2p import PeerLost, describe_rank
 from megatron.training.faults import end_stopped_peers, report_error
 
 
