@@ -12,8 +12,10 @@ from functools import partial
 
 import torch
 
+from megatron.pipeline.p2p import PeerLost, describe_rank
 from megatron.training.arguments import parse_args
-from megatron.training.errors import UserError
+from megatron.training.errors import RunFailed, UserError
+from megatron.training.faults import end_stopped_peers, report_error
 
 
 def get_batch(data_iterator, model):
@@ -51,11 +53,17 @@ def main(argv=None) -> int:
         from megatron.training.training import pretrain
 
         pretrain(args, forward_step)
-    except UserError as error:
-        rank = __import__("os").environ.get("RANK", "0")
-        if rank == "0":
-            print(f"error: {error}", file=sys.stderr, flush=True)
+    except UserError as error:  # every rank's, once per distinct message
+        report_error(str(error))
         return 2
+    except RunFailed as failure:  # diverged
+        report_error(str(failure))
+        return failure.exit_code
+    except PeerLost as lost:  # a neighbouring stage is stuck or gone
+        stopped = end_stopped_peers() if lost.timed_out else []
+        ended = "".join(f"; {describe_rank(rank)} was stopped: ended" for rank in stopped)
+        report_error(f"{lost}{ended}")
+        return 1
     return 0
 
 

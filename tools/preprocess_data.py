@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megatron.training.errors import UserError  # noqa: E402
 from megatron.training.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron.training.validation import STATS_SUFFIX  # noqa: E402
 
 _worker = {}  # per-process state: the tokenizer and what to encode
 
@@ -54,7 +55,15 @@ def _encode(item):
     for key in _worker["json_keys"]:
         if key not in record:
             raise UserError(f"--input line {lineno} has no key {key!r}")
-        doc = tokenizer.tokenize(str(record[key]))
+        text = record[key]
+        if text is None:  # a missing document, not the text "None": skipped and counted
+            ids[key] = []
+            continue
+        if not isinstance(text, str):
+            raise UserError(
+                f"--input line {lineno}: {key!r} is a JSON {type(text).__name__}, not a string"
+            )
+        doc = tokenizer.tokenize(text)
         if doc and _worker["append_eod"]:
             doc.append(tokenizer.eod)
         ids[key] = doc
@@ -93,29 +102,37 @@ class _AtomicDataset:
         suffix = f".tmp-{os.getpid()}"
         self.bin_path, self.idx_path = prefix + ".bin", prefix + ".idx"
         self.tmp_bin, self.tmp_idx = self.bin_path + suffix, self.idx_path + suffix
+        self.tmp_stats = prefix + STATS_SUFFIX + suffix
         self.builder = IndexedDatasetBuilder(self.tmp_bin, dtype=dtype)
         self.documents = 0
         self.tokens = 0
-        self.empty = 0
+        self.empty = 0  # empty or null documents, skipped
+        self.max_token_id = -1
 
     def add(self, array: numpy.ndarray) -> None:
         self.builder.add_document(array, [array.size])
         self.documents += 1
         self.tokens += array.size
+        self.max_token_id = max(self.max_token_id, int(array.max()))
 
-    def commit(self) -> None:
+    def commit(self, vocab_size: int) -> None:
         self.builder.finalize(self.tmp_idx)
+        # What training checks the tokenizer against without scanning the .bin.
+        stats = {"max_token_id": self.max_token_id, "vocab_size": vocab_size}
+        with open(self.tmp_stats, "w") as handle:
+            json.dump(stats, handle)
         # Drop the old index first: a crash between the renames then leaves a .bin without an
         # .idx (reported as missing), never a new .bin beside a stale .idx.
         if os.path.exists(self.idx_path):
             os.remove(self.idx_path)
         os.replace(self.tmp_bin, self.bin_path)
         os.replace(self.tmp_idx, self.idx_path)
+        os.replace(self.tmp_stats, self.prefix + STATS_SUFFIX)
 
     def discard(self) -> None:
         if not self.builder.data_file.closed:
             self.builder.data_file.close()
-        for path in (self.tmp_bin, self.tmp_idx):
+        for path in (self.tmp_bin, self.tmp_idx, self.tmp_stats):
             if os.path.exists(path):
                 os.remove(path)
 
@@ -206,7 +223,7 @@ def preprocess(args) -> list:
         if count == 0:
             raise UserError(f"--input {args.input} has no documents")
         for output in outputs.values():
-            output.commit()
+            output.commit(vocab_size)
     except UnicodeDecodeError:
         raise UserError(f"--input {args.input} is not UTF-8 text") from None
     finally:

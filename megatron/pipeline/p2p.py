@@ -17,10 +17,38 @@ Both flavours notify one `threading.Condition` per stage, which the runtime slee
 """
 
 import collections
+import re
 import threading
 
 import torch
 import torch.distributed as dist
+
+
+class PeerLost(RuntimeError):
+    """A receive from a neighbouring stage failed: it timed out (the peer is stuck) or the
+    peer is gone. The message names both stages and ranks."""
+
+    def __init__(self, peer: int, cause: BaseException):
+        self.peer = peer
+        self.timed_out = "timed out" in str(cause).lower() or "timeout" in str(cause).lower()
+        if self.timed_out:
+            what = "got nothing within --distributed-timeout-minutes from"
+            problem = "it is stuck or too slow"
+        else:
+            # gloo's message starts with its source location: keep what follows
+            text = re.sub(r"^\[[^\]]*\]\s*", "", str(cause).strip()) or type(cause).__name__
+            what, problem = "lost", text.splitlines()[0][:100]
+        super().__init__(
+            f"{describe_rank(dist.get_rank())} {what} {describe_rank(peer)}: {problem}"
+        )
+
+
+def describe_rank(rank: int) -> str:
+    from megatron.core import parallel_state
+
+    ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    stage = ranks.index(rank) if rank in ranks else "?"
+    return f"stage {stage} (rank {rank})"
 
 
 class Inbox:
@@ -77,7 +105,7 @@ class ThreadedInbox(Inbox):
 
     def ready(self) -> bool:
         if self._error is not None:
-            raise RuntimeError(f"receive from rank {self.peer} failed") from self._error
+            raise PeerLost(self.peer, self._error) from self._error
         return len(self._arrived) > 0
 
     def take(self) -> torch.Tensor:

@@ -11,6 +11,7 @@ from megatron.pipeline.schedules import SCHEDULES
 
 from .errors import UserError
 from .megatron_flags import add_compatibility_flags, reject_unsupported_flags
+from .validation import add_reliability_args, validate_reliability
 
 TOKENIZER_CHOICES = [
     "GPT2BPETokenizer",
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                       _add_optimizer_args, _add_data_args, _add_logging_args,
                       _add_checkpoint_args, _add_benchmark_args):  # fmt: skip
         add_group(parser)
+    add_reliability_args(parser)
     add_compatibility_flags(parser)
     return parser
 
@@ -193,6 +195,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     `check_files=False` skips the checks that read the data files (for measuring which command
     lines parse, see tools/megatron_flag_coverage.py)."""
     reject_unsupported_flags(args)
+    validate_reliability(args)
     _validate_parallel_layout(args, world_size)
     _validate_model_shape(args)
     _validate_batch_and_run_length(args)

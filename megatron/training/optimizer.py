@@ -89,6 +89,7 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, args) -> OptimizerParam
 class StepReport:
     grad_norm: float
     learning_rate: float
+    skipped: bool = False  # the gradient norm was not finite: no update
 
 
 class StageOptimizerStep:
@@ -112,11 +113,16 @@ class StageOptimizerStep:
         self.clip_grad = clip_grad
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.last = StepReport(grad_norm=0.0, learning_rate=0.0)
+        self.skipped_steps = 0  # steps this stage skipped, over the run
+        self.consecutive_skips = 0  # ... in a row, up to the last step
 
     def __call__(self) -> StepReport:
         grads = [self._grad(p) for p in self.params]
         self._average_over_data_parallel(grads)
         grad_norm = self._grad_norm()
+        if not math.isfinite(grad_norm):
+            return self._skip(grad_norm)
+        self.consecutive_skips = 0
         if self.clip_grad > 0 and grad_norm > self.clip_grad:
             scale = self.clip_grad / (grad_norm + 1e-6)
             for grad in grads:
@@ -126,6 +132,20 @@ class StageOptimizerStep:
         self.scheduler.step(increment=1)
         self.optimizer.zero_grad(set_to_none=True)
         self.last = StepReport(grad_norm=grad_norm, learning_rate=learning_rate)
+        return self.last
+
+    def forget_skips(self) -> None:
+        """After a rollback the skips in a row start again from zero."""
+        self.consecutive_skips = 0
+
+    def _skip(self, grad_norm: float) -> StepReport:
+        """A non-finite gradient norm: no update, and (as in Megatron) the LR schedule does not
+        advance. Every rank of the stage sees the same norm, so they all skip."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        self.last = StepReport(grad_norm=grad_norm, learning_rate=learning_rate, skipped=True)
         return self.last
 
     @staticmethod

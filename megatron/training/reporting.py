@@ -6,6 +6,7 @@ run ends and the pipeline is drained, for `summary.json`.
 """
 
 import json
+import math
 import os
 import time
 from dataclasses import replace
@@ -18,6 +19,7 @@ from megatron.pipeline.audit import audit_requested
 from megatron.pipeline.trace import write_chrome_trace
 
 from .checkpointing import atomic_write_text
+from .errors import UserError
 
 # Megatron scales the loss only for fp16 training (not supported here): fp32 and bf16 runs
 # report a loss scale of 1, as Megatron's do.
@@ -64,6 +66,7 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fiel
     drift_text = " ".join(f"{mx}/{mean:.2f}" for mx, mean in drift)
     report = step_func.last
     fields = fields or {}
+    skipped, nans = _interval_counts(state, step_func)
     throughput = ""
     if args.log_throughput:
         tflops = floating_point_operations(args) / (per_iteration_ms / 1000.0) / 1e12
@@ -81,7 +84,7 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fiel
         f"learning rate: {report.learning_rate:.6E} | "
         f"global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} | "
         f"loss scale: {LOSS_SCALE:.1f} | grad norm: {report.grad_norm:.3f} | {extra}"
-        f"number of skipped iterations:   0 | number of nan iterations:   0 | "
+        f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nans:3d} | "
         f"weight drift max/mean by stage: {drift_text} |",
         flush=True,
     )
@@ -141,6 +144,14 @@ def _write_memory(writer, step, runtime) -> None:
     writer.add_scalar("mem-max-rss-bytes", peak_kib * 1024, step)
 
 
+def _interval_counts(state, step_func) -> tuple[int, int]:
+    """Skipped steps (this, the last, stage's) and non-finite losses since the last log line."""
+    totals = (step_func.skipped_steps, state.nan_iterations)
+    since = tuple(now - before for now, before in zip(totals, state.logged_counts))
+    state.logged_counts = totals
+    return since
+
+
 def tensorboard_writer(args):
     if not args.tensorboard_dir or not is_logging_rank():
         return None
@@ -158,6 +169,7 @@ def _stage_report(args, runtime, step_func, optimizer) -> dict:
         grad_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
         optimizer_state_bytes=_optimizer_state_bytes(optimizer),
         extra_weight_versions=0,
+        skipped_steps=step_func.skipped_steps,
         runtime_overhead_us_per_action=runtime.overhead_per_action_us(),
     )
     return report
@@ -181,6 +193,7 @@ def write_summary(args, state, runtime, step_func, optimizer, wall_start) -> Non
         "report": _stage_report(args, runtime, step_func, optimizer),
         "losses": state.losses if is_logging_rank() else None,
         "validation": state.validation if is_logging_rank() else None,
+        "nan_iterations": state.nan_iterations,
         "train_time_s": state.train_time_s,
         "cross_stage_collectives": state.cross_stage_collectives,
     }
@@ -204,6 +217,10 @@ def write_summary(args, state, runtime, step_func, optimizer, wall_start) -> Non
         "loss": logger["losses"],
         "final_loss": logger["losses"][-1] if logger["losses"] else None,
         "validation": logger["validation"],
+        "skipped_steps_by_stage": [g["report"]["skipped_steps"] for g in stages],
+        "nan_iterations": logger["nan_iterations"],
+        "rollbacks": state.rollbacks,
+        "diverged": state.diverged,
         "elapsed_s": elapsed,
         "tokens_per_second": state.tokens / elapsed if elapsed > 0 else 0.0,
         "wall_s_including_setup": time.perf_counter() - wall_start,
@@ -211,9 +228,24 @@ def write_summary(args, state, runtime, step_func, optimizer, wall_start) -> Non
     }
     if audit_requested():
         summary["cross_stage_collectives"] = sum(g["cross_stage_collectives"] for g in gathered)
-    os.makedirs(args.metrics_dir, exist_ok=True)
-    atomic_write_text(os.path.join(args.metrics_dir, "summary.json"), json.dumps(summary, indent=2))
+    try:
+        os.makedirs(args.metrics_dir, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"--metrics-dir {args.metrics_dir}: {error.strerror}") from None
+    text = json.dumps(finite_or_none(summary), indent=2, allow_nan=False)
+    atomic_write_text(os.path.join(args.metrics_dir, "summary.json"), text)
     print(f"> wrote {os.path.join(args.metrics_dir, 'summary.json')}", flush=True)
+
+
+def finite_or_none(value):
+    """JSON has no NaN or Infinity: a non-finite number is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(item) for item in value]
+    return value
 
 
 def write_timelines(args, runtime) -> None:

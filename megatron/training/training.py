@@ -30,9 +30,10 @@ from megatron.pipeline.parallel import build_pipeline_context, ranks_of_my_stage
 from megatron.pipeline.runtime import StageRuntime
 from megatron.pipeline.schedules import get_schedule
 
-from . import checkpointing
-from .data import build_data_iterators
+from . import checkpointing, divergence, faults
+from .data import build_data_iterators, parse_data_path
 from .emulation import EmulatedStage
+from .errors import RunFailed
 from .model import StageLayout, build_gpt_stage
 from .optimizer import StageOptimizerStep, build_lr_scheduler, build_optimizer
 from .reporting import (
@@ -45,6 +46,7 @@ from .reporting import (
     write_timelines,
 )
 from .tokenizer import build_tokenizer
+from .validation import check_token_ids
 
 
 # ---------------------------------------------------------------------------- set-up
@@ -63,6 +65,7 @@ def initialize_distributed(args) -> torch.device:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
     torch.manual_seed(args.seed)
     if device.type == "cuda":
@@ -196,6 +199,11 @@ class TrainingState:
     tokens: int = 0
     train_time_s: float = 0.0
     cross_stage_collectives: int | None = None  # counted when MEGATRON_AUDIT_COLLECTIVES=1
+    nan_iterations: int = 0  # iterations whose loss was not finite (last stage)
+    logged_counts: tuple = (0, 0)  # (skipped steps, nan iterations) at the last log line
+    rollbacks: list = field(default_factory=list)  # {"iteration", "to"} per rollback
+    fit_to_save: bool = True  # as agreed at the last drain point
+    diverged: str | None = None  # why the run ended diverged
 
 
 def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
@@ -219,6 +227,7 @@ def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
 
 def pretrain(args, forward_step_func) -> TrainingState:
     wall_start = time.perf_counter()
+    faults.watch_launcher()
     device = initialize_distributed(args)
     print_rank_0(
         f"> world size {args.world_size}: tensor {args.tensor_model_parallel_size} x pipeline "
@@ -234,6 +243,9 @@ def pretrain(args, forward_step_func) -> TrainingState:
         vocab_size=args.vocab_size,
     )
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    if not args.mock_data:
+        check_token_ids(parse_data_path(args.data_path)[0], tokenizer.vocab_size,
+                        args.padded_vocab_size)  # fmt: skip
     model = build_stage_model(args, args.padded_vocab_size, device)
     optimizer = build_optimizer(model, args)
     scheduler = build_lr_scheduler(optimizer, args)
@@ -271,6 +283,8 @@ def pretrain(args, forward_step_func) -> TrainingState:
         consumed_train_samples=state.consumed_train_samples,
     )
     writer = tensorboard_writer(args)
+    faults.register_peers()
+    faults.apply_timeout_to_all_groups(args.distributed_timeout_minutes)
     dist.barrier()  # everyone built; from here on only the schedule's own traffic
     print_rank_0(f"> setup done in {time.perf_counter() - wall_start:.1f} s, training ...")
 
@@ -290,6 +304,8 @@ def pretrain(args, forward_step_func) -> TrainingState:
     if writer is not None:
         writer.close()
     parallel_state.destroy_model_parallel()
+    if state.diverged:
+        raise RunFailed(f"training diverged: {state.diverged}", exit_code=3)
     return state
 
 
@@ -436,6 +452,7 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
             loss = _average_loss(loss_dicts)
             state.losses.append(loss)
             interval_losses.append(loss)
+            state.nan_iterations += 0 if math.isfinite(loss) else 1
         if iteration % args.log_interval == 0:
             elapsed = time.perf_counter() - interval_start
             fields = megatron_log_fields(args, step_func)
@@ -443,23 +460,63 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
                           fields)  # fmt: skip
             step_func.step_seconds = 0.0
             interval_start, interval_losses = time.perf_counter(), []
+        if iteration == next_drain:
+            with audit.paused():  # the pipeline is drained here: not a training step
+                if not _check_health(args, state, model, step_func):
+                    break
         if args.eval_iters and iteration % args.eval_interval == 0:
             evaluate(args, forward_step_func, model, valid_iter, state, writer)
             interval_start = time.perf_counter()  # evaluation time is not iteration time
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            with audit.paused():  # the pipeline is drained here: not a training step
-                _save(args, state, model, step_func)
+            _save_checkpoint(args, state, model, step_func, audit)
     state.train_time_s = time.perf_counter() - train_start
-    if args.save and not (args.save_interval and state.iteration % args.save_interval == 0):
-        with audit.paused():
-            _save(args, state, model, step_func)
-    if state.iteration < args.train_iters:
+    saved_last = args.save_interval and state.iteration % args.save_interval == 0
+    if args.save and not saved_last and not state.diverged:
+        _save_checkpoint(args, state, model, step_func, audit)
+    if state.iteration < args.train_iters and not state.diverged:
         print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval)")
 
 
-def _save(args, state, model, step_func) -> None:
-    checkpointing.save(args.save, state, model, step_func.optimizer, step_func.scheduler,
-                       optim=not args.no_save_optim, rng=not args.no_save_rng)  # fmt: skip
+def _check_health(args, state, model, step_func) -> bool:
+    """At a drain point: agree on divergence, roll back past the limit. False: stop training."""
+    is_last = parallel_state.is_pipeline_last_stage()
+    last_loss = state.losses[-1] if is_last and state.losses else None
+    health = divergence.agree_on_health(model, step_func, last_loss)
+    state.fit_to_save = health.fit_to_save()
+    if not health.must_roll_back(args.max_consecutive_skips):
+        return True
+    reason = divergence.describe(health, state.iteration)
+    if state.iteration < args.train_iters:
+        restored = divergence.roll_back(args, state, model, step_func)
+        if restored is not None:
+            state.rollbacks.append({"iteration": state.iteration, "to": restored})
+            state.fit_to_save = True
+            print_rank_0(
+                f"> {reason} (--max-consecutive-skips {args.max_consecutive_skips}): rolled "
+                f"back to the checkpoint of iteration {restored}; continuing at iteration "
+                f"{state.iteration + 1} with the next data"
+            )
+            return True
+        reason += "; there is no checkpoint to roll back to (--save)"
+    elif state.rollbacks:
+        reason += f" (after {len(state.rollbacks)} rollbacks)"
+    state.diverged, state.fit_to_save = reason, False
+    return False
+
+
+def _save_checkpoint(args, state, model, step_func, audit) -> None:
+    """Save, unless some stage's state is not finite (then the last good checkpoint stays)."""
+    if not state.fit_to_save:
+        print_rank_0(
+            f"> not saving at iteration {state.iteration}: a stage skipped its last step or "
+            f"its loss or weights are not finite; {checkpointing.TRACKER} keeps naming the "
+            f"last good checkpoint"
+        )
+        return
+    with audit.paused():  # the pipeline is drained here: not a training step
+        checkpointing.save(
+            args.save, state, model, step_func.optimizer, step_func.scheduler, args=args
+        )
 
 
 def _average_loss(loss_dicts: list[dict]) -> float:

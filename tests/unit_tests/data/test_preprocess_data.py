@@ -46,8 +46,10 @@ def test_end_to_end_with_workers(sp_model, tmp_path):
     assert sorted(os.listdir(tmp_path / "out")) == [
         "tiny_text_document.bin",
         "tiny_text_document.idx",
+        "tiny_text_document.stats.json",
         "tiny_title_document.bin",
         "tiny_title_document.idx",
+        "tiny_title_document.stats.json",
     ]
 
     tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
@@ -79,6 +81,7 @@ def test_cli_error_is_one_line(tmp_path):
         (['{"text": "1 2 3"}', '{"text": "4 100"}'], "token id 100 outside the vocabulary"),
         (['{"text": "1 2 -3"}'], "token id -3 outside"),
         ([""], "has no documents"),
+        (['{"text": 5}'], "line 1: 'text' is a JSON int, not a string"),
     ],
 )
 def test_bad_input_leaves_no_files(tmp_path, capsys, lines, message):
@@ -111,7 +114,12 @@ def test_null_tokenizer_and_atomic_overwrite(tmp_path, capsys):
         "in.jsonl",
         "ints_text_document.bin",
         "ints_text_document.idx",
+        "ints_text_document.stats.json",
     ]
+    assert json.load(open(prefix + "_text_document.stats.json")) == {
+        "max_token_id": 70000,
+        "vocab_size": 70001,
+    }
 
 
 def test_checked_document_rejects_bad_lengths():
@@ -121,3 +129,17 @@ def test_checked_document_rejects_bad_lengths():
         tool.checked_document([1, 2, 3], [2], 10, numpy.uint16, "doc")
     with pytest.raises(UserError, match="do not add up"):
         tool.checked_document([1, 2, 3], [3, 0], 10, numpy.uint16, "doc")
+
+
+def test_null_text_is_skipped_not_the_word_none(tmp_path, capsys):
+    """`{"text": null}` is a missing document (counted as skipped), not the text "None"."""
+    tool = load_tool("preprocess_data")
+    prefix = str(tmp_path / "ints")
+    argv = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", prefix]
+    argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "99"]
+    _write_jsonl(tmp_path / "in.jsonl", [{"text": "5 6"}, {"text": None}, {"text": "7"}])
+    assert tool.main(argv) == 0
+    assert "2 documents, 3 tokens, 1 empty skipped" in capsys.readouterr().out
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    assert [d.tolist() for d in IndexedDataset(prefix + "_text_document")] == [[5, 6], [7]]

@@ -1,0 +1,95 @@
+"""Non-finite training: agreeing on it at drain points, refusing to save it, rolling back.
+
+Each stage skips its own optimizer step when its gradient norm is not finite and counts it
+(optimizer.py); the last stage counts non-finite losses (training.py). None of that talks to
+other stages, so training keeps its only-point-to-point traffic. At a drain point (evaluation,
+checkpoint, the end), where the pipeline is empty and ranks synchronize anyway, one all-reduce
+tells every rank whether some stage has skipped `--max-consecutive-skips` steps in a row or
+holds non-finite weights. Then every rank rolls back to the last good checkpoint together and
+training continues with the next data; with no checkpoint to go back to, or at the end of the
+run, the run has diverged and ends with a non-zero exit code.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import checkpointing
+
+
+@dataclass
+class Health:
+    """What every rank agreed on at a drain point."""
+
+    consecutive_skips: int  # the most steps any stage skipped in a row, up to now
+    weights_finite: bool
+    last_step_ok: bool  # no stage skipped its last step and the last loss was finite
+
+    def must_roll_back(self, limit: int) -> bool:
+        return self.consecutive_skips >= limit or not self.weights_finite
+
+    def fit_to_save(self) -> bool:
+        return self.weights_finite and self.last_step_ok
+
+
+def _weights_finite(model: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def agree_on_health(model, step_func, last_loss: float | None) -> Health:
+    """Collective over the world (call only with the pipeline drained)."""
+    device = next(model.parameters()).device
+    last_step_ok = step_func.consecutive_skips == 0 and (
+        last_loss is None or math.isfinite(last_loss)
+    )
+    local = torch.tensor(
+        [step_func.consecutive_skips, 0 if _weights_finite(model) else 1, 0 if last_step_ok else 1],
+        dtype=torch.float64,
+        device=device,
+    )
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    skips, bad_weights, bad_step = (int(v) for v in local.tolist())
+    return Health(
+        consecutive_skips=skips, weights_finite=not bad_weights, last_step_ok=not bad_step
+    )
+
+
+def describe(health: Health, iteration: int) -> str:
+    if not health.weights_finite:
+        return f"the weights are not finite at iteration {iteration}"
+    return (
+        f"a stage skipped {health.consecutive_skips} optimizer steps in a row (non-finite "
+        f"gradient norm) by iteration {iteration}"
+    )
+
+
+def last_good_checkpoint(args) -> str | None:
+    """Where to roll back to: --save (only healthy models are saved there), else --load."""
+    for root in (args.save, args.load):
+        if root and checkpointing.read_tracker(root, quiet=True) is not None:
+            return root
+    return None
+
+
+def roll_back(args, state, model, step_func) -> int | None:
+    """Every rank loads the last good checkpoint (collective); the iteration counter, the data
+    position and the LR schedule's position stay where they are. Returns the checkpoint's
+    iteration, or None when there is none."""
+    root = last_good_checkpoint(args)
+    if root is None:
+        return None
+    device = next(model.parameters()).device
+    payload = checkpointing.read_checkpoint(root, device, fallback=args.load_fallback)
+    scheduler = step_func.scheduler
+    steps_now = scheduler.num_steps
+    scheduler.num_steps = 0  # load_state_dict adds the checkpoint's steps to it
+    checkpointing.restore(
+        payload, model=model, optimizer=step_func.optimizer, scheduler=scheduler, path=root
+    )
+    scheduler.num_steps = 0
+    scheduler.step(increment=steps_now)  # the schedule goes on from where it was
+    step_func.optimizer.zero_grad(set_to_none=True)
+    step_func.forget_skips()  # on the wrapped step, not on a wrapper's attribute
+    return payload["iteration"]

@@ -1,0 +1,142 @@
+"""What a run does when something outside the code goes wrong: errors on any rank, a stuck or
+dead peer, a launcher that disappeared.
+
+* `report_error`: every rank's error is printed, once per distinct message in the whole job
+  (deduplicated through torch.distributed's store, or before the process group exists through
+  a marker file per message on the node), with the rank that saw it.
+* `apply_timeout_to_all_groups`: `--distributed-timeout-minutes` for every process group,
+  including those megatron-core and the pipeline create with torch's 30-minute default.
+* `watch_launcher`: workers end when torchrun itself dies (SIGKILL leaves them orphaned,
+  and nothing else would stop them).
+* `register_peers` / `end_stopped_peers`: a rank that timed out waiting for a peer kills the
+  stopped processes of the job on its host, because a stopped process ignores the launcher's
+  SIGTERM and the launcher waits 30 s more before its SIGKILL.
+"""
+
+import datetime
+import hashlib
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+
+import torch.distributed as dist
+
+_peers: dict[int, tuple[str, int]] = {}  # global rank -> (host, pid)
+_watching = False
+
+
+# ---------------------------------------------------------------------------- errors
+def _rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _first_to_report(message: str) -> bool:
+    """True on the first rank of the job to report `message` (best effort: when in doubt,
+    print; a duplicate line is better than a lost one)."""
+    key = hashlib.sha1(message.encode()).hexdigest()[:16]
+    if dist.is_available() and dist.is_initialized():
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(datetime.timedelta(seconds=5))
+            return store.add(f"reported_error/{key}", 1) == 1
+        except Exception:  # the store's host is gone: print
+            return True
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or _world_size() == 1:
+        return True
+    directory = os.path.join(tempfile.gettempdir(), f"megatron-errors-{run_id}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        os.close(os.open(os.path.join(directory, key), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+
+
+def report_error(message: str) -> None:
+    """`error: <message> (rank R)` on stderr, unless another rank already printed it."""
+    if not _first_to_report(message):
+        return
+    rank = f"(rank {_rank()})"
+    where = f" {rank}" if _world_size() > 1 and rank not in message else ""
+    print(f"error: {message}{where}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- timeouts
+def apply_timeout_to_all_groups(minutes: int) -> None:
+    """Set the timeout of every process group this rank belongs to (torch's private API, as
+    megatron-core's `update_pg_timeout` uses it; if it changes, say so and go on)."""
+    timeout = datetime.timedelta(minutes=minutes)
+    c10d = dist.distributed_c10d
+    try:
+        for group in list(c10d._world.pg_map):
+            if not c10d._rank_not_in_group(group):
+                c10d._set_pg_timeout(timeout, group)
+    except (AttributeError, RuntimeError, ValueError) as error:
+        print(f"warning: could not set --distributed-timeout-minutes on every process group "
+              f"({error}); groups created later keep torch's default", flush=True)  # fmt: skip
+
+
+def register_peers() -> None:
+    """Every rank's host and pid (collective over the world; once, at set-up)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (socket.gethostname(), os.getpid()))
+    _peers.clear()
+    _peers.update(enumerate(gathered))
+
+
+def _process_state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def end_stopped_peers() -> list[int]:
+    """Kill the peers on this host whose process is stopped (SIGSTOP): a stopped process
+    ignores the launcher's SIGTERM, and the launcher waits 30 s more before its SIGKILL.
+    Returns their ranks. (Linux /proc; elsewhere nothing is found.)"""
+    here, ended = socket.gethostname(), []
+    for rank, (host, pid) in sorted(_peers.items()):
+        if host == here and pid != os.getpid() and _process_state(pid) == "T":
+            try:
+                os.kill(pid, signal.SIGKILL)
+                ended.append(rank)
+            except OSError:
+                pass
+    return ended
+
+
+# ---------------------------------------------------------------------------- the launcher
+def watch_launcher(poll_s: float = 1.0) -> None:
+    """Under torchrun, end this worker when its launcher is gone (re-parented)."""
+    global _watching
+    if _watching or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    _watching = True
+    launcher = os.getppid()
+    thread = threading.Thread(target=_watch, args=(launcher, poll_s), daemon=True)
+    thread.start()
+
+
+def _watch(launcher: int, poll_s: float) -> None:
+    stop = threading.Event()
+    while not stop.wait(poll_s):
+        if os.getppid() != launcher:
+            # No deduplication: the store lived in the launcher.
+            print(f"error: the launcher (pid {launcher}) is gone; rank {_rank()} stops",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            os._exit(1)

@@ -1,0 +1,196 @@
+"""Faults on real 4-process torchrun launches: divergence, a rank-local error, a frozen stage,
+a dead launcher. Each launch costs ~10 s of imports on a small machine, so there are few."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+DATA = os.path.join(REPO, "data", "stdlib_text_document")
+TOKENIZER = os.path.join(REPO, "data", "tokenizer", "stdlib.model")
+SMALL = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "paci", "--eval-iters", "0",
+]  # fmt: skip
+MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def launch(args, **popen) -> subprocess.Popen:
+    command = [TORCHRUN, "--standalone", "--nproc-per-node", "4",
+               os.path.join(REPO, "pretrain_gpt.py"), *args]  # fmt: skip
+    return subprocess.Popen(command, cwd=REPO, env=ENV, start_new_session=True, **popen)
+
+
+def run(args, timeout=180) -> tuple[int, str]:
+    process = launch(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    finally:
+        _kill_group(process)
+    return process.returncode, output
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def our_errors(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error: ")]
+
+
+def worker_traceback(output: str) -> bool:
+    """A Python traceback from a worker (torchrun's own report of the failure is not one)."""
+    lines = output.splitlines()
+    return any(
+        line.startswith("Traceback") and "torchrun" not in "".join(lines[i + 1 : i + 3])
+        for i, line in enumerate(lines)
+    )
+
+
+def workers(launcher: int) -> dict[int, int]:
+    """rank -> pid of the launcher's worker processes (from /proc)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        ranks = [int(item[5:]) for item in environ if item.startswith(b"RANK=")]
+        if parent == launcher and ranks:
+            found[ranks[0]] = int(pid)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for_line(path: str, needle: str, process, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while needle not in open(path).read():
+        assert process.poll() is None, open(path).read()[-3000:]
+        assert time.time() < deadline, f"no {needle!r} in time"
+        time.sleep(0.5)
+
+
+# ---------------------------------------------------------------------------- divergence
+@pytest.fixture(scope="module")
+def diverged(tmp_path_factory):
+    """--lr 1e3: finite for a few iterations, then NaN; checkpoints every 2 iterations."""
+    out = tmp_path_factory.mktemp("diverged")
+    args = SMALL + [
+        "--train-iters", "12", "--lr", "1e3", "--lr-decay-style", "constant",
+        "--data-path", DATA, "--tokenizer-model", TOKENIZER,
+        "--save", str(out / "ckpt"), "--save-interval", "2", "--max-consecutive-skips", "2",
+        "--metrics-dir", str(out / "metrics"),
+    ]  # fmt: skip
+    returncode, output = run(args)
+    return out, returncode, output
+
+
+def test_divergence_is_counted_rolled_back_and_fails_the_run(diverged):
+    out, returncode, output = diverged
+    assert returncode != 0, output[-3000:]
+    assert not worker_traceback(output), output[-3000:]
+    errors = our_errors(output)
+    assert len(errors) == 1 and "training diverged" in errors[0], errors
+    summary = json.load(open(out / "metrics" / "summary.json"))  # valid JSON: parses
+    losses = summary["loss"]
+    nan_count = sum(1 for loss in losses if loss is None)
+    assert nan_count > 0 and summary["nan_iterations"] == nan_count
+    assert all(skips > 0 for skips in summary["skipped_steps_by_stage"])
+    assert summary["rollbacks"], "past --max-consecutive-skips the run must roll back"
+    assert "rolled back to the checkpoint of iteration" in output
+    # the log line's counters are counted, not constant
+    counted = [line for line in output.splitlines() if "number of nan iterations:   1" in line]
+    assert len(counted) == nan_count
+    assert "number of skipped iterations:   1" in output
+    # every checkpoint written holds finite weights, and the tracker names one of them
+    import torch
+
+    ckpt = out / "ckpt"
+    iterations = sorted(int(name[5:]) for name in os.listdir(ckpt) if name.startswith("iter_"))
+    assert iterations and int(open(ckpt / "latest_checkpointed_iteration.txt").read()) in iterations
+    for iteration in iterations:
+        for rank_dir in os.listdir(ckpt / f"iter_{iteration:07d}"):
+            payload = torch.load(ckpt / f"iter_{iteration:07d}" / rank_dir / "model_optim_rng.pt",
+                                 weights_only=False)  # fmt: skip
+            assert all(torch.isfinite(t).all() for t in payload["model"].values() if t is not None
+                       and torch.is_tensor(t) and t.is_floating_point())  # fmt: skip
+
+
+def test_error_of_one_rank_is_printed_with_its_rank(diverged):
+    """Stage 2's checkpoint file is gone: rank 2 names it; the others say to look there."""
+    out, _, _ = diverged
+    ckpt = out / "ckpt"
+    latest = int(open(ckpt / "latest_checkpointed_iteration.txt").read())
+    missing = ckpt / f"iter_{latest:07d}" / "mp_rank_00_002" / "model_optim_rng.pt"
+    os.remove(missing)
+    args = SMALL + ["--train-iters", "12", "--lr", "1e3", "--lr-decay-style", "constant",
+                    "--data-path", DATA, "--tokenizer-model", TOKENIZER, "--load", str(ckpt)]  # fmt: skip
+    returncode, output = run(args)
+    assert returncode != 0
+    assert not worker_traceback(output), output[-3000:]
+    errors = our_errors(output)
+    assert any(str(missing) in line and line.endswith("(rank 2)") for line in errors), errors
+    assert len(errors) == len(set(line.rsplit(" (rank", 1)[0] for line in errors)), errors
+
+
+# ---------------------------------------------------------------------------- hangs
+def test_frozen_stage_ends_every_rank_within_the_timeout(tmp_path):
+    log_path = str(tmp_path / "log")
+    args = SMALL + MOCK + ["--train-iters", "100000", "--lr", "1e-4",
+                           "--distributed-timeout-minutes", "1"]  # fmt: skip
+    with open(log_path, "w") as log:
+        process = launch(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_line(log_path, "iteration        3/", process)
+        pids = workers(process.pid)
+        assert len(pids) == 4, pids
+        os.kill(pids[1], signal.SIGSTOP)  # stage 1: both neighbours wait on it
+        frozen_at = time.time()
+        process.wait(timeout=120)
+        ended_after = time.time() - frozen_at
+        assert not [rank for rank, pid in pids.items() if alive(pid)]
+    finally:
+        _kill_group(process)
+    output = open(log_path).read()
+    print(f"every process ended {ended_after:.1f} s after stage 1 was frozen")
+    print("\n".join(our_errors(output)))
+    assert ended_after < 90, (ended_after, output[-3000:])
+    assert any("stage 1 (rank 1)" in line for line in our_errors(output)), output[-3000:]
+
+
+def test_workers_end_when_the_launcher_is_killed(tmp_path):
+    log_path = str(tmp_path / "log")
+    args = SMALL + MOCK + ["--train-iters", "100000", "--lr", "1e-4"]
+    with open(log_path, "w") as log:
+        process = launch(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_line(log_path, "iteration        2/", process)
+        pids = workers(process.pid)
+        assert len(pids) == 4, pids
+        os.kill(process.pid, signal.SIGKILL)  # torchrun alone
+        killed_at = time.time()
+        while any(alive(pid) for pid in pids.values()) and time.time() - killed_at < 60:
+            time.sleep(0.2)
+        outlived = time.time() - killed_at
+    finally:
+        _kill_group(process)
+    assert outlived < 30, outlived
+    assert "the launcher" in open(log_path).read()
