@@ -82,6 +82,8 @@ def _check_relations(args) -> None:
     if args.min_lr > args.lr:
         raise UserError(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}")
     decay_iters = args.lr_decay_iters or args.train_iters
+    if decay_iters is None:  # a sample-based run (--train-samples): checked in samples later
+        return
     warmup = args.lr_warmup_iters
     if args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters:
@@ -108,6 +110,8 @@ def _check_devices(args) -> None:
 
 def _check_validation_split(args) -> None:
     """An evaluation the user asked for must have data to evaluate on."""
+    if args.train_iters is None:  # --train-samples: the data builder reports an empty split
+        return
     evaluations = args.train_iters // args.eval_interval if args.eval_interval > 0 else 0
     if args.mock_data or not args.eval_iters or not evaluations:
         return

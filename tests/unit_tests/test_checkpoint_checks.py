@@ -111,8 +111,15 @@ def test_malformed_tracker(two_checkpoints):
     assert load(two_checkpoints, make_args("--load-fallback"))[0] == 4
 
 
-def test_no_tracker(tmp_path):
-    assert "no latest_checkpointed_iteration.txt there" in load_error(tmp_path)
+def test_no_tracker_starts_from_scratch(tmp_path, capsys):
+    """As Megatron: `--load DIR` without a checkpoint in DIR trains from scratch and says so."""
+    assert load(tmp_path)[0] == 0
+    assert "training from scratch" in capsys.readouterr().out
+
+
+def test_no_tracker_with_fallback_loads_what_is_on_disk(two_checkpoints):
+    os.remove(os.path.join(two_checkpoints, checkpointing.TRACKER))
+    assert load(two_checkpoints, make_args("--load-fallback"))[0] == 4
 
 
 @pytest.mark.parametrize(

@@ -203,15 +203,26 @@ def test_scheduler_settings_are_checked_against_the_checkpoint(flag, loaded_lr):
     from megatron.training import checkpointing
 
     _, saved = _scheduler_for(["--lr", "2e-3"])
-    payload = {"optimizer": _scheduler_for([])[0].state_dict(),
-               "opt_param_scheduler": saved.state_dict()}  # fmt: skip
     optimizer, scheduler = _scheduler_for([flag] if flag else [])
+    payload = {"model": {}, "optimizer": optimizer.state_dict(),
+               "opt_param_scheduler": saved.state_dict(), "rng_state": None}  # fmt: skip
+    args = validated([flag] if flag else [])
     if flag is None:
-        with pytest.raises(UserError, match="do not match.*--override-opt_param-scheduler"):
-            checkpointing._load_optimizer("ckpt", payload, optimizer, scheduler)
+        with pytest.raises(UserError, match="schedule differs.*--override-opt_param-scheduler"):
+            checkpointing.check_schedule(payload, scheduler, args, "ckpt")
         return
-    checkpointing._load_optimizer("ckpt", payload, optimizer, scheduler)
+    checkpointing.check_schedule(payload, scheduler, args, "ckpt")
+    args.no_load_rng = True
+    model = torch_module()
+    checkpointing.restore(payload | {"model": model.state_dict()}, model=model,
+                          optimizer=optimizer, scheduler=scheduler, path="ckpt", args=args)  # fmt: skip
     assert scheduler.max_lr == loaded_lr
+
+
+def torch_module():
+    import torch
+
+    return torch.nn.Linear(1, 1)
 
 
 def test_checkpoint_without_optimizer_state_says_how_to_load_it():
@@ -219,7 +230,8 @@ def test_checkpoint_without_optimizer_state_says_how_to_load_it():
 
     optimizer, scheduler = _scheduler_for([])
     with pytest.raises(UserError, match="add --no-load-optim"):
-        checkpointing._load_optimizer("ckpt", {"model": {}}, optimizer, scheduler)
+        checkpointing.restore({"model": {}}, model=torch_module(), optimizer=optimizer,
+                              scheduler=scheduler, path="ckpt", args=validated([]))  # fmt: skip
 
 
 def test_throughput_flops_match_the_published_gpt_formula():
