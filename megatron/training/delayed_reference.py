@@ -170,10 +170,13 @@ def run_delayed(args, *, delay: int, sync_warmup_iters: int = 0, sync_cooldown_i
 
 
 def parse_reference_args(argv: list[str]):
-    """pretrain_gpt.py flags, validated for one process."""
+    """pretrain_gpt.py flags, validated for one process (parallel sizes are set to 1: the
+    reference is the whole model on one rank)."""
     from megatron.training.arguments import build_parser, validate_args
 
     args = build_parser().parse_args(argv)
+    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
+    args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
     validate_args(args, world_size=1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return args
