@@ -226,9 +226,9 @@ def _add_optimizer_suite_args(parser: argparse.ArgumentParser) -> None:
     add("--delay-compensation-lambda", type=float, default=0.0,
         help="DC-ASGD: g += lambda * g * g * (x now - x at the gradient), 0 = off")  # fmt: skip
     add("--async-sync-warmup-iters", type=int, default=0,
-        help="flush for the first K iterations (not supported by the runtime yet)")  # fmt: skip
+        help="1F1B-flush for the first K iterations, then the asynchronous schedule")  # fmt: skip
     add("--async-sync-cooldown-iters", type=int, default=0,
-        help="flush for the last K iterations (not supported by the runtime yet)")  # fmt: skip
+        help="1F1B-flush for the last K iterations")  # fmt: skip
 
 
 def _validate_optimizer_suite_args(args: argparse.Namespace) -> None:
@@ -254,7 +254,8 @@ def _validate_optimizer_suite_args(args: argparse.Namespace) -> None:
             "under 1f1b no gradient is stale"
         )
     for flag in ("async_sync_warmup_iters", "async_sync_cooldown_iters"):
+        name = "--" + flag.replace("_", "-")
         if getattr(args, flag) < 0:
-            raise UserError(f"--{flag.replace('_', '-')} must be >= 0")
-        if getattr(args, flag):
-            raise UserError(f"--{flag.replace('_', '-')} is not supported yet")
+            raise UserError(f"{name} must be >= 0")
+        if getattr(args, flag) and args.pipeline_schedule == "1f1b":
+            raise UserError(f"{name} needs an asynchronous --pipeline-schedule (1f1b is flush)")

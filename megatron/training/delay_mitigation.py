@@ -135,3 +135,24 @@ def with_delay_mitigation(optimizer, params, args):
     return DelayMitigatedOptimizer(
         optimizer, params, error_feedback=error_feedback, compensation_lambda=compensation
     )
+
+
+def schedule_of_iteration(args, iteration: int) -> str:
+    """`--async-sync-warmup-iters K` / `--async-sync-cooldown-iters K`: 1F1B-flush for the
+    first and last K iterations (1-based), the asynchronous schedule in between."""
+    warmup = getattr(args, "async_sync_warmup_iters", 0)
+    cooldown = getattr(args, "async_sync_cooldown_iters", 0)
+    if iteration <= warmup or iteration > args.train_iters - cooldown:
+        return "1f1b"
+    return args.pipeline_schedule
+
+
+def synchronous_phase_ends(args) -> list[int]:
+    """Iterations after which the schedule changes: the pipeline drains there, so the switch
+    happens with no microbatch in flight and no partial accumulation."""
+    warmup = getattr(args, "async_sync_warmup_iters", 0)
+    cooldown = getattr(args, "async_sync_cooldown_iters", 0)
+    ends = [warmup] if warmup else []
+    if cooldown:
+        ends.append(args.train_iters - cooldown)
+    return [end for end in ends if 0 < end < args.train_iters]

@@ -26,6 +26,7 @@ from megatron.pipeline.runtime import StageRuntime
 
 from . import checkpointing
 from .data import build_data_iterators
+from .delay_mitigation import schedule_of_iteration, synchronous_phase_ends
 from .emulation import EmulatedStage
 from .model import StageLayout, build_gpt_stage
 from .optimizer import StageOptimizerStep, build_lr_scheduler, build_optimizer
@@ -238,7 +239,7 @@ def _eval_samples(args) -> int:
 
 def drain_points(args, start_iteration: int) -> list[int]:
     """Iterations after which the pipeline must be empty: evaluation, checkpoint, the end."""
-    points = {args.train_iters}
+    points = {args.train_iters, *synchronous_phase_ends(args)}
     for interval in (args.eval_interval if args.eval_iters else None, args.save_interval):
         if interval:
             points.update(range(interval, args.train_iters + 1, interval))
@@ -247,7 +248,6 @@ def drain_points(args, start_iteration: int) -> list[int]:
 
 def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state,
           writer, audit) -> None:  # fmt: skip
-    schedule_function = get_forward_backward_func(args.pipeline_schedule)
     drains = drain_points(args, state.iteration)
     m = args.num_microbatches
     interval_start, interval_losses = time.perf_counter(), []
@@ -255,6 +255,7 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
     while state.iteration < args.train_iters:
         iteration = state.iteration + 1
         next_drain = next(p for p in drains if p >= iteration)
+        schedule_function = get_forward_backward_func(schedule_of_iteration(args, iteration))
         loss_dicts = schedule_function(
             forward_step_func=forward_step_func,
             data_iterator=train_iter,

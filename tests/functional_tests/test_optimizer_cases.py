@@ -91,3 +91,17 @@ def test_mitigations_change_the_paci_run(case_results):
     ):
         extra = with_buffers["optimizer_state_bytes"] - without["optimizer_state_bytes"]
         assert extra == 2 * with_buffers["param_bytes"]
+
+
+def test_synchronous_start_and_cooldown_switch_schedules_at_drained_boundaries(case_results):
+    """--async-sync-warmup-iters 2 --async-sync-cooldown-iters 2 over 6 iterations: flush for
+    iterations 1-2 and 5-6, PACI for 3-4. Up to the first PACI iteration the run is the flush
+    run (iteration 3's forwards all see the weights of the drained boundary); then PACI's
+    stale microbatches make it differ. Drift is PACI's, no collective crosses stages (the
+    flush phases clip per stage, like PACI), every stage steps once per iteration."""
+    flush = case_results["gpt_pp4_1f1b_sync_phases_ref"]["loss"]
+    phased = case_results["gpt_pp4_paci_sync_phases"]
+    assert phased["loss"][:3] == flush[:3] and phased["loss"][3] != flush[3]
+    assert [stage["max_drift"] for stage in phased["stages"]] == [1, 1, 1, 0]
+    assert all(stage["optimizer_steps"] == 6 for stage in phased["stages"])
+    assert phased["cross_stage_collectives"] == 0

@@ -46,8 +46,8 @@ def test_megatron_defaults_for_muon():
         (["--muon-num-ns-steps", "0"], "--muon-num-ns-steps must be >= 1"),
         (["--delay-compensation-lambda", "-1"], "--delay-compensation-lambda must be >= 0"),
         (["--delay-compensation-lambda", "0.1"], "under 1f1b no gradient is stale"),
-        (["--async-sync-warmup-iters", "5"], "--async-sync-warmup-iters is not supported yet"),
-        (["--async-sync-cooldown-iters", "5"], "--async-sync-cooldown-iters is not supported yet"),
+        (["--async-sync-warmup-iters", "5"], "--async-sync-warmup-iters needs an asynchronous"),
+        (["--async-sync-cooldown-iters", "-1"], "--async-sync-cooldown-iters must be >= 0"),
     ],
 )
 def test_unsupported_settings_are_rejected(extra, message):
@@ -60,6 +60,19 @@ def test_mitigations_are_accepted_where_they_apply():
                       "--delay-compensation-lambda", "0.1"])  # fmt: skip
     assert args.async_error_feedback and args.delay_compensation_lambda == 0.1
     assert validated(["--async-error-feedback"]).async_error_feedback  # the synchronous control
+    phased = validated(["--pipeline-schedule", "paci", "--async-sync-warmup-iters", "2",
+                        "--async-sync-cooldown-iters", "3"])  # fmt: skip
+    assert (phased.async_sync_warmup_iters, phased.async_sync_cooldown_iters) == (2, 3)
+
+
+def test_schedule_of_each_iteration_with_synchronous_phases():
+    from megatron.training.delay_mitigation import schedule_of_iteration, synchronous_phase_ends
+
+    args = validated(["--pipeline-schedule", "paci", "--train-iters", "10",
+                      "--async-sync-warmup-iters", "2", "--async-sync-cooldown-iters", "3"])  # fmt: skip
+    schedules = [schedule_of_iteration(args, i) for i in range(1, 11)]
+    assert schedules == ["1f1b"] * 2 + ["paci"] * 5 + ["1f1b"] * 3
+    assert synchronous_phase_ends(args) == [2, 7]
 
 
 def test_a_wrong_optimizer_name_is_one_line_and_exit_code_2():
