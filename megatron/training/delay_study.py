@@ -3,8 +3,7 @@ error feedback, plus momentum and LR sweeps, on `delayed_reference.run_delayed`.
 
 A plan is a list of runs (`StudyRun`: optimizer, variant, seed, LR, momentum); each finished
 run is appended to a JSON-lines file, so an interrupted study resumes where it stopped.
-`summarize` turns the file into medians and ranges over seeds; `markdown_tables` and `plot`
-render them. `tools/delay_study.py` is the command line.
+`delay_study_report.py` turns the file into tables (medians and ranges over seeds) and a plot. `tools/delay_study.py` is the command line.
 
 Variants: `sync` (delay 0), `delayed` (delay 1, PipeDream-2BW's semantics), `delayed+ef`
 (delay 1 with `--async-error-feedback`) and `sync+ef`, the control: the correction applied
@@ -14,7 +13,6 @@ compensation when the correction also helps synchronous training.
 
 import json
 import os
-import statistics
 from dataclasses import asdict, dataclass
 
 VARIANTS = {  # name: (delay, error feedback)
@@ -139,39 +137,3 @@ def run_plan(runs: list[StudyRun], path: str, flags_for, log=print) -> dict[str,
         log(f"[{index + 1}/{len(runs)}] {run.key}: validation {row['validation_loss']:.4f} "
             f"({row['wall_s']:.0f} s)")  # fmt: skip
     return done
-
-
-# ---------------------------------------------------------------------------- summaries
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}  # fmt: skip
-
-
-def summarize(results: dict[str, dict]) -> dict:
-    """Validation loss per (purpose, optimizer, variant, lr, momentum): median, range, n."""
-    cells: dict[tuple, list[float]] = {}
-    for row in results.values():
-        if row["validation_loss"] is None:
-            continue
-        key = (row["purpose"], row["optimizer"], row["variant"], row["lr"], row["momentum"])
-        cells.setdefault(key, []).append(row["validation_loss"])
-    return {key: spread(values) for key, values in cells.items()}
-
-
-def main_cell(summary: dict, optimizer: str, variant: str) -> dict | None:
-    lr, (momentum, _) = BASE_LR[optimizer], MOMENTUM[optimizer]
-    return summary.get(("main", optimizer, variant, lr, momentum))
-
-
-def sweep_cell(summary: dict, optimizer: str, variant: str, lr: float, momentum: float):
-    """A sweep point; the base point comes from the main comparison's sweep seed."""
-    for purpose in ("momentum", "lr", "main"):
-        cell = summary.get((purpose, optimizer, variant, lr, momentum))
-        if cell is not None:
-            return cell
-    return None
-
-
-def recovered_fraction(sync: float, delayed: float, corrected: float) -> float | None:
-    gap = delayed - sync
-    return (delayed - corrected) / gap if gap > 1e-9 else None

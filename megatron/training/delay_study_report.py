@@ -38,7 +38,8 @@ def _paired(a: dict[int, float], b: dict[int, float]) -> list[float]:
 def main_table(results: dict, optimizers) -> str:
     header = (
         "| optimizer | LR | sync | delayed | delayed+EF | sync+EF (control) | delay gap | "
-        "EF gain, delayed | EF gain, sync | n |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "EF gain, delayed | gap recovered by EF | EF gain, sync | n |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for name in optimizers:
@@ -49,11 +50,13 @@ def main_table(results: dict, optimizers) -> str:
         gap = _paired(cells["delayed"], cells["sync"])
         ef_delayed = _paired(cells["delayed"], cells["delayed+ef"])
         ef_sync = _paired(cells["sync"], cells["sync+ef"])
+        recovered = [e / g for e, g in zip(ef_delayed, gap) if g > 0]
         values = [_fmt(list(cells[v].values())) for v in VARIANTS]
         seeds = min(len(c) for c in cells.values())
         lines.append(
             f"| {name} (m {momentum:g}) | {lr:g} | " + " | ".join(values)
-            + f" | {_fmt(gap)} | {_fmt(ef_delayed)} | {_fmt(ef_sync)} | {seeds} |"
+            + f" | {_fmt(gap)} | {_fmt(ef_delayed)} | {_fmt(recovered, 2)} | {_fmt(ef_sync)} "
+            f"| {seeds} |"
         )  # fmt: skip
     return header + "\n".join(lines)
 

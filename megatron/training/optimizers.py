@@ -38,7 +38,6 @@ import torch
 
 OPTIMIZERS = ("adam", "sgd", "muon", "lion", "adan", "soap", "mars")
 MATRIX_OPTIMIZERS = ("muon", "soap")
-MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
 
 
 def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -52,15 +51,6 @@ def is_hidden_matrix(name: str, param: torch.nn.Parameter) -> bool:
 
 def is_fused_qkv(name: str) -> bool:
     return name.endswith("linear_qkv.weight")
-
-
-def first_momentum(args) -> float | None:
-    """The coefficient the momentum sweep varies, for the chosen optimizer."""
-    return {
-        "adam": args.adam_beta1,
-        "sgd": args.sgd_momentum,
-        "muon": args.muon_momentum,
-    }.get(args.optimizer, getattr(args, "optimizer_beta1", None))
 
 
 # ---------------------------------------------------------------------------- composite
