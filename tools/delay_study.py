@@ -41,20 +41,22 @@ def parse_options(argv):
 
 
 def ordered_plan(options):
-    """Main runs seed by seed, the LR then the momentum sweep after the second seed: a study
-    cut short still has every optimizer on two seeds."""
-    from megatron.training.delay_study import plan
+    """Most informative first, so a study cut short by its time budget still says something:
+    every optimizer on one seed, the LR sweep's higher LR, the momentum sweep, a second seed,
+    the LR sweep's lower LR, then the remaining seeds."""
+    from megatron.training.delay_study import BASE_LR, plan
 
     seeds = options.seeds
     runs = plan(options.optimizers, seeds, sweep_seed=seeds[0])
-    main = [r for r in runs if r.purpose == "main"]
-    sweeps = [r for r in runs if r.purpose == "lr"] + [r for r in runs if r.purpose == "momentum"]
-    by_seed = [[r for r in main if r.seed == s] for s in seeds]
-    return (
-        [r for group in by_seed[:2] for r in group]
-        + sweeps
-        + [r for group in by_seed[2:] for r in group]
-    )
+
+    def rank(run):
+        if run.purpose == "main":
+            return {0: 0, 1: 3}.get(seeds.index(run.seed), 5)
+        if run.purpose == "lr":
+            return 1 if run.lr > BASE_LR[run.optimizer] else 4
+        return 2
+
+    return sorted(runs, key=rank)  # stable: within a rank, the plan's order
 
 
 def main(argv=None) -> int:
