@@ -11,7 +11,7 @@ the Markdown tables and writes the plot.
     .venv/bin/python tools/delay_study.py --output runs/delay_study --report \
         --plot docs/delay_study.png
 
-This is a benchmark, not a test: the default plan is 126 runs of 60 iterations (20-80 s
+This is a benchmark, not a test: the default plan is 154 runs of 60 iterations (20-80 s
 each on the shared 2-core machine).
 """
 
@@ -42,8 +42,8 @@ def parse_options(argv):
 
 def ordered_plan(options):
     """Most informative first, so a study cut short by its time budget still says something:
-    every optimizer on one seed, the LR sweep's higher LR, the momentum sweep, a second seed,
-    the LR sweep's lower LR, then the remaining seeds."""
+    every optimizer on one seed, the LR sweep's 3x point, the momentum sweep, a second seed,
+    error feedback at 3x the LR, the 9x and 1/3x points, then the remaining seeds."""
     from megatron.training.delay_study import BASE_LR, plan
 
     seeds = options.seeds
@@ -51,10 +51,15 @@ def ordered_plan(options):
 
     def rank(run):
         if run.purpose == "main":
-            return {0: 0, 1: 3}.get(seeds.index(run.seed), 5)
-        if run.purpose == "lr":
-            return 1 if run.lr > BASE_LR[run.optimizer] else 4
-        return 2
+            return {0: 0, 1: 3}.get(seeds.index(run.seed), 7)
+        if run.purpose == "momentum":
+            return 2
+        factor = run.lr / BASE_LR[run.optimizer]
+        if factor > 5:
+            return 5
+        if factor > 1:
+            return 1 if run.variant in ("sync", "delayed") else 4
+        return 6
 
     return sorted(runs, key=rank)  # stable: within a rank, the plan's order
 

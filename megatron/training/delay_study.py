@@ -41,6 +41,7 @@ MOMENTUM = {  # base, sweep values (one higher value: the sweep was sized down f
     "soap": (0.95, (0.98,)),
     "mars": (0.95, (0.98,)),
 }
+LR_SWEEP = (3, 9, 1 / 3)  # multiples of the base LR
 MODEL_FLAGS = (
     "--num-layers 2 --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4 "
     "--seq-length 128 --max-position-embeddings 128 --micro-batch-size 8 --global-batch-size 8 "
@@ -65,7 +66,8 @@ class StudyRun:
 
 
 def plan(optimizers, seeds, *, sweep_seed: int) -> list[StudyRun]:
-    """Main comparison over `seeds`; momentum and LR sweeps (sync and delayed) on one seed."""
+    """Main comparison over `seeds`; momentum and LR sweeps (sync and delayed) on one seed,
+    and error feedback at 3x the base LR."""
     runs = []
     for name in optimizers:
         lr, (momentum, others) = BASE_LR[name], MOMENTUM[name]
@@ -73,9 +75,9 @@ def plan(optimizers, seeds, *, sweep_seed: int) -> list[StudyRun]:
             runs += [StudyRun(name, variant, seed, lr, momentum, "main") for seed in seeds]
         for variant in ("sync", "delayed"):
             runs += [StudyRun(name, variant, sweep_seed, lr, m, "momentum") for m in others]
-            runs += [
-                StudyRun(name, variant, sweep_seed, f * lr, momentum, "lr") for f in (1 / 3, 3)
-            ]
+            runs += [StudyRun(name, variant, sweep_seed, f * lr, momentum, "lr") for f in LR_SWEEP]
+        for variant in ("delayed+ef", "sync+ef"):  # error feedback at a better LR too
+            runs.append(StudyRun(name, variant, sweep_seed, 3 * lr, momentum, "lr"))
     return runs
 
 
