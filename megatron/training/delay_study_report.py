@@ -61,10 +61,27 @@ def main_table(results: dict, optimizers) -> str:
     return header + "\n".join(lines)
 
 
+def _sweep_line(name: str, point: float, by_variant: dict) -> str:
+    sync, delayed = by_variant["sync"], by_variant["delayed"]
+    ef, control = by_variant.get("delayed+ef"), by_variant.get("sync+ef")
+    recovered = "-"
+    if ef is not None and delayed > sync:
+        recovered = f"{(delayed - ef) / (delayed - sync):.2f}"
+    cells = [f"{v:.3f}" if v is not None else "-" for v in (sync, delayed, ef, control)]
+    return (
+        f"| {name} | {point:.3g} | "
+        + " | ".join(cells)
+        + f" | {delayed - sync:+.3f} | {recovered} |"
+    )
+
+
 def sweep_table(results: dict, optimizers, seed: int, purpose: str) -> str:
-    """sync, delayed and their gap at each swept value (the base point from the main runs)."""
+    """Every variant at each swept value (the base point from the main runs' seed)."""
     label = "LR" if purpose == "lr" else "momentum"
-    header = f"| optimizer | {label} | sync | delayed | delay gap |\n|---|---|---|---|---|\n"
+    header = (
+        f"| optimizer | {label} | sync | delayed | delayed+EF | sync+EF | delay gap | "
+        "gap recovered by EF |\n|---|---|---|---|---|---|---|---|\n"
+    )
     lines = []
     for name in optimizers:
         rows = [r for r in _rows(results, optimizer=name, seed=seed)
@@ -73,14 +90,10 @@ def sweep_table(results: dict, optimizers, seed: int, purpose: str) -> str:
             rows = [r for r in rows if r["momentum"] == MOMENTUM[name][0]]
         else:
             rows = [r for r in rows if r["lr"] == BASE_LR[name]]
-        points = sorted({r[purpose] for r in rows})
-        for point in points:
+        for point in sorted({r[purpose] for r in rows}):
             by_variant = {r["variant"]: r["validation_loss"] for r in rows if r[purpose] == point}
-            if "sync" not in by_variant or "delayed" not in by_variant:
-                continue
-            sync, delayed = by_variant["sync"], by_variant["delayed"]
-            lines.append(f"| {name} | {point:.3g} | {sync:.3f} | {delayed:.3f} | "
-                         f"{delayed - sync:+.3f} |")  # fmt: skip
+            if "sync" in by_variant and "delayed" in by_variant:
+                lines.append(_sweep_line(name, point, by_variant))
     return header + "\n".join(lines)
 
 
@@ -113,7 +126,7 @@ def plot(results: dict, optimizers, seed: int, path: str) -> None:
     bars.legend(fontsize=8)
     for name in optimizers:
         points = []
-        for factor in (1 / 3, 1, 3):
+        for factor in (1 / 3, 1, 3, 9):
             lr = BASE_LR[name] * factor
             sync = _by_seed(results, name, "sync", lr=lr, momentum=MOMENTUM[name][0])
             delayed = _by_seed(results, name, "delayed", lr=lr, momentum=MOMENTUM[name][0])
