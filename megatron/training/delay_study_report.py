@@ -38,8 +38,8 @@ def _paired(a: dict[int, float], b: dict[int, float]) -> list[float]:
 def main_table(results: dict, optimizers) -> str:
     header = (
         "| optimizer | LR | sync | delayed | delayed+EF | sync+EF (control) | delay gap | "
-        "EF gain, delayed | gap recovered by EF | EF gain, sync | n |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "EF gain, delayed | gap recovered by EF | EF gain, sync | gap, both with EF | n |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for name in optimizers:
@@ -51,12 +51,13 @@ def main_table(results: dict, optimizers) -> str:
         ef_delayed = _paired(cells["delayed"], cells["delayed+ef"])
         ef_sync = _paired(cells["sync"], cells["sync+ef"])
         recovered = [e / g for e, g in zip(ef_delayed, gap) if g > 0]
+        gap_with_ef = _paired(cells["delayed+ef"], cells["sync+ef"])
         values = [_fmt(list(cells[v].values())) for v in VARIANTS]
         seeds = min(len(c) for c in cells.values())
         lines.append(
             f"| {name} (m {momentum:g}) | {lr:g} | " + " | ".join(values)
             + f" | {_fmt(gap)} | {_fmt(ef_delayed)} | {_fmt(recovered, 2)} | {_fmt(ef_sync)} "
-            f"| {seeds} |"
+            f"| {_fmt(gap_with_ef)} | {seeds} |"
         )  # fmt: skip
     return header + "\n".join(lines)
 
