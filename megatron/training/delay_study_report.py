@@ -122,7 +122,7 @@ def plot(results: dict, optimizers, seed: int, path: str) -> None:
     bars.set_xticks(range(len(optimizers)), optimizers)
     bars.set_ylabel("validation loss (median, range over seeds)")
     bars.set_title("synchronous vs one-step delayed, with and without error feedback")
-    everything = [r["validation_loss"] for r in results.values() if r["validation_loss"]]
+    everything = [r["validation_loss"] for r in _rows(results, purpose="main")]
     bars.set_ylim(min(everything) - 0.1, max(everything) + 0.05)
     bars.legend(fontsize=8)
     for name in optimizers:
