@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                       _add_optimizer_args, _add_data_args, _add_logging_args,
                       _add_checkpoint_args, _add_benchmark_args):  # fmt: skip
         add_group(parser)
+    _add_optimizer_suite_args(parser)
     add_reliability_args(parser)
     add_compatibility_flags(parser)
     return parser
@@ -109,7 +110,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("optimizer").add_argument
-    add("--optimizer", default="adam", choices=["adam", "sgd"])
+    add("--optimizer", default="adam", help=f"one of: {', '.join(OPTIMIZER_NAMES)}")
     add("--lr", type=float, required=True)
     add("--min-lr", type=float, default=0.0)
     add("--lr-decay-style", default="linear",
@@ -207,6 +208,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         raise UserError("--emulated-forward-ms and --emulated-backward-ms go together")
     if args.save_interval is not None and args.save is None:
         raise UserError("--save-interval needs --save DIR")
+    _validate_optimizer_suite_args(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise UserError(
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
@@ -343,3 +345,63 @@ def _validate_data_args(args: argparse.Namespace) -> None:
     prefixes, _ = parse_data_path(args.data_path)
     for prefix in prefixes:
         validate_indexed_dataset(prefix)
+
+
+# ---------------------------------------------------------------------------- optimizer suite
+OPTIMIZER_NAMES = ("adam", "sgd", "muon", "lion", "adan", "soap", "mars")  # optimizers.py
+
+
+def _add_optimizer_suite_args(parser: argparse.ArgumentParser) -> None:
+    """Muon's settings under Megatron's names and defaults; the delay mitigations (ours)."""
+    add = parser.add_argument_group("optimizer suite and delay mitigations").add_argument
+    add("--muon-momentum", type=float, default=0.9)
+    add("--muon-use-nesterov", action="store_true")
+    add("--muon-no-split-qkv", action="store_false", dest="muon_split_qkv",
+        help="orthogonalize the fused QKV weight as one matrix (default: Q, K, V apart)")  # fmt: skip
+    add("--muon-scale-mode", default="spectral",
+        help="spectral: sqrt(max(rows, cols)), unit_rms_norm: sqrt(rows/cols), "
+        "shape_scaling: sqrt(max(1, rows/cols))")  # fmt: skip
+    add("--muon-fp32-matmul-prec", default="medium",
+        help="medium only: Newton-Schulz with bf16 operands (torch.optim.Muon)")  # fmt: skip
+    add("--muon-num-ns-steps", type=int, default=5)
+    add("--muon-tp-mode", default="blockwise",
+        help="blockwise only: each tensor-parallel rank orthogonalizes its local shard")  # fmt: skip
+    add("--muon-extra-scale-factor", type=float, default=1.0)
+    add("--async-error-feedback", action="store_true",
+        help="update-level error feedback x(t+1) = x(t) - 2u(t) + u(t-1), decay outside u")  # fmt: skip
+    add("--delay-compensation-lambda", type=float, default=0.0,
+        help="DC-ASGD: g += lambda * g * g * (x now - x at the gradient), 0 = off")  # fmt: skip
+    add("--async-sync-warmup-iters", type=int, default=0,
+        help="1F1B-flush for the first K iterations, then the asynchronous schedule")  # fmt: skip
+    add("--async-sync-cooldown-iters", type=int, default=0,
+        help="1F1B-flush for the last K iterations")  # fmt: skip
+
+
+def _validate_optimizer_suite_args(args: argparse.Namespace) -> None:
+    if args.optimizer not in OPTIMIZER_NAMES:
+        known = ", ".join(OPTIMIZER_NAMES)
+        raise UserError(f"unknown --optimizer {args.optimizer!r} (known: {known})")
+    scale_modes = ("spectral", "unit_rms_norm", "shape_scaling")
+    if args.muon_scale_mode not in scale_modes:
+        raise UserError(
+            f"unknown --muon-scale-mode {args.muon_scale_mode!r} (known: {', '.join(scale_modes)})"
+        )
+    for flag, supported in (("muon_tp_mode", "blockwise"), ("muon_fp32_matmul_prec", "medium")):
+        if getattr(args, flag) != supported:
+            name = "--" + flag.replace("_", "-")
+            raise UserError(f"{name} {getattr(args, flag)} is not supported yet (only {supported})")
+    if args.muon_num_ns_steps < 1:
+        raise UserError("--muon-num-ns-steps must be >= 1")
+    if args.delay_compensation_lambda < 0:
+        raise UserError("--delay-compensation-lambda must be >= 0")
+    if args.delay_compensation_lambda and args.pipeline_schedule == "1f1b":
+        raise UserError(
+            "--delay-compensation-lambda needs an asynchronous --pipeline-schedule: "
+            "under 1f1b no gradient is stale"
+        )
+    for flag in ("async_sync_warmup_iters", "async_sync_cooldown_iters"):
+        name = "--" + flag.replace("_", "-")
+        if getattr(args, flag) < 0:
+            raise UserError(f"{name} must be >= 0")
+        if getattr(args, flag) and args.pipeline_schedule == "1f1b":
+            raise UserError(f"{name} needs an asynchronous --pipeline-schedule (1f1b is flush)")

@@ -21,28 +21,13 @@ def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     return param.ndim < 2 or name.endswith("bias") or "norm" in name
 
 
-def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            (no_decay if _no_weight_decay(name, param) else decay).append(param)
-    groups = [
-        {"params": decay, "wd_mult": 1.0},
-        {"params": no_decay, "wd_mult": 0.0},
-    ]
-    if args.optimizer == "adam":
-        return torch.optim.AdamW(
-            groups,
-            lr=args.lr,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_eps,
-            weight_decay=args.weight_decay,
-        )
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(
-            groups, lr=args.lr, momentum=args.sgd_momentum, weight_decay=args.weight_decay
-        )
-    raise ValueError(f"unknown optimizer {args.optimizer!r}")
+def build_optimizer(model: torch.nn.Module, args):
+    """`--optimizer`'s optimizer (optimizers.py), with the delay mitigations asked for."""
+    from .delay_mitigation import with_delay_mitigation
+    from .optimizers import build_suite_optimizer
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    return with_delay_mitigation(build_suite_optimizer(model, args), params, args)
 
 
 def _schedule_lengths(args) -> tuple[float, float]:

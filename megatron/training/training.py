@@ -32,6 +32,7 @@ from megatron.pipeline.schedules import get_schedule
 
 from . import checkpointing, divergence, faults
 from .data import build_data_iterators, parse_data_path
+from .delay_mitigation import schedule_of_iteration, synchronous_phase_ends
 from .emulation import EmulatedStage
 from .errors import RunFailed
 from .model import StageLayout, build_gpt_stage
@@ -417,7 +418,7 @@ def stop_iteration(args, start_iteration: int) -> int:
 def drain_points(args, start_iteration: int) -> list[int]:
     """Iterations after which the pipeline must be empty: evaluation, checkpoint, the end."""
     stop = stop_iteration(args, start_iteration)
-    points = {stop}
+    points = {stop, *(p for p in synchronous_phase_ends(args) if p <= stop)}
     for interval in (args.eval_interval if args.eval_iters else None, args.save_interval):
         if interval:
             points.update(range(interval, stop + 1, interval))
@@ -426,7 +427,6 @@ def drain_points(args, start_iteration: int) -> list[int]:
 
 def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state,
           writer, audit) -> None:  # fmt: skip
-    schedule_function = get_forward_backward_func()  # Megatron's call: the configured one
     drains = drain_points(args, state.iteration)
     stop = drains[-1] if drains else state.iteration
     m = args.num_microbatches
@@ -435,6 +435,7 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
     while state.iteration < stop:
         iteration = state.iteration + 1
         next_drain = next(p for p in drains if p >= iteration)
+        schedule_function = get_forward_backward_func(schedule_of_iteration(args, iteration))
         loss_dicts = schedule_function(
             forward_step_func=forward_step_func,
             data_iterator=train_iter,

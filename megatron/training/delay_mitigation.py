@@ -1,0 +1,158 @@
+"""Per-stage corrections for stale gradients, wrapped around any optimizer of the suite.
+
+Both use only what the stage has: its parameters, gradients and its own last update. No
+communication, no extra weight version.
+
+* **Error feedback** (`--async-error-feedback`), at the level of updates: with `u(t)` the
+  update the optimizer computes at step `t` (weight decay excluded),
+  `x(t+1) = x(t) - lr * wd * x(t) - 2 u(t) + u(t-1)`, `u(-1) = 0`. Under a one-step delay
+  `u(t)` comes from the gradient at `x(t-1)`, which is the rule
+  `x(t+1) = x(t) - 2u(t-1) + u(t-2)` written with the delayed update's own index. Weight
+  decay stays outside `u`: the optimizer steps with its decay set to zero and the stage
+  applies decoupled decay `x <- x - lr * wd * x` once (for SGD this makes the decay
+  decoupled instead of torch's L2 term, with EF only). Costs one parameter-sized buffer.
+* **Delay compensation** (DC-ASGD, `--delay-compensation-lambda L`): the gradient taken at
+  stale weights is corrected to the current ones by a diagonal outer-product Hessian
+  estimate, `g <- g + L * g * g * (x_now - x_stale)`. The stage does not keep stale weights;
+  `x_now - x_stale` is its last applied change `x(t) - x(t-1)`, exact for a constant one-step
+  delay (PipeDream-2BW, `delayed_reference.py`) and the one-step estimate under PACI, where
+  a microbatch crosses at most ceil((N-1-s)/a) steps. Costs one parameter-sized buffer.
+
+The buffers are part of the optimizer's state: saved in checkpoints, counted in
+`optimizer_state_bytes`.
+"""
+
+import torch
+
+DECAY_KEYS = ("weight_decay", "weight_decay_1d")  # the second: MARS's AdamW path
+
+
+class DelayMitigatedOptimizer:
+    """An optimizer (torch or `OptimizerChain`) with error feedback and/or DC-ASGD."""
+
+    def __init__(self, inner, params, *, error_feedback: bool, compensation_lambda: float = 0.0):
+        self.inner = inner
+        self.params = list(params)  # the model's: the optimizer may step copies of some
+        self.error_feedback = error_feedback
+        self.compensation_lambda = compensation_lambda
+        self.previous_update: dict[torch.Tensor, torch.Tensor] = {}  # u(t-1), EF
+        self.last_change: dict[torch.Tensor, torch.Tensor] = {}  # x(t) - x(t-1), DC
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> dict:
+        merged = {p: dict(s) for p, s in self.inner.state.items()}
+        for name, buffers in (("ef_previous_update", self.previous_update),
+                              ("dc_last_change", self.last_change)):  # fmt: skip
+            for param, buffer in buffers.items():
+                merged.setdefault(param, {})[name] = buffer
+        return merged
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def _params(self) -> list[torch.Tensor]:
+        return self.params
+
+    def _decay_rates(self) -> dict[torch.Tensor, float]:
+        """lr x weight decay of each parameter's group, read now (the scheduler sets both).
+        A parameter the optimizer steps through copies (Muon's split QKV) takes its copies'."""
+        rates = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                rates[param] = group["lr"] * group.get("weight_decay", 0.0)
+        for param, stand_in in getattr(self.inner, "stand_ins", {}).items():
+            rates[param] = rates[stand_in]
+        return rates
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.compensation_lambda:
+            self._compensate_gradients()
+        before = {p: p.detach().clone() for p in self._params()}
+        if self.error_feedback:
+            self._step_with_error_feedback(before)
+        else:
+            self.inner.step()
+        if self.compensation_lambda:
+            for param, old in before.items():
+                self.last_change[param] = param.detach() - old
+
+    def _compensate_gradients(self) -> None:
+        for param in self._params():
+            change = self.last_change.get(param)
+            if param.grad is not None and change is not None:
+                grad = param.grad
+                grad.add_(grad * grad * change, alpha=self.compensation_lambda)
+
+    def _step_with_error_feedback(self, before: dict) -> None:
+        rates, decays = self._decay_rates(), []
+        for group in self.param_groups:
+            decays.append({key: group[key] for key in DECAY_KEYS if key in group})
+            for key in decays[-1]:
+                group[key] = 0.0
+        try:
+            self.inner.step()
+        finally:
+            for group, saved in zip(self.param_groups, decays):
+                group.update(saved)
+        for param in self.params:
+            old = before[param]
+            update = old - param.detach()  # u(t), no decay in it
+            previous = self.previous_update.get(param)
+            param.copy_(old).sub_(old, alpha=rates[param]).sub_(update, alpha=2.0)
+            if previous is not None:
+                param.add_(previous)
+            self.previous_update[param] = update
+
+    def state_dict(self) -> dict:
+        params = self._params()
+        index = {param: i for i, param in enumerate(params)}
+        return {
+            "inner": self.inner.state_dict(),
+            "ef_previous_update": {index[p]: b for p, b in self.previous_update.items()},
+            "dc_last_change": {index[p]: b for p, b in self.last_change.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict["inner"])
+        params = self._params()
+        self.previous_update = {
+            params[i]: b.clone() for i, b in state_dict["ef_previous_update"].items()
+        }
+        self.last_change = {params[i]: b.clone() for i, b in state_dict["dc_last_change"].items()}
+
+
+def with_delay_mitigation(optimizer, params, args):
+    """Wrap `optimizer` when `--async-error-feedback` or `--delay-compensation-lambda` ask."""
+    error_feedback = getattr(args, "async_error_feedback", False)
+    compensation = getattr(args, "delay_compensation_lambda", 0.0) or 0.0
+    if not error_feedback and not compensation:
+        return optimizer
+    return DelayMitigatedOptimizer(
+        optimizer, params, error_feedback=error_feedback, compensation_lambda=compensation
+    )
+
+
+def schedule_of_iteration(args, iteration: int) -> str:
+    """`--async-sync-warmup-iters K` / `--async-sync-cooldown-iters K`: 1F1B-flush for the
+    first and last K iterations (1-based), the asynchronous schedule in between."""
+    warmup = getattr(args, "async_sync_warmup_iters", 0)
+    cooldown = getattr(args, "async_sync_cooldown_iters", 0)
+    if iteration <= warmup or iteration > args.train_iters - cooldown:
+        return "1f1b"
+    return args.pipeline_schedule
+
+
+def synchronous_phase_ends(args) -> list[int]:
+    """Iterations after which the schedule changes: the pipeline drains there, so the switch
+    happens with no microbatch in flight and no partial accumulation."""
+    warmup = getattr(args, "async_sync_warmup_iters", 0)
+    cooldown = getattr(args, "async_sync_cooldown_iters", 0)
+    ends = [warmup] if warmup else []
+    if cooldown:
+        ends.append(args.train_iters - cooldown)
+    return [end for end in ends if 0 < end < args.train_iters]

@@ -1,0 +1,182 @@
+"""Single-process reference for delayed updates: the gradient of step t's batch is taken at
+the weights of `delay` steps earlier and applied to the current ones,
+
+    x(t+1) = x(t) - U(grad f_t(x(max(t - delay, 0))))
+
+With delay 1 this is PipeDream-2BW's constant one-step delay (two weight versions, the
+update of batch t computed with version t-1); delay 0 is synchronous training, the same
+arithmetic as a non-pipelined 1F1B-flush run. Each batch is used exactly once, at its own
+step. `sync_warmup_iters` / `sync_cooldown_iters` run the first / last K steps with delay 0
+(a synchronous start and cooldown).
+
+Everything else is the project's own: megatron-core's GPT built by `build_gpt_stage` (one
+stage, the layout-independent initialization), the data iterators, `build_optimizer` (so
+every `--optimizer`, `--async-error-feedback` and `--delay-compensation-lambda`), the LR
+schedule and `StageOptimizerStep` (clipping over the whole model). The reported training
+loss of a step is the loss the step's gradient came from, i.e. at the stale weights.
+
+    from megatron.training.delayed_reference import run_delayed
+    result = run_delayed(args, delay=1)   # args: validated pretrain_gpt.py flags
+"""
+
+import os
+import socket
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DelayedRun:
+    losses: list[float] = field(default_factory=list)  # training lm loss per step
+    validation_loss: float | None = None  # after the last step, over --eval-iters batches
+    wall_s: float = 0.0
+
+
+def ensure_single_process_groups() -> None:
+    """torch.distributed (gloo, world size 1) and megatron-core's parallel state, once."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)  # fmt: skip
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+def _build(args):
+    """Model, optimizer step and data iterators, as `pretrain` builds them on one stage."""
+    from megatron.training.data import build_data_iterators
+    from megatron.training.model import build_gpt_stage
+    from megatron.training.optimizer import (
+        StageOptimizerStep,
+        build_lr_scheduler,
+        build_optimizer,
+    )
+    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.training import padded_vocab_size, stage_layout, transformer_config
+
+    ensure_single_process_groups()
+    torch.manual_seed(args.seed)
+    device = torch.device("cpu")
+    tokenizer = build_tokenizer(
+        args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size,
+    )
+    model = build_gpt_stage(
+        transformer_config(args, device),
+        stage_layout(args),
+        vocab_size=padded_vocab_size(tokenizer.vocab_size, args),
+        max_sequence_length=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type,
+        device=device,
+        seed=args.seed,
+    )
+    optimizer = build_optimizer(model, args)
+    step = StageOptimizerStep(
+        model,
+        optimizer,
+        build_lr_scheduler(optimizer, args),
+        data_parallel_group=None,
+        grad_norm_group=None,
+        tensor_parallel_rank=0,
+        clip_grad=args.clip_grad,
+    )
+    train, valid, _ = build_data_iterators(
+        data_path=None if args.mock_data else args.data_path,
+        mock_data=args.mock_data,
+        split=args.split,
+        seq_length=args.seq_length,
+        seed=args.seed,
+        tokenizer=tokenizer,
+        data_cache_path=args.data_cache_path,
+        micro_batch_size=args.micro_batch_size,
+        data_parallel_rank=0,
+        data_parallel_size=1,
+        train_samples=args.train_iters * args.global_batch_size,
+        valid_samples=args.eval_iters * args.global_batch_size if args.eval_iters else 0,
+        test_samples=0,
+    )
+    return model, step, train, valid
+
+
+def _microbatch_losses(model, data_iterator, count: int, *, backward: bool) -> float:
+    """Mean lm loss over `count` microbatches; with backward, gradients of the mean."""
+    from pretrain_gpt import forward_step
+
+    total = 0.0
+    for _ in range(count):
+        output, loss_func = forward_step(data_iterator, model)
+        loss, reduced = loss_func(output)
+        if backward:
+            (loss / count).backward()
+        total += float(reduced["lm loss"])
+    return total / count
+
+
+def _swap_in(params: list[torch.Tensor], values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Put `values` into the parameters; return what was there."""
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for param, value in zip(params, values):
+            param.copy_(value)
+    return saved
+
+
+def delay_at(step: int, args, delay: int, warmup: int, cooldown: int) -> int:
+    """The delay of `step` (0-based): 0 during the synchronous start and cooldown."""
+    if step < warmup or step >= args.train_iters - cooldown:
+        return 0
+    return delay
+
+
+def run_delayed(args, *, delay: int, sync_warmup_iters: int = 0, sync_cooldown_iters: int = 0,
+                evaluate: bool = True) -> DelayedRun:  # fmt: skip
+    """Train `args.train_iters` steps with gradients `delay` steps stale (see module doc)."""
+    import time
+
+    start = time.perf_counter()
+    model, step, train, valid = _build(args)
+    params = [p for p in model.parameters() if p.requires_grad]
+    versions = deque([[p.detach().clone() for p in params]], maxlen=delay + 1)
+    result = DelayedRun()
+    for t in range(args.train_iters):
+        stale = delay_at(t, args, delay, sync_warmup_iters, sync_cooldown_iters)
+        stale = min(stale, len(versions) - 1)  # x(max(t - delay, 0))
+        current = _swap_in(params, versions[-1 - stale]) if stale else None
+        loss = _microbatch_losses(model, train, args.num_microbatches, backward=True)
+        if current is not None:
+            _swap_in(params, current)  # gradients stay in .grad; the update hits x(t)
+        step()
+        result.losses.append(loss)
+        if delay:
+            versions.append([p.detach().clone() for p in params])
+    if evaluate and valid is not None and args.eval_iters:
+        model.eval()
+        with torch.no_grad():
+            count = args.eval_iters * args.num_microbatches
+            result.validation_loss = _microbatch_losses(model, valid, count, backward=False)
+        model.train()
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def parse_reference_args(argv: list[str]):
+    """pretrain_gpt.py flags, validated for one process (parallel sizes are set to 1: the
+    reference is the whole model on one rank)."""
+    from megatron.training.arguments import build_parser, validate_args
+
+    args = build_parser().parse_args(argv)
+    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
+    args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
+    validate_args(args, world_size=1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return args

@@ -1,0 +1,277 @@
+"""The optimizer suite behind `--optimizer`: AdamW, SGD, Muon, Lion, Adan, SOAP and MARS.
+
+Libraries, not our own update rules: torch's AdamW, SGD and Muon (`torch.optim.Muon`), and
+`pytorch_optimizer`'s Lion, Adan, SOAP and MARS.
+
+Which parameters each one steps:
+
+* element-wise optimizers (adam, sgd, lion, adan, mars) step every parameter;
+* matrix optimizers (muon, soap) step the hidden 2-D weights (attention and MLP linears); the
+  embeddings, the output layer and every 1-D parameter (biases, norms) go to AdamW with the
+  `--adam-*` settings, as in Megatron's Muon.
+
+Weight decay follows `optimizer.py`'s rule (none on 1-D parameters, biases and norms) and is
+decoupled for every optimizer except SGD (torch's SGD adds it to the gradient).
+
+Muon, as Megatron's flags describe it (`--muon-momentum`, `--muon-use-nesterov`,
+`--muon-num-ns-steps`, `--muon-scale-mode`, `--muon-extra-scale-factor`, `--muon-split-qkv`
+by default, `--muon-tp-mode blockwise`):
+
+* **What is orthogonalized under tensor parallelism**: each rank's *local shard* of a weight
+  (Megatron's `blockwise` mode). The matrix is never gathered, so TP = 2 gives a different
+  update from TP = 1 (tested in `tests/unit_tests/training/test_optimizers.py`); the scale
+  factor uses the local shard's shape, as Megatron's blockwise mode does.
+* **Fused QKV** is split into its query, key and value blocks (per query group, Megatron's
+  layout) and each block is orthogonalized on its own, unless `--muon-no-split-qkv`.
+* **Scale**: torch scales each update by `sqrt(max(1, rows / cols))`; Megatron's modes
+  (`spectral`: `sqrt(max(rows, cols))`, `shape_scaling`: torch's, `unit_rms_norm`:
+  `sqrt(rows / cols)`) times `--muon-extra-scale-factor` are obtained with a per-group LR
+  multiplier on top; weight decay is not multiplied (the group's `wd_mult` divides it out).
+* Newton-Schulz runs with bf16 operands (torch's implementation), which is Megatron's default
+  `--muon-fp32-matmul-prec medium`; other precisions are rejected.
+"""
+
+import math
+from collections import defaultdict
+
+import torch
+
+OPTIMIZERS = ("adam", "sgd", "muon", "lion", "adan", "soap", "mars")
+MATRIX_OPTIMIZERS = ("muon", "soap")
+
+
+def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    return param.ndim < 2 or name.endswith("bias") or "norm" in name
+
+
+def is_hidden_matrix(name: str, param: torch.nn.Parameter) -> bool:
+    """A 2-D weight inside the transformer layers: not an embedding, not the output layer."""
+    return param.ndim == 2 and "embedding" not in name and "output_layer" not in name
+
+
+def is_fused_qkv(name: str) -> bool:
+    return name.endswith("linear_qkv.weight")
+
+
+# ---------------------------------------------------------------------------- composite
+class OptimizerChain:
+    """Several optimizers over disjoint parameters, seen as one by the LR scheduler, the step,
+    checkpoints and the memory report. `param_groups[0]` is the first optimizer's first group
+    (the one the log's learning rate reads)."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], before_step=None):
+        self.optimizers = optimizers
+        self.before_step, self.after_step = before_step, None
+        self.stand_ins: dict = {}  # model parameter -> the copy stepped in its place
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for opt in self.optimizers.values() for group in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        merged = {}
+        for opt in self.optimizers.values():
+            merged.update(opt.state)
+        return merged
+
+    def step(self) -> None:
+        if self.before_step is not None:
+            self.before_step()
+        for opt in self.optimizers.values():
+            opt.step()
+        if self.after_step is not None:
+            self.after_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(state_dict[name])
+
+
+# ---------------------------------------------------------------------------- groups
+def named_trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def decay_groups(named: list[tuple[str, torch.nn.Parameter]], **extra) -> list[dict]:
+    decay = [p for n, p in named if not no_weight_decay(n, p)]
+    no_decay = [p for n, p in named if no_weight_decay(n, p)]
+    groups = [{"params": decay, "wd_mult": 1.0, **extra}, {"params": no_decay, "wd_mult": 0.0}]
+    return [g for g in groups if g["params"]] or groups[:1]
+
+
+def adamw(groups: list[dict], args) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        groups,
+        lr=args.lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
+        weight_decay=args.weight_decay,
+    )
+
+
+def elementwise_optimizer(named, args) -> torch.optim.Optimizer:
+    """adam, sgd, lion, adan, mars over every parameter."""
+    import pytorch_optimizer
+
+    groups = decay_groups(named)
+    name, lr, wd = args.optimizer, args.lr, args.weight_decay
+    beta1 = getattr(args, "optimizer_beta1", None)  # set by the delay study's momentum sweep
+    if name == "adam":
+        return adamw(groups, args)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=args.sgd_momentum, weight_decay=wd)
+    if name == "lion":
+        betas = (0.9 if beta1 is None else beta1, 0.99)
+        return pytorch_optimizer.Lion(groups, lr=lr, betas=betas, weight_decay=wd)
+    if name == "adan":
+        betas = (0.98 if beta1 is None else beta1, 0.92, 0.99)
+        return pytorch_optimizer.Adan(
+            groups, lr=lr, betas=betas, weight_decay=wd, weight_decouple=True
+        )
+    if name == "mars":
+        for group in groups:  # its AdamW path for 1-D parameters: same LR, no extra decay
+            group["weight_decay_1d"] = 0.0 if group["wd_mult"] == 0.0 else wd
+        betas = (0.95 if beta1 is None else beta1, 0.99)
+        return pytorch_optimizer.MARS(groups, lr=lr, lr_1d=lr, betas=betas, weight_decay=wd)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+# ---------------------------------------------------------------------------- muon
+def muon_scale(mode: str, rows: int, cols: int) -> float:
+    if mode == "spectral":
+        return math.sqrt(max(rows, cols))
+    if mode == "unit_rms_norm":
+        return math.sqrt(rows / cols)
+    if mode == "shape_scaling":
+        return math.sqrt(max(1.0, rows / cols))
+    raise ValueError(f"unknown Muon scale mode {mode!r}")
+
+
+def muon_lr_multiplier(args, shape: torch.Size) -> float:
+    """Turns torch's built-in sqrt(max(1, rows/cols)) into Megatron's scale mode."""
+    rows, cols = shape
+    wanted = muon_scale(args.muon_scale_mode, rows, cols) * args.muon_extra_scale_factor
+    return wanted / math.sqrt(max(1.0, rows / cols))
+
+
+class QKVSplit:
+    """Query, key and value blocks of a fused QKV weight as three 2-D tensors of their own
+    (Megatron's layout: per query group, the group's query heads, then its key, then its
+    value), so Muon orthogonalizes each block separately. Copied in before a step and out
+    after it; the momentum of each block lives on its tensor."""
+
+    def __init__(self, weight: torch.nn.Parameter, num_query_groups: int, queries_per_group: int):
+        self.weight, self.groups = weight, num_query_groups
+        head_dim = weight.shape[0] // (num_query_groups * (queries_per_group + 2))
+        self.split = (queries_per_group * head_dim, head_dim, head_dim)
+        self.blocks = [torch.nn.Parameter(b) for b in self._blocks(weight.detach())]
+
+    def _blocks(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        grouped = tensor.view(self.groups, sum(self.split), tensor.shape[-1])
+        return [b.reshape(-1, tensor.shape[-1]).clone() for b in grouped.split(self.split, 1)]
+
+    def copy_in(self) -> None:
+        values = self._blocks(self.weight.detach())
+        grads = self._blocks(self.weight.grad) if self.weight.grad is not None else None
+        for index, block in enumerate(self.blocks):
+            block.data.copy_(values[index])
+            block.grad = None if grads is None else grads[index]
+
+    def copy_out(self) -> None:
+        grouped = [b.detach().view(self.groups, -1, self.weight.shape[-1]) for b in self.blocks]
+        self.weight.data.copy_(torch.cat(grouped, dim=1).view_as(self.weight))
+
+
+def muon_groups(matrices, args, qkv_splits) -> list[dict]:
+    """One group per Megatron scale multiplier (they depend on the shape only)."""
+    by_shape = defaultdict(list)
+    for name, param in matrices:
+        if name in qkv_splits:
+            for block in qkv_splits[name].blocks:
+                by_shape[tuple(block.shape)].append(block)
+        else:
+            by_shape[tuple(param.shape)].append(param)
+    groups = []
+    for shape, params in sorted(by_shape.items()):
+        multiplier = muon_lr_multiplier(args, torch.Size(shape))
+        groups.append(
+            {
+                "params": params,
+                "max_lr": args.lr * multiplier,
+                "min_lr": args.min_lr * multiplier,
+                "wd_mult": 1.0 / multiplier,  # decoupled decay uses the group's LR: undo it
+            }
+        )
+    return groups
+
+
+def build_muon(matrices, args, query_groups: tuple[int, int]):
+    """query_groups: (local query groups, query heads per group) of the attention layers."""
+    qkv_splits = {}
+    if args.muon_split_qkv:
+        for name, param in matrices:
+            if is_fused_qkv(name):
+                qkv_splits[name] = QKVSplit(param, *query_groups)
+    muon = torch.optim.Muon(
+        muon_groups(matrices, args, qkv_splits),
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        momentum=args.muon_momentum,
+        nesterov=args.muon_use_nesterov,
+        ns_steps=args.muon_num_ns_steps,
+        adjust_lr_fn="original",
+    )
+    return muon, list(qkv_splits.values())
+
+
+def build_soap(matrices, args):
+    import pytorch_optimizer
+
+    beta1 = getattr(args, "optimizer_beta1", None)
+    return pytorch_optimizer.SOAP(
+        [{"params": [p for _, p in matrices], "wd_mult": 1.0}],
+        lr=args.lr,
+        betas=(0.95 if beta1 is None else beta1, 0.95),
+        weight_decay=args.weight_decay,
+    )
+
+
+def matrix_optimizer(named, args, query_groups: tuple[int, int]) -> OptimizerChain:
+    """muon or soap for hidden matrices, AdamW (listed first) for everything else."""
+    matrices = [(n, p) for n, p in named if is_hidden_matrix(n, p)]
+    rest = [(n, p) for n, p in named if not is_hidden_matrix(n, p)]
+    optimizers = {"adamw": adamw(decay_groups(rest), args)}
+    if args.optimizer == "soap":
+        optimizers["soap"] = build_soap(matrices, args)
+        return OptimizerChain(optimizers)
+    optimizers["muon"], splits = build_muon(matrices, args, query_groups)
+    chain = OptimizerChain(optimizers)
+    if splits:
+        chain.stand_ins = {split.weight: split.blocks[0] for split in splits}
+        chain.before_step = lambda: [s.copy_in() for s in splits]
+        chain.after_step = lambda: [s.copy_out() for s in splits]
+    return chain
+
+
+def query_groups_of(model: torch.nn.Module, args) -> tuple[int, int]:
+    """(query groups on this tensor-parallel rank, query heads per group)."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None) or args.num_attention_heads
+    groups = getattr(config, "num_query_groups", None) or heads
+    return groups // args.tensor_model_parallel_size, heads // groups
+
+
+def build_suite_optimizer(model: torch.nn.Module, args):
+    """The optimizer `--optimizer` names, over the model's trainable parameters."""
+    named = named_trainable(model)
+    if args.optimizer in MATRIX_OPTIMIZERS:
+        return matrix_optimizer(named, args, query_groups_of(model, args))
+    return elementwise_optimizer(named, args)

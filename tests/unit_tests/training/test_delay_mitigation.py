@@ -1,0 +1,114 @@
+"""Error feedback and DC-ASGD against their closed forms, for every optimizer of the suite.
+
+With a linear loss the gradients do not depend on the weights, so every optimizer's update
+u(t) depends on the gradient history only and is the same with and without the correction.
+Error feedback `x(t+1) = x(t) - 2u(t) + u(t-1)` must then give exactly the plain trajectory
+extrapolated by one update: `x_ef(t) = 2 x(t) - x(t-1)`.
+"""
+
+import copy
+
+import pytest
+import torch
+from conftest import TinyGPT, optimizer_args
+from test_optimizers import set_random_grads
+
+from megatron.training.delay_mitigation import DelayMitigatedOptimizer
+from megatron.training.optimizer import build_lr_scheduler, build_optimizer
+from megatron.training.optimizers import OPTIMIZERS
+from megatron.training.reporting import _optimizer_state_bytes
+
+
+def flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def built(model, args):
+    optimizer = build_optimizer(model, args)
+    build_lr_scheduler(optimizer, args)  # sets each group's LR (Muon's scale multipliers)
+    return optimizer
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_error_feedback_extrapolates_the_plain_trajectory_by_one_update(name):
+    plain, corrected = TinyGPT(), TinyGPT()
+    plain_opt = built(plain, optimizer_args(name))
+    corrected_opt = built(corrected, optimizer_args(name, async_error_feedback=True))
+    assert isinstance(corrected_opt, DelayMitigatedOptimizer)
+    history = [flat(plain)]
+    for step in range(4):
+        set_random_grads(plain, step), set_random_grads(corrected, step)
+        plain_opt.step(), corrected_opt.step()
+        history.append(flat(plain))
+        expected = 2 * history[-1] - history[-2]
+        torch.testing.assert_close(flat(corrected), expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(flat(corrected), history[-1])  # the correction did something
+
+
+@pytest.mark.parametrize("name", ["adam", "muon", "lion"])
+def test_error_feedback_keeps_weight_decay_outside_the_update(name):
+    """x(t+1) = x(t) - lr wd x(t) - 2u(t) + u(t-1), with u from a run without decay."""
+    lr, wd = 1e-2, 0.1
+    plain, corrected = TinyGPT(), TinyGPT()
+    plain_opt = built(plain, optimizer_args(name, lr=lr))
+    corrected_opt = built(corrected, optimizer_args(name, lr=lr, weight_decay=wd,
+                                                    async_error_feedback=True))  # fmt: skip
+    decayed = torch.cat(
+        [torch.full((p.numel(),), float(p.ndim >= 2)) for p in corrected.parameters()]
+    )
+    previous_update, x = torch.zeros_like(flat(plain)), flat(corrected)
+    for step in range(3):
+        before = flat(plain)
+        set_random_grads(plain, step), set_random_grads(corrected, step)
+        plain_opt.step(), corrected_opt.step()
+        update = before - flat(plain)
+        x = x - lr * wd * decayed * x - 2 * update + previous_update
+        previous_update = update
+        torch.testing.assert_close(flat(corrected), x, rtol=1e-5, atol=1e-6)
+
+
+def test_delay_compensation_adds_the_diagonal_hessian_term():
+    """SGD without momentum: x2 = x1 - lr (g1 + L g1 * g1 * (x1 - x0))."""
+    lr, lam = 0.1, 0.5
+    model = TinyGPT()
+    args = optimizer_args("sgd", lr=lr, sgd_momentum=0.0, delay_compensation_lambda=lam)
+    optimizer = built(model, args)
+    x0 = flat(model)
+    set_random_grads(model, 0)
+    optimizer.step()
+    x1 = flat(model)
+    g1 = torch.cat([g.reshape(-1) for g in set_random_grads(model, 1).values()])
+    optimizer.step()
+    torch.testing.assert_close(flat(model), x1 - lr * (g1 + lam * g1 * g1 * (x1 - x0)))
+
+
+@pytest.mark.parametrize("name", ["adam", "muon"])
+def test_mitigation_state_survives_a_checkpoint(name):
+    args = optimizer_args(name, async_error_feedback=True, delay_compensation_lambda=0.1)
+    model = TinyGPT()
+    optimizer = built(model, args)
+    for step in range(2):
+        set_random_grads(model, step)
+        optimizer.step()
+    saved_model, saved_state = copy.deepcopy(model.state_dict()), copy.deepcopy(
+        optimizer.state_dict()
+    )
+    resumed = TinyGPT(seed=1)
+    resumed.load_state_dict(saved_model)
+    resumed_optimizer = built(resumed, args)
+    resumed_optimizer.load_state_dict(saved_state)
+    for step in range(2, 4):
+        set_random_grads(model, step), set_random_grads(resumed, step)
+        optimizer.step(), resumed_optimizer.step()
+    assert torch.equal(flat(model), flat(resumed))
+
+
+def test_mitigation_buffers_count_as_optimizer_state():
+    args = optimizer_args("adam")
+    plain, corrected = TinyGPT(), TinyGPT()
+    plain_opt = built(plain, args)
+    corrected_opt = built(corrected, optimizer_args("adam", async_error_feedback=True))
+    set_random_grads(plain, 0), set_random_grads(corrected, 0)
+    plain_opt.step(), corrected_opt.step()
+    param_bytes = sum(p.numel() * 4 for p in corrected.parameters())
+    assert _optimizer_state_bytes(corrected_opt) == _optimizer_state_bytes(plain_opt) + param_bytes

@@ -1,0 +1,172 @@
+"""The optimizer suite: who steps which parameter, Muon's scale modes, split QKV, and what
+Muon orthogonalizes under tensor parallelism (the local shard)."""
+
+import math
+
+import pytest
+import torch
+from conftest import TinyGPT, optimizer_args
+
+from megatron.training.optimizer import build_lr_scheduler, build_optimizer
+from megatron.training.optimizers import OPTIMIZERS, OptimizerChain
+
+NS = torch.optim._muon._zeropower_via_newtonschulz
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalized(grad: torch.Tensor, momentum: float = 0.9) -> torch.Tensor:
+    """NS of the first step's momentum buffer (torch's Muon keeps an EMA: (1 - momentum) g)."""
+    buffer = torch.zeros_like(grad).lerp_(grad, 1 - momentum)
+    return NS(buffer, NS_COEFFICIENTS, 5, 1e-7).to(grad.dtype)
+
+
+def set_random_grads(model: torch.nn.Module, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    grads = {}
+    for name, param in model.named_parameters():
+        param.grad = torch.randn(param.shape, generator=generator)
+        grads[name] = param.grad.clone()
+    return grads
+
+
+def built(model, args):
+    optimizer = build_optimizer(model, args)
+    return optimizer, build_lr_scheduler(optimizer, args)
+
+
+def test_argument_names_match_the_suite():
+    from megatron.training.arguments import OPTIMIZER_NAMES
+
+    assert OPTIMIZER_NAMES == OPTIMIZERS
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_updates_every_parameter(name):
+    model = TinyGPT()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer, _ = built(model, optimizer_args(name, weight_decay=0.1))
+    for step in range(2):  # SOAP's first step only sets up its preconditioner
+        set_random_grads(model, step)
+        optimizer.step()
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p).all(), n
+        assert not torch.equal(p.detach(), before[n]), f"{name} left {n} unchanged"
+
+
+@pytest.mark.parametrize("name", ["muon", "soap"])
+def test_matrix_optimizers_take_hidden_matrices_only(name):
+    model = TinyGPT()
+    optimizer, _ = built(model, optimizer_args(name))
+    assert isinstance(optimizer, OptimizerChain)
+    adamw_params = {id(p) for g in optimizer.optimizers["adamw"].param_groups for p in g["params"]}
+    matrix_params = {id(p) for g in optimizer.optimizers[name].param_groups for p in g["params"]}
+    for n, p in model.named_parameters():
+        hidden = p.ndim == 2 and n.startswith("decoder.")
+        if name == "muon" and n.endswith("linear_qkv.weight"):  # stepped as Q, K, V blocks
+            assert id(optimizer.stand_ins[p]) in matrix_params and id(p) not in adamw_params
+            continue
+        assert (id(p) in matrix_params) == hidden and (id(p) in adamw_params) == (not hidden), n
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_adam_and_sgd_are_the_torch_optimizers_with_decay_groups(name):
+    ours, theirs = TinyGPT(), TinyGPT()
+    args = optimizer_args(name, weight_decay=0.1)
+    optimizer, _ = built(ours, args)
+    decay = [p for n, p in theirs.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in theirs.named_parameters() if p.ndim < 2]
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if name == "adam":
+        reference = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                                      weight_decay=0.1)  # fmt: skip
+    else:
+        reference = torch.optim.SGD(groups, lr=args.lr, momentum=0.9, weight_decay=0.1)
+    for step in range(3):
+        set_random_grads(ours, step), set_random_grads(theirs, step)
+        optimizer.step(), reference.step()
+    for (n, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize(
+    "mode, scale",
+    [("spectral", math.sqrt(24)), ("unit_rms_norm", math.sqrt(3)), ("shape_scaling", math.sqrt(3))],
+)
+def test_muon_update_is_scaled_newton_schulz_of_the_momentum(mode, scale):
+    """First step: the update is lr x scale x NS(momentum buffer)."""
+    model = TinyGPT()
+    weight = model.decoder.layers[0].self_attention.linear_qkv.weight  # 24 x 8
+    before = weight.detach().clone()
+    args = optimizer_args("muon", muon_split_qkv=False, muon_scale_mode=mode,
+                          muon_extra_scale_factor=0.5)  # fmt: skip
+    optimizer, _ = built(model, args)
+    grads = set_random_grads(model, 0)
+    optimizer.step()
+    expected = before - args.lr * scale * 0.5 * orthogonalized(
+        grads["decoder.layers.0.self_attention.linear_qkv.weight"]
+    )
+    torch.testing.assert_close(weight.detach(), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_muon_orthogonalizes_query_key_value_apart():
+    model, fused = TinyGPT(), TinyGPT()
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    before = dict(model.named_parameters())[name].detach().clone()
+    optimizer, _ = built(model, optimizer_args("muon"))
+    grad = set_random_grads(model, 0)[name]
+    optimizer.step()
+    # Megatron's layout: per query group (2 here), that group's query rows, key rows, value rows.
+    blocks = grad.view(2, 12, 8).split((4, 4, 4), dim=1)
+    updates = [orthogonalized(b.reshape(8, 8)).view(2, 4, 8) * math.sqrt(8) for b in blocks]
+    expected = before - 1e-2 * torch.cat(updates, dim=1).view(24, 8)
+    actual = dict(model.named_parameters())[name].detach()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-7)
+    fused_optimizer, _ = built(fused, optimizer_args("muon", muon_split_qkv=False))
+    set_random_grads(fused, 0)
+    fused_optimizer.step()
+    assert not torch.allclose(dict(fused.named_parameters())[name], actual, atol=1e-4)
+
+
+class ColumnParallelStandIn(torch.nn.Module):
+    """One hidden matrix, as a tensor-parallel rank holds it: a row shard (partition_dim 0)."""
+
+    def __init__(self, shard: torch.Tensor):
+        super().__init__()
+        self.decoder = torch.nn.Module()
+        self.decoder.linear_fc1 = torch.nn.Linear(shard.shape[1], shard.shape[0], bias=False)
+        with torch.no_grad():
+            self.decoder.linear_fc1.weight.copy_(shard)
+        self.decoder.linear_fc1.weight.tensor_model_parallel = True
+        self.decoder.linear_fc1.weight.partition_dim = 0
+
+
+def test_muon_under_tensor_parallelism_orthogonalizes_the_local_shard():
+    """--muon-tp-mode blockwise: each TP rank orthogonalizes (and scales by) its own shard;
+    the result is not the shard of the whole matrix's update."""
+    generator = torch.Generator().manual_seed(0)
+    full, grad = torch.randn(16, 8, generator=generator), torch.randn(16, 8, generator=generator)
+    lr = 1e-2
+    updated = []
+    for rank in range(2):
+        shard = slice(8 * rank, 8 * (rank + 1))
+        model = ColumnParallelStandIn(full[shard])
+        args = optimizer_args("muon", tensor_model_parallel_size=2)
+        optimizer, _ = built(model, args)
+        model.decoder.linear_fc1.weight.grad = grad[shard].clone()
+        optimizer.step()
+        local = full[shard] - lr * math.sqrt(8) * orthogonalized(grad[shard])
+        torch.testing.assert_close(model.decoder.linear_fc1.weight.detach(), local)
+        updated.append(model.decoder.linear_fc1.weight.detach())
+    gathered = full - lr * math.sqrt(16) * orthogonalized(grad)
+    assert not torch.allclose(torch.cat(updated), gathered, atol=1e-4)
+
+
+def test_muon_weight_decay_is_not_scaled_by_the_muon_lr_multiplier():
+    model = TinyGPT()
+    weight = model.decoder.layers[0].self_attention.linear_proj.weight
+    before = weight.detach().clone()
+    optimizer, _ = built(model, optimizer_args("muon", weight_decay=0.1))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    torch.testing.assert_close(weight.detach(), before * (1 - 1e-2 * 0.1))
