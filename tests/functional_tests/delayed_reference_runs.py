@@ -9,9 +9,6 @@ import json
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
-
 
 def main(spec_file: str) -> int:
     import torch

@@ -1,15 +1,12 @@
 """A tiny module with GPT-style parameter names, for optimizer tests without megatron-core."""
 
 import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, REPO)
-
 HIDDEN, HEADS, VOCAB = 8, 2, 16
 
 

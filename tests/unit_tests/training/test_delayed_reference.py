@@ -5,16 +5,10 @@ gpt_pp1_1f1b, produced by pretrain_gpt.py's runtime) for delay 0, and a run with
 rate 0 (frozen weights) for what the first steps of a delayed run see.
 """
 
-import os
-import sys
-
 import pytest
-from conftest import REPO
+import run_cases
 
-sys.path.insert(0, os.path.join(REPO, "tests", "functional_tests"))
-import run_cases  # noqa: E402
-
-from megatron.training.delayed_reference import parse_reference_args, run_delayed  # noqa: E402
+from megatron.training.delayed_reference import parse_reference_args, run_delayed
 
 SMALL = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "

@@ -2,16 +2,14 @@
 supported yet (one line); the model switches reach megatron-core's TransformerConfig."""
 
 import os
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, REPO)
+from megatron.training.arguments import build_parser, validate_args
+from megatron.training.errors import UserError
+from megatron.training.megatron_flags import NOT_SUPPORTED, OUR_BEHAVIOUR
 
-from megatron.training.arguments import build_parser, validate_args  # noqa: E402
-from megatron.training.errors import UserError  # noqa: E402
-from megatron.training.megatron_flags import NOT_SUPPORTED, OUR_BEHAVIOUR  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -170,12 +168,12 @@ def test_model_switches_reach_transformer_config():
 def test_flag_coverage_of_megatron_command_lines():
     """Every stored Megatron GPT command line parses; each is either accepted or names the
     features we lack (tools/megatron_flag_coverage.py, whose report is in the docs)."""
-    sys.path.insert(0, os.path.join(REPO, "tools"))
     import json
 
-    import megatron_flag_coverage as coverage
+    from megatron.training import flag_coverage as coverage
 
-    with open(coverage.DATA_FILE) as handle:
+    data_file = os.path.join(REPO, "tools", "data", "megatron_gpt_command_lines.json")
+    with open(data_file) as handle:
         command_lines = coverage.decode(json.load(handle))
     assert len(command_lines) == 163
     outcomes = [coverage.classify(flags)[0] for flags in command_lines.values()]

@@ -14,7 +14,8 @@ from megatron.training.errors import UserError
 GOOD = (
     "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
     "--micro-batch-size 2 --global-batch-size 8 --train-iters 2 --lr 1e-3 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 1000 --pipeline-model-parallel-size 4"
+    "--tokenizer-type NullTokenizer --vocab-size 1000 --pipeline-model-parallel-size 4 "
+    "--untie-embeddings-and-output-weights"
 ).split()
 
 
@@ -84,5 +85,6 @@ def test_a_wrong_optimizer_name_is_one_line_and_exit_code_2():
     assert completed.returncode == 2
     lines = [line for line in completed.stderr.splitlines() if line.strip()]
     assert lines == [
-        "error: unknown --optimizer 'lamb' (known: adam, sgd, muon, lion, adan, soap, mars)"
+        "error: unknown --optimizer 'lamb' (known: adam, sgd, muon, lion, adan, soap, mars) "
+        "(rank 0)"  # every rank's error names the rank (WORLD_SIZE 4 here)
     ]

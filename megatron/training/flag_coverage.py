@@ -1,0 +1,186 @@
+"""Which of Megatron-LM's GPT pretraining command lines our parser accepts (the library behind
+tools/megatron_flag_coverage.py, whose docstring says what the command lines are).
+
+Each command line is parsed by `build_parser()` and validated by `validate_args(...,
+check_files=False)` with data parallel size 1. Outcomes: `accepted`; `not supported yet`
+(parsed, then rejected naming a feature we do not have; every such flag is listed); `other
+error` (parsed, then rejected for another reason); `parse error` (unknown flag or bad value).
+"""
+
+import collections
+import contextlib
+import glob
+import io
+import json
+import os
+import re
+
+from .arguments import build_parser, validate_args
+from .errors import UserError
+from .megatron_flags import unsupported_flags
+
+PLACEHOLDERS = {  # what a placeholder stands for when the command line is parsed
+    "<data-prefix>": "data/stdlib_text_document",
+    "<vocab.json>": "data/gpt2/vocab.json",
+    "<merges.txt>": "data/gpt2/merges.txt",
+    "<tokenizer.model>": "data/tokenizer/stdlib.model",
+    "<dir>": "runs/megatron_flag_coverage",
+    "<file>": "runs/megatron_flag_coverage/file",
+    "<seed>": "1234",
+}
+MULTI_VALUE_FLAGS = ("--hierarchical-context-parallel-sizes", "--data-path", "--rampup-batch-size")
+
+
+# ---------------------------------------------------------------------------- storage
+def encode(command_lines: dict) -> dict:
+    """Store each distinct [flag] or [flag, value] once; a command line is a list of indices."""
+    table, index = [], {}
+    encoded = {}
+    for name, flags in command_lines.items():
+        encoded[name] = [index.setdefault(tuple(f), len(index)) for f in flags]
+    table = [list(pair) for pair, _ in sorted(index.items(), key=lambda item: item[1])]
+    return {"flags": table, "command_lines": encoded}
+
+
+def decode(stored: dict) -> dict:
+    table = stored["flags"]
+    return {name: [table[i] for i in indices] for name, indices in stored["command_lines"].items()}
+
+
+# ---------------------------------------------------------------------------- extraction
+def _placeholder(flag: str, value: str) -> str:
+    if "${" not in value and "$" not in value:
+        return value
+    if flag == "--data-path":
+        return "<data-prefix>"
+    if flag == "--seed":
+        return "<seed>"
+    if value.endswith("vocab.json"):
+        return "<vocab.json>"
+    if value.endswith("merges.txt"):
+        return "<merges.txt>"
+    if value.endswith(".model"):
+        return "<tokenizer.model>"
+    return "<file>" if os.path.splitext(value)[1] else "<dir>"
+
+
+def extract_functional_configs(megatron_dir: str) -> dict:
+    import yaml
+
+    pattern = os.path.join(
+        megatron_dir, "tests/functional_tests/test_cases/gpt/*/model_config.yaml"
+    )
+    configs = {}
+    for path in sorted(glob.glob(pattern)):
+        with open(path) as handle:
+            config = yaml.safe_load(handle)
+        if config.get("MODE") in ("inference", "rl") or not config.get("MODEL_ARGS"):
+            continue
+        flags = []
+        for flag, value in config["MODEL_ARGS"].items():
+            if value is True:
+                flags.append([flag])
+            elif value is not False:
+                flags.append([flag, _placeholder(flag, str(value))])
+        configs[os.path.basename(os.path.dirname(path))] = flags
+    return configs
+
+
+# ---------------------------------------------------------------------------- measurement
+def command_line(flags: list) -> list[str]:
+    argv = []
+    for entry in flags:
+        argv.append(entry[0])
+        if len(entry) > 1:
+            value = PLACEHOLDERS.get(entry[1], entry[1])
+            if entry[0] in MULTI_VALUE_FLAGS:  # "[2 2]" and "2 2": two values
+                argv.extend(re.sub(r"[\[\]]", "", value).split())
+            else:
+                argv.append(value)
+    return argv
+
+
+def world_size_of(flags: list) -> int:
+    values = {entry[0]: entry[1] for entry in flags if len(entry) > 1}
+    tp = int(values.get("--tensor-model-parallel-size", 1))
+    pp = int(values.get("--pipeline-model-parallel-size", 1))
+    return tp * pp
+
+
+def classify(flags: list) -> tuple[str, list[str]]:
+    """(outcome, details): details are the unsupported flags or the error line."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = build_parser().parse_args(command_line(flags))
+    except SystemExit:
+        return "parse error", [stderr.getvalue().strip().splitlines()[-1]]
+    missing = unsupported_flags(args)
+    if missing:
+        return "not supported yet", missing
+    try:
+        validate_args(args, world_size=world_size_of(flags), check_files=False)
+    except UserError as error:
+        return "other error", [str(error)]
+    return "accepted", []
+
+
+def _with_torch_format(flags: list) -> list:
+    return [["--ckpt-format", "torch"] if f[0] == "--ckpt-format" else f for f in flags]
+
+
+def report(command_lines: dict) -> str:
+    outcomes = {name: classify(flags) for name, flags in command_lines.items()}
+    total = len(outcomes)
+    counts = collections.Counter(outcome for outcome, _ in outcomes.values())
+    parsed = total - counts["parse error"]
+    lines = [
+        f"Command lines: {total} ({len(command_lines) - 2} functional-test configs, 2 examples)",
+        "",
+        "| outcome | command lines | share |",
+        "|---|---|---|",
+    ]
+    for outcome in ("accepted", "not supported yet", "other error", "parse error"):
+        lines.append(f"| {outcome} | {counts[outcome]} | {100 * counts[outcome] / total:.1f}% |")
+    only_format = sum(
+        classify(_with_torch_format(command_lines[name]))[0] == "accepted"
+        for name, (_, details) in outcomes.items()
+        if details == ["--ckpt-format torch_dist"]
+    )
+    lines += ["", f"Parsed: {parsed} of {total} ({100 * parsed / total:.1f}%).",
+              f"Rejected only for `--ckpt-format torch_dist`, and accepted with `--ckpt-format "
+              f"torch`: {only_format}.", ""]  # fmt: skip
+    lines += _blocking_table(outcomes)
+    lines += _error_list(outcomes)
+    return "\n".join(lines)
+
+
+def _blocking_table(outcomes: dict) -> list[str]:
+    by_flag = collections.Counter()
+    alone = collections.Counter()
+    for outcome, details in outcomes.values():
+        if outcome != "not supported yet":
+            continue
+        names = sorted(set(details))
+        by_flag.update(names)
+        if len(names) == 1:
+            alone[names[0]] += 1
+    lines = [
+        "Flags (or flag values) that are not supported yet, by the number of command lines",
+        "that use them (and that nothing else blocks):",
+        "",
+        "| flag | command lines | only blocker |",
+        "|---|---|---|",
+    ]
+    lines += [f"| `{flag}` | {n} | {alone[flag]} |" for flag, n in by_flag.most_common()]
+    return lines + [""]
+
+
+def _error_list(outcomes: dict) -> list[str]:
+    errors = [(name, outcome, details[0]) for name, (outcome, details) in sorted(outcomes.items())
+              if outcome in ("other error", "parse error")]  # fmt: skip
+    if not errors:
+        return ["No command line fails to parse or fails for a reason other than a feature."]
+    return ["Other failures:", ""] + [
+        f"- {name}: {outcome}: {line}" for name, outcome, line in errors
+    ]
