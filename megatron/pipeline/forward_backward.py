@@ -23,6 +23,7 @@ import torch
 
 from .runtime import StageRuntime
 from .schedules import Schedule, get_schedule
+from .schedules.paci import with_arrival_rule
 
 _RUNTIMES: "weakref.WeakKeyDictionary[torch.nn.Module, StageRuntime]" = weakref.WeakKeyDictionary()
 
@@ -107,10 +108,13 @@ def _run_registered(schedule: Schedule, **kwargs) -> list[dict]:
     return _run_schedule(schedule, **kwargs)
 
 
-def get_forward_backward_func(pipeline_schedule: str = "1f1b") -> Callable[..., list[dict]]:
+def get_forward_backward_func(
+    pipeline_schedule: str = "1f1b", arrival_rule: str | None = None
+) -> Callable[..., list[dict]]:
     """The schedule function for `--pipeline-schedule` (the selector): any schedule of the
-    runtime's registry (`megatron.pipeline.schedules.SCHEDULES`)."""
-    schedule = get_schedule(pipeline_schedule)  # a clear error for unknown names
+    runtime's registry (`megatron.pipeline.schedules.SCHEDULES`); `arrival_rule` picks PACI's
+    (`--paci-arrival-rule`, None: the default)."""
+    schedule = with_arrival_rule(get_schedule(pipeline_schedule), arrival_rule)
     return functools.partial(_run_registered, schedule)
 
 

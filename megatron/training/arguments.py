@@ -8,6 +8,8 @@ import argparse
 import os
 
 from megatron.pipeline.schedules import SCHEDULES
+from megatron.pipeline.schedules.paci import ARRIVAL_RULES, DEFAULT_ARRIVAL_RULE
+from megatron.pipeline.simulation.costs import stage_values
 
 from .errors import UserError
 
@@ -99,11 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--deterministic-mode", action="store_true",
         help="reproducible runs: PACI follows the fixed 1F1B order instead of reacting to "
         "arrivals")  # fmt: skip
+    add("--paci-arrival-rule", default=None, choices=list(ARRIVAL_RULES),
+        help=f"what a PACI stage runs first when it may (default {DEFAULT_ARRIVAL_RULE})")  # fmt: skip
 
     add = parser.add_argument_group("benchmarking").add_argument
-    add("--emulated-forward-ms", type=float, default=None,
-        help="replace each stage's forward by a wait of this many ms (schedule benchmarks)")  # fmt: skip
-    add("--emulated-backward-ms", type=float, default=None)
+    add("--emulated-forward-ms", type=stage_values, default=None,
+        help="replace each stage's forward by a wait of this many ms, or a comma list with one "
+        "value per stage (schedule benchmarks)")  # fmt: skip
+    add("--emulated-backward-ms", type=stage_values, default=None)
+    add("--emulated-noise-cv", type=stage_values, default=0.0,
+        help="lognormal noise on each emulated action: CV, or one per stage (seeded by --seed)")  # fmt: skip
     return parser
 
 
@@ -155,6 +162,16 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> None:
     _validate_data_args(args)
     if (args.emulated_forward_ms is None) != (args.emulated_backward_ms is None):
         raise UserError("--emulated-forward-ms and --emulated-backward-ms go together")
+    if (
+        args.paci_arrival_rule not in (None, DEFAULT_ARRIVAL_RULE)
+        and args.pipeline_schedule != "paci"
+    ):
+        raise UserError("--paci-arrival-rule applies to --pipeline-schedule paci only")
+    for flag in ("emulated_forward_ms", "emulated_backward_ms", "emulated_noise_cv"):
+        if isinstance(getattr(args, flag), list) and len(getattr(args, flag)) != pp:
+            raise UserError(
+                f"--{flag.replace('_', '-')}: one value, or one per pipeline stage ({pp})"
+            )
     if args.save_interval is not None and args.save is None:
         raise UserError("--save-interval needs --save DIR")
 

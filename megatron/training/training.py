@@ -115,7 +115,10 @@ def stage_layout(args) -> StageLayout:
 
 def build_stage_model(args, vocab_size: int, device: torch.device) -> torch.nn.Module:
     if args.emulated_forward_ms is not None:
-        return EmulatedStage(args.emulated_forward_ms, args.emulated_backward_ms, args.hidden_size)
+        return EmulatedStage(
+            args.emulated_forward_ms, args.emulated_backward_ms, args.hidden_size,
+            noise_cv=args.emulated_noise_cv, seed=args.seed,
+        )  # fmt: skip
     config = transformer_config(args, device)
     return build_gpt_stage(
         config,
@@ -248,7 +251,7 @@ def drain_points(args, start_iteration: int) -> list[int]:
 
 def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state,
           writer, audit) -> None:  # fmt: skip
-    schedule_function = get_forward_backward_func(args.pipeline_schedule)
+    schedule_function = get_forward_backward_func(args.pipeline_schedule, args.paci_arrival_rule)
     drains = drain_points(args, state.iteration)
     m = args.num_microbatches
     interval_start, interval_losses = time.perf_counter(), []
@@ -306,7 +309,7 @@ def evaluate(args, forward_step_func, model, valid_iter, state, writer) -> None:
     if valid_iter is None:
         return
     model.eval()
-    schedule_function = get_forward_backward_func(args.pipeline_schedule)
+    schedule_function = get_forward_backward_func(args.pipeline_schedule, args.paci_arrival_rule)
     losses = []
     for _ in range(args.eval_iters):
         loss_dicts = schedule_function(
