@@ -34,6 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--data-path", default="data/stdlib_text_document")
     add("--tokenizer-model", default="data/tokenizer/stdlib.model")
     add("--no-balanced", action="store_true", help="skip the balanced-split repeat")
+    add("--no-pin", action="store_true", help="do not pin local rank r to core r")
     add("--output", default=None)
     add("--timeout", type=float, default=1200.0, help="per launch, seconds")
     options = parser.parse_args(argv)
@@ -49,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def measure(cases, output: str, label: str, options) -> dict:
     load_before = os.getloadavg()
     started = time.perf_counter()
-    rc.run_cases(cases, output, label, options.timeout)
+    rc.run_cases(cases, output, label, options.timeout, pin=not options.no_pin)
     return {
         "launch_s": round(time.perf_counter() - started, 1),
         "load_average_before": [round(x, 2) for x in load_before],

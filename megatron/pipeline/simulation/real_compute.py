@@ -1,7 +1,7 @@
 """Real-compute schedule benchmark: the real GPT model on 2 pipeline stages, flush vs PACI.
 
 `tools/real_compute_benchmark.py` is its command line. One torchrun launch (gloo, one process
-per stage, ``OMP_NUM_THREADS=1``: one thread each, one process per core on a 2-core machine)
+per stage, ``OMP_NUM_THREADS=1``: one thread each, local rank r pinned to core r)
 runs every case one after another in the same process group (the ~8 s import is paid once):
 for each m and each pair, 1F1B-flush and PACI back to back, the pair's order alternating, so
 both schedules see the same machine. Each case writes its Chrome trace; its throughput is the
@@ -78,7 +78,7 @@ def benchmark_cases(options, output: str, last_layers=None) -> list[dict]:
     return cases
 
 
-def run_cases(cases: list[dict], output: str, label: str, timeout_s: float) -> None:
+def run_cases(cases: list[dict], output: str, label: str, timeout_s: float, pin=True) -> None:
     """All `cases` in one torchrun launch of the case runner, after an unmeasured copy of the
     first (the first run of a process pays one-time costs: allocator, data loader, caches)."""
     spec = os.path.join(output, f"{label}-cases.json")
@@ -86,7 +86,7 @@ def run_cases(cases: list[dict], output: str, label: str, timeout_s: float) -> N
     with open(spec, "w") as f:
         json.dump([warmup, *cases], f)
     runner = os.path.join(os.path.dirname(PRETRAIN_SCRIPT), "tools", "run_pretrain_cases.py")
-    command = torchrun_command(NUM_STAGES, runner, [spec])
+    command = torchrun_command(NUM_STAGES, runner, [spec] + (["--pin-cores"] if pin else []))
     launch(command, os.path.join(output, f"{label}-log.txt"), timeout_s)
 
 
