@@ -6,6 +6,8 @@ each run's steady-state throughput with the simulator's prediction from the run'
 JSON object (also written to ``OUTPUT/report.json``).
 
     python tools/benchmark_schedules.py --stages 4 --microbatches 8 --fwd-ms 50 --bwd-ms 100
+    python tools/benchmark_schedules.py --stages 4 --microbatches 4 --fwd-ms 20,40,20,20 \
+        --bwd-ms 40,80,40,40 --noise-cv 0.2 --schedules 1f1b paci paci:backward-first
 """
 
 import argparse
@@ -13,7 +15,9 @@ import json
 import sys
 
 from megatron.pipeline.schedules import get_schedule
-from megatron.pipeline.simulation.emulation import benchmark
+from megatron.pipeline.schedules.paci import with_arrival_rule
+from megatron.pipeline.simulation.costs import stage_values
+from megatron.pipeline.simulation.emulation import benchmark, schedule_and_rule
 from megatron.pipeline.simulation.results import steady_state_window
 
 
@@ -21,13 +25,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, required=True)
     parser.add_argument("--microbatches", type=int, required=True, help="m per step (a for PACI)")
-    parser.add_argument("--fwd-ms", type=float, required=True, help="emulated forward, ms")
-    parser.add_argument("--bwd-ms", type=float, required=True, help="emulated backward, ms")
+    parser.add_argument(
+        "--fwd-ms", type=stage_values, required=True, help="emulated forward, ms (or per stage)"
+    )
+    parser.add_argument(
+        "--bwd-ms", type=stage_values, required=True, help="emulated backward, ms (or per stage)"
+    )
+    parser.add_argument(
+        "--noise-cv", type=stage_values, default=0.0, help="lognormal CV per action (or per stage)"
+    )
+    parser.add_argument("--seed", type=int, default=1234, help="seeds the noise draws")
     parser.add_argument("--steps", type=int, default=8, help="training iterations per run")
     parser.add_argument(
         "--repeats", type=int, default=1, help="runs per schedule; the median run is reported"
     )
-    parser.add_argument("--schedules", nargs="+", default=["1f1b", "paci"])
+    parser.add_argument(
+        "--schedules", nargs="+", default=["1f1b", "paci"], help="paci:RULE: an arrival rule"
+    )
     parser.add_argument(
         "--p2p-ms",
         type=float,
@@ -41,15 +55,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--stages must be >= 2 and --microbatches >= 1")
     if options.repeats < 1:
         parser.error("--repeats must be >= 1")
-    if options.fwd_ms <= 0 or options.bwd_ms <= 0:
-        parser.error("--fwd-ms and --bwd-ms must be > 0")
+    for flag in ("fwd_ms", "bwd_ms", "noise_cv"):
+        values = getattr(options, flag)
+        values = values if isinstance(values, list) else [values] * options.stages
+        if len(values) != options.stages:
+            parser.error(f"--{flag.replace('_', '-')}: one value, or one per stage")
+        if flag != "noise_cv" and min(values) <= 0:
+            parser.error("--fwd-ms and --bwd-ms must be > 0")
     try:
         steady_state_window(options.stages, options.microbatches, options.steps)
     except ValueError as error:
         parser.error(str(error))
     for schedule in options.schedules:
+        name, rule = schedule_and_rule(schedule)
         try:
-            get_schedule(schedule)
+            with_arrival_rule(get_schedule(name), rule)
         except ValueError as error:
             parser.error(str(error))
     return options

@@ -30,6 +30,7 @@ import torch
 
 from .runtime import StageRuntime
 from .schedules import Schedule, get_schedule
+from .schedules.paci import with_arrival_rule
 
 _RUNTIMES: "weakref.WeakKeyDictionary[torch.nn.Module, StageRuntime]" = weakref.WeakKeyDictionary()
 
@@ -157,27 +158,33 @@ def _run_registered(schedule: Schedule, **kwargs) -> list[dict]:
     return _run_schedule(schedule, **kwargs)
 
 
-_CONFIGURED = {"schedule": "1f1b"}
+_CONFIGURED = {"schedule": "1f1b", "arrival_rule": None}
 
 
-def set_pipeline_schedule(pipeline_schedule: str) -> None:
+def set_pipeline_schedule(pipeline_schedule: str, arrival_rule: str | None = None) -> None:
     """What `get_forward_backward_func()` returns from now on (the training loop sets it from
-    --pipeline-schedule)."""
-    get_schedule(pipeline_schedule)  # a clear error for unknown names
-    _CONFIGURED["schedule"] = pipeline_schedule
+    --pipeline-schedule and --paci-arrival-rule)."""
+    with_arrival_rule(get_schedule(pipeline_schedule), arrival_rule)  # clear errors early
+    _CONFIGURED.update(schedule=pipeline_schedule, arrival_rule=arrival_rule)
 
 
 def get_forward_backward_func(
-    pipeline_schedule: str | int | None = None, vp_size: int | None = None, *, pp_size=None
+    pipeline_schedule: str | int | None = None,
+    vp_size: int | None = None,
+    *,
+    pp_size=None,
+    arrival_rule: str | None = None,
 ) -> Callable[..., list[dict]]:
     """The schedule function for `--pipeline-schedule` (the selector): any schedule of the
-    runtime's registry (`megatron.pipeline.schedules.SCHEDULES`). Called as Megatron calls it
-    (no argument, or `pp_size, vp_size`), it returns the configured schedule."""
+    runtime's registry (`megatron.pipeline.schedules.SCHEDULES`); `arrival_rule` picks PACI's
+    (`--paci-arrival-rule`, None: the default). Called as Megatron calls it (no argument, or
+    `pp_size, vp_size`), it returns the configured schedule."""
     if vp_size is not None and vp_size > 1:
         raise NotImplementedError("interleaved (virtual pipeline) schedules are not supported")
     if pipeline_schedule is None or isinstance(pipeline_schedule, int):
         pipeline_schedule = _CONFIGURED["schedule"]
-    schedule = get_schedule(pipeline_schedule)  # a clear error for unknown names
+        arrival_rule = arrival_rule or _CONFIGURED["arrival_rule"]
+    schedule = with_arrival_rule(get_schedule(pipeline_schedule), arrival_rule)
     return functools.partial(_run_registered, schedule)
 
 

@@ -8,6 +8,8 @@ import argparse
 import os
 
 from megatron.pipeline.schedules import SCHEDULES
+from megatron.pipeline.schedules.paci import ARRIVAL_RULES, DEFAULT_ARRIVAL_RULE
+from megatron.pipeline.simulation.costs import stage_values
 
 from .errors import UserError
 from .megatron_flags import add_compatibility_flags, reject_unsupported_flags
@@ -175,13 +177,18 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     add("--no-save-rng", action="store_true")
     add("--finetune", action="store_true",
         help="load the model only and start at iteration 0")  # fmt: skip
+    add("--paci-arrival-rule", default=None, choices=list(ARRIVAL_RULES),
+        help=f"what a PACI stage runs first when it may (default {DEFAULT_ARRIVAL_RULE})")  # fmt: skip
 
 
 def _add_benchmark_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("benchmarking").add_argument
-    add("--emulated-forward-ms", type=float, default=None,
-        help="replace each stage's forward by a wait of this many ms (schedule benchmarks)")  # fmt: skip
-    add("--emulated-backward-ms", type=float, default=None)
+    add("--emulated-forward-ms", type=stage_values, default=None,
+        help="replace each stage's forward by a wait of this many ms, or a comma list with one "
+        "value per stage (schedule benchmarks)")  # fmt: skip
+    add("--emulated-backward-ms", type=stage_values, default=None)
+    add("--emulated-noise-cv", type=stage_values, default=0.0,
+        help="lognormal noise on each emulated action: CV, or one per stage (seeded by --seed)")  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -305,6 +312,21 @@ def _validate_run_length(args: argparse.Namespace) -> None:
         raise UserError("--lr-decay-samples / --lr-warmup-samples need --train-samples")
     if args.train_iters < 1:
         raise UserError("--train-iters must be >= 1 (or --train-samples >= --global-batch-size)")
+    _validate_emulation_and_rule(args)
+
+
+def _validate_emulation_and_rule(args: argparse.Namespace) -> None:
+    pp = args.pipeline_model_parallel_size
+    if (
+        args.paci_arrival_rule not in (None, DEFAULT_ARRIVAL_RULE)
+        and args.pipeline_schedule != "paci"
+    ):
+        raise UserError("--paci-arrival-rule applies to --pipeline-schedule paci only")
+    for flag in ("emulated_forward_ms", "emulated_backward_ms", "emulated_noise_cv"):
+        if isinstance(getattr(args, flag), list) and len(getattr(args, flag)) != pp:
+            raise UserError(
+                f"--{flag.replace('_', '-')}: one value, or one per pipeline stage ({pp})"
+            )
 
 
 def _validate_layer_split(args: argparse.Namespace, pp: int) -> None:

@@ -173,7 +173,10 @@ def stage_layout(args) -> StageLayout:
 
 def build_stage_model(args, vocab_size: int, device: torch.device) -> torch.nn.Module:
     if args.emulated_forward_ms is not None:
-        return EmulatedStage(args.emulated_forward_ms, args.emulated_backward_ms, args.hidden_size)
+        return EmulatedStage(
+            args.emulated_forward_ms, args.emulated_backward_ms, args.hidden_size,
+            noise_cv=args.emulated_noise_cv, seed=args.seed,
+        )  # fmt: skip
     config = transformer_config(args, device)
     return build_gpt_stage(
         config,
@@ -266,7 +269,7 @@ def pretrain(args, forward_step_func) -> TrainingState:
         deterministic=args.deterministic_mode,
     )
     attach_stage_runtime(model, runtime)
-    set_pipeline_schedule(args.pipeline_schedule)
+    set_pipeline_schedule(args.pipeline_schedule, args.paci_arrival_rule)
     train_iter, valid_iter, _ = build_data_iterators(
         data_path=None if args.mock_data else args.data_path,
         mock_data=args.mock_data,
@@ -435,7 +438,9 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
     while state.iteration < stop:
         iteration = state.iteration + 1
         next_drain = next(p for p in drains if p >= iteration)
-        schedule_function = get_forward_backward_func(schedule_of_iteration(args, iteration))
+        name = schedule_of_iteration(args, iteration)  # flush during synchronous phases
+        rule = args.paci_arrival_rule if name == "paci" else None
+        schedule_function = get_forward_backward_func(name, arrival_rule=rule)
         loss_dicts = schedule_function(
             forward_step_func=forward_step_func,
             data_iterator=train_iter,

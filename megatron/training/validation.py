@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import numpy
 
@@ -70,6 +71,10 @@ def validate_numbers(args: argparse.Namespace) -> None:
 def _check_float(args, name: str, low: float, high: float, high_ok: bool) -> None:
     value = getattr(args, name, None)
     if value is None:
+        return
+    if isinstance(value, list):  # one value per pipeline stage
+        for each in value:
+            _check_float(SimpleNamespace(**{name: each}), name, low, high, high_ok)
         return
     inside = math.isfinite(value) and low <= value and (value <= high if high_ok else value < high)
     if not inside:

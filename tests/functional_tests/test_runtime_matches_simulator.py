@@ -1,7 +1,10 @@
 """For uniform costs, a real run's per-stage action order equals the simulator's.
 
-One torchrun launch (gloo, 4 processes) runs 1F1B-flush and PACI (reactive, the default) with
-emulated compute: every stage sleeps F per forward and B per backward. Each run writes its
+One torchrun launch (gloo, 4 processes) runs 1F1B-flush and PACI under its reactive
+backward-first arrival rule (`--paci-arrival-rule backward-first`) with emulated compute: every
+stage sleeps F per forward and B per backward. A last run uses the default fixed-order rule with
+uneven, noisy stages and micro batch 2: its order depends on counters only, so it too must equal
+the simulation of the nominal costs. Each run writes its
 Chrome trace (`--timeline-file`); `action_order` of that trace must equal `action_order` of
 `simulate` for the same stages, microbatches per step and steps. Evaluation is off, so the
 runtime drains only at the end of the run, as the simulator does: call k of both targets k*m
@@ -28,7 +31,7 @@ import pytest
 
 from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.schedules.base import ActionKind
-from megatron.pipeline.schedules.paci import FIXED_ORDER
+from megatron.pipeline.schedules.paci import FIXED_ORDER, with_arrival_rule
 from megatron.pipeline.simulation import emulation as bench
 from megatron.pipeline.simulation import results, simulate
 from megatron.pipeline.trace import action_order, read_chrome_trace
@@ -38,7 +41,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STAGES, STEPS = 4, 3
 FWD_MS, BWD_MS = 50.0, 100.0
 # (name, schedule, microbatches per step): m < N leaves microbatches in flight across calls.
-RUNS = [("flush_m4", "1f1b", 4), ("paci_m4", "paci", 4), ("paci_m2", "paci", 2)]
+RUNS = [
+    ("flush_m4", "1f1b", 4),
+    ("paci_m4", "paci", 4),
+    ("paci_m2", "paci", 2),
+    ("paci_fixed_uneven_mbs2", "paci", 4),
+]
+REACTIVE = ["--paci-arrival-rule", "backward-first"]
+EXTRA_ARGS = {
+    "paci_m4": REACTIVE,
+    "paci_m2": REACTIVE,
+    "paci_fixed_uneven_mbs2": [
+        "--emulated-forward-ms", "50,100,50,40", "--emulated-backward-ms", "100,200,100,80",
+        "--emulated-noise-cv", "0.2", "--micro-batch-size", "2", "--global-batch-size", "8",
+    ],
+}  # fmt: skip
+
+
+def schedule_of(name: str, schedule: str):
+    rule = "backward-first" if EXTRA_ARGS.get(name) == REACTIVE else None
+    return with_arrival_rule(get_schedule(schedule), rule)
 
 
 def simulated_order(schedule, microbatches: int, **costs) -> dict[int, list[str]]:
@@ -70,6 +92,7 @@ def real_traces(tmp_path_factory):
             steps=STEPS,
             metrics_dir=run_dir,
             timeline_file=os.path.join(run_dir, "timeline.json"),
+            extra=EXTRA_ARGS.get(name),
         )
         cases.append({"name": name, "args": args, "metrics_dir": run_dir})
     spec = os.path.join(output, "cases.json")
@@ -87,7 +110,7 @@ def largest_overrun_ms(events) -> float:
     nominal = {ActionKind.FORWARD: FWD_MS, ActionKind.BACKWARD: BWD_MS}
     return max(
         1000.0 * e.duration_s - nominal[e.action.kind] for e in events if e.action.kind in nominal
-    )
+    )  # (uneven runs: against the nominal uniform costs)
 
 
 def first_difference(real: list[str], expected: list[str]) -> str:
@@ -102,7 +125,7 @@ def first_difference(real: list[str], expected: list[str]) -> str:
 def test_real_action_order_equals_simulated(real_traces, name, schedule, microbatches):
     events = real_traces[name]
     real = action_order(events)
-    expected = simulated_order(get_schedule(schedule), microbatches)
+    expected = simulated_order(schedule_of(name, schedule), microbatches)
     assert sorted(real) == list(range(STAGES))
     for stage in range(STAGES):
         counts = {k: sum(a.startswith(k) for a in real[stage]) for k in ("F", "B", "S")}
@@ -121,9 +144,10 @@ def test_real_action_order_equals_simulated(real_traces, name, schedule, microba
 
 @pytest.mark.parametrize("microbatches", [2, 4])
 def test_simulated_order_is_insensitive_to_latency_and_jitter(microbatches):
-    """PACI's simulated order for nominal costs is the fixed 1F1B order without a flush, and
-    it survives p2p latency and per-stage cost differences up to 10%: what a real run adds."""
-    paci = get_schedule("paci")
+    """Reactive PACI's simulated order for nominal costs is the fixed 1F1B order without a
+    flush, and it survives p2p latency and per-stage cost differences up to 10%: what a real
+    run adds."""
+    paci = with_arrival_rule(get_schedule("paci"), "backward-first")
     nominal = simulated_order(paci, microbatches)
     assert nominal == simulated_order(FIXED_ORDER, microbatches)
     f, b = FWD_MS / 1000.0, BWD_MS / 1000.0
@@ -167,7 +191,7 @@ def test_paci_contested_decisions_have_a_margin_of_one_forward(microbatches, lat
     depends on arrival order is F away from going the other way, whatever the latency."""
     f = FWD_MS / 1000.0
     result = simulate(
-        get_schedule("paci"),
+        with_arrival_rule(get_schedule("paci"), "backward-first"),
         num_stages=STAGES,
         microbatches_per_step=microbatches,
         steps=STEPS,

@@ -12,6 +12,12 @@ both timelines are reduced to the same steady-state throughput. Prints one JSON 
 written to ``OUTPUT/report.json``, beside each run's log, trace and summary).
 
     python tools/benchmark_schedules.py --stages 4 --microbatches 8 --fwd-ms 50 --bwd-ms 100
+    python tools/benchmark_schedules.py --stages 4 --microbatches 4 --fwd-ms 20,40,20,20 \
+        --bwd-ms 40,80,40,40 --noise-cv 0.2 --schedules 1f1b paci paci:backward-first
+
+Uneven and noisy stages: ``--fwd-ms``/``--bwd-ms`` take one value per stage, and ``--noise-cv``
+draws each emulated action's time around them (seeded by ``--seed``; `CostNoise`). A schedule
+``paci:RULE`` runs PACI with ``--paci-arrival-rule RULE``.
 
 With ``--repeats R`` every schedule runs R times, interleaved with the other schedules so both
 see the same machine, and the top-level figures are each schedule's median run (by measured
@@ -32,13 +38,15 @@ Definitions (the same functions read the real and the simulated timeline):
   gradient norm over the whole pipeline, so the other stages' steps include waiting for the
   last stage to get there). Means, not medians: throughput is linear in the durations, so the
   occasional slow action (another process had the CPU) must count with its weight.
-  ``simulated_throughput_nominal`` uses the nominal F and B and no step cost instead.
+  ``simulated_throughput_nominal`` uses the nominal F and B and no step cost instead. With
+  noise, the simulator replays the run's own draws (same `CostNoise` seed): each stage's
+  nominal cost is its measured mean divided by the mean factor drawn for that stage and kind.
 * runtime overhead per action: ``runtime_overhead_us_per_action`` of summary.json
   (`StageRuntime.overhead_per_action_us`): time in training calls that was neither compute,
   nor posting a send, nor waiting; mean and max over stages.
 
-Acceptance: PACI/flush >= 95% of ``(m + N - 1) / m``, every prediction within 5%,
-overhead under 1 ms per action; reported under ``acceptance``.
+Acceptance: PACI/flush >= 95% of the simulated ratio (uniform stages: of ``(m + N - 1) / m``),
+every prediction within 5%, overhead under 1 ms per action; reported under ``acceptance``.
 """
 
 import importlib.util
@@ -52,7 +60,9 @@ import time
 
 from ..schedules import get_schedule
 from ..schedules.base import ActionKind
+from ..schedules.paci import with_arrival_rule
 from ..trace import read_chrome_trace
+from .costs import CostNoise
 from .engine import simulate
 from .results import by_stage, steady_state_throughput, steady_state_window
 
@@ -83,12 +93,14 @@ def emulated_run_args(
     schedule: str,
     stages: int,
     microbatches: int,
-    fwd_ms: float,
-    bwd_ms: float,
+    fwd_ms: float | list[float],
+    bwd_ms: float | list[float],
     steps: int,
     metrics_dir: str,
     timeline_file: str | None,
     extra: list[str] | None = None,
+    noise_cv: float | list[float] = 0.0,
+    seed: int = 1234,
 ) -> list[str]:
     """`pretrain_gpt.py` flags for an emulated run: no evaluation or checkpoint, so the only
     drain is at the end, as in the simulator (`forward_limit = steps * m` on every call)."""
@@ -98,8 +110,10 @@ def emulated_run_args(
         "--pipeline-schedule", schedule,
         "--global-batch-size", str(microbatches * MODEL_FLAGS["--micro-batch-size"]),
         "--train-iters", str(steps),
-        "--emulated-forward-ms", str(fwd_ms),
-        "--emulated-backward-ms", str(bwd_ms),
+        "--emulated-forward-ms", comma_list(fwd_ms),
+        "--emulated-backward-ms", comma_list(bwd_ms),
+        "--emulated-noise-cv", comma_list(noise_cv),
+        "--seed", str(seed),
         "--mock-data",
         "--untie-embeddings-and-output-weights",
         "--tokenizer-type", "NullTokenizer",
@@ -113,6 +127,19 @@ def emulated_run_args(
     if timeline_file:
         args += ["--timeline-file", timeline_file]
     return args + list(extra or [])
+
+
+def comma_list(values: float | list[float]) -> str:
+    """A per-stage flag's value: one number, or a comma list."""
+    if isinstance(values, (int, float)):
+        return repr(float(values))
+    return ",".join(repr(float(v)) for v in values)
+
+
+def schedule_and_rule(name: str) -> tuple[str, str | None]:
+    """'paci:backward-first' -> ('paci', 'backward-first'); '1f1b' -> ('1f1b', None)."""
+    schedule, _, rule = name.partition(":")
+    return schedule, rule or None
 
 
 def torchrun_command(nproc: int, script: str, script_args: list[str]) -> list[str]:
@@ -185,8 +212,9 @@ def measured_costs(events, num_stages: int) -> dict:
 def simulated_steady_throughput(
     schedule: str, *, num_stages: int, microbatches: int, steps: int, p2p_latency: float, **costs
 ) -> float:
+    name, rule = schedule_and_rule(schedule)
     result = simulate(
-        get_schedule(schedule, simulated=True),
+        with_arrival_rule(get_schedule(name, simulated=True), rule),
         num_stages=num_stages,
         microbatches_per_step=microbatches,
         steps=steps,
@@ -202,8 +230,9 @@ def run_schedule(schedule: str, options, run_dir: str) -> dict:
     """One real emulated run of `schedule`; its trace, summary and the simulator's figures."""
     os.makedirs(run_dir, exist_ok=True)
     timeline = os.path.join(run_dir, "timeline.json")
+    name, rule = schedule_and_rule(schedule)
     args = emulated_run_args(
-        schedule=schedule,
+        schedule=name,
         stages=options.stages,
         microbatches=options.microbatches,
         fwd_ms=options.fwd_ms,
@@ -211,6 +240,9 @@ def run_schedule(schedule: str, options, run_dir: str) -> dict:
         steps=options.steps,
         metrics_dir=run_dir,
         timeline_file=timeline,
+        extra=["--paci-arrival-rule", rule] if rule else None,
+        noise_cv=options.noise_cv,
+        seed=options.seed,
     )
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
@@ -251,13 +283,15 @@ def trace_figures(schedule: str, options, events) -> dict:
     else:
         latency = estimate_p2p_latency(events)
     costs = measured_costs(events, n)
-    shape = dict(num_stages=n, microbatches=m, steps=steps, p2p_latency=latency)
-    simulated = simulated_steady_throughput(schedule, **shape, **costs)
+    noise = CostNoise(options.noise_cv, options.seed) if has_noise(options.noise_cv) else None
+    shape = dict(num_stages=n, microbatches=m, steps=steps, p2p_latency=latency, noise=noise)
+    replayed = without_mean_noise(costs, noise, n, steps * m)
+    simulated = simulated_steady_throughput(schedule, **shape, **replayed)
     nominal = simulated_steady_throughput(
         schedule,
         **shape,
-        forward_cost=options.fwd_ms / 1000.0,
-        backward_cost=options.bwd_ms / 1000.0,
+        forward_cost=per_stage_seconds(options.fwd_ms, n),
+        backward_cost=per_stage_seconds(options.bwd_ms, n),
     )
     return {
         "measured": measured,
@@ -274,6 +308,29 @@ def trace_figures(schedule: str, options, events) -> dict:
     }
 
 
+def has_noise(cv: float | list[float]) -> bool:
+    return any(c > 0 for c in ([cv] if isinstance(cv, (int, float)) else cv))
+
+
+def per_stage_seconds(ms: float | list[float], num_stages: int) -> list[float]:
+    values = [ms] * num_stages if isinstance(ms, (int, float)) else ms
+    return [v / 1000.0 for v in values]
+
+
+def without_mean_noise(costs: dict, noise: CostNoise | None, num_stages: int, count: int) -> dict:
+    """Measured mean costs divided by the mean noise factor the run drew per stage and kind, so
+    that simulating them with the same `noise` replays the run's actions (see the docstring)."""
+    if noise is None:
+        return costs
+    scaled = dict(costs)
+    for key, kind in (("forward_cost", "F"), ("backward_cost", "B")):
+        scaled[key] = [
+            cost / statistics.fmean(noise.factor(s, kind, i) for i in range(count))
+            for s, cost in enumerate(costs[key])
+        ]
+    return scaled
+
+
 def relative_error(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured
 
@@ -284,16 +341,36 @@ def median_run(runs: list[dict]) -> dict:
     return ordered[(len(ordered) - 1) // 2]
 
 
+def ratio_figures(report, acceptance, name, measured, simulated, closed_form, uniform) -> None:
+    """PACI (`name`) over flush, measured and simulated, and its acceptance: >= 95% of the
+    closed form for uniform stages, else of the simulated ratio."""
+    ratio = measured[name] / measured["1f1b"]
+    simulated_ratio = simulated[name] / simulated["1f1b"]
+    suffix = "" if name == "paci" else "_" + name.split(":", 1)[1]
+    report["ratio_paci_over_flush" + suffix] = ratio
+    report["simulated_ratio_paci_over_flush" + suffix] = simulated_ratio
+    report["ratio_over_simulated_ratio" + suffix] = ratio / simulated_ratio
+    if uniform:
+        report["ratio_over_closed_form" + suffix] = ratio / closed_form
+        acceptance["ratio_at_least_95_percent_of_closed_form" + suffix] = (
+            ratio >= RATIO_TOLERANCE * closed_form
+        )
+    acceptance["ratio_at_least_95_percent_of_simulated" + suffix] = (
+        ratio >= RATIO_TOLERANCE * simulated_ratio
+    )
+
+
 def benchmark(options) -> dict:
     """Run every schedule `options.repeats` times (interleaved, so both see the same machine)
     and report each schedule's median run."""
     n, m = options.stages, options.microbatches
     steady_state_window(n, m, options.steps)  # reject too few steps before launching anything
+    uniform = isinstance(options.fwd_ms, (int, float)) and isinstance(options.bwd_ms, (int, float))
     workdir = options.output or tempfile.mkdtemp(prefix="benchmark_schedules_")
     all_runs: dict[str, list[dict]] = {schedule: [] for schedule in options.schedules}
     for repeat in range(options.repeats):
         for schedule in options.schedules:
-            run_dir = os.path.join(workdir, f"{schedule}-{repeat}")
+            run_dir = os.path.join(workdir, f"{schedule.replace(':', '_')}-{repeat}")
             all_runs[schedule].append(run_schedule(schedule, options, run_dir))
     runs = {schedule: median_run(results) for schedule, results in all_runs.items()}
     measured = {s: r["measured"] for s, r in runs.items()}
@@ -307,6 +384,8 @@ def benchmark(options) -> dict:
         "steps": options.steps,
         "fwd_ms": options.fwd_ms,
         "bwd_ms": options.bwd_ms,
+        "noise_cv": options.noise_cv,
+        "seed": options.seed,
         "repeats": options.repeats,
         "measured_throughput": measured,
         "simulated_throughput": simulated,
@@ -318,9 +397,14 @@ def benchmark(options) -> dict:
         },
         "runtime_overhead_us_per_action_max": overheads,
         "simulated_throughput_nominal": {s: r["simulated_nominal"] for s, r in runs.items()},
-        "ideal_throughput": {
-            "1f1b": 1000.0 * m / ((m + n - 1) * (options.fwd_ms + options.bwd_ms)),
-            "paci": 1000.0 / (options.fwd_ms + options.bwd_ms),
+        "slowest_stage_bound": 1.0
+        / max(
+            map(
+                sum, zip(per_stage_seconds(options.fwd_ms, n), per_stage_seconds(options.bwd_ms, n))
+            )
+        ),
+        "load_average_1min_before_runs": {
+            s: [r["load_average_1min_before"] for r in rs] for s, rs in all_runs.items()
         },
         "p2p_latency_ms": {s: r["p2p_latency_ms"] for s, r in runs.items()},
     }
@@ -328,14 +412,10 @@ def benchmark(options) -> dict:
         "prediction_within_5_percent": all(abs(e) <= PREDICTION_TOLERANCE for e in errors.values()),
         "overhead_under_1_ms": all(value < OVERHEAD_LIMIT_US for value in overheads.values()),
     }
-    if "paci" in measured and "1f1b" in measured:
-        ratio = measured["paci"] / measured["1f1b"]
-        report["ratio_paci_over_flush"] = ratio
-        report["ratio_over_closed_form"] = ratio / closed_form
-        report["simulated_ratio_paci_over_flush"] = simulated["paci"] / simulated["1f1b"]
-        acceptance["ratio_at_least_95_percent_of_closed_form"] = (
-            ratio >= RATIO_TOLERANCE * closed_form
-        )
+    if "1f1b" in measured:
+        for name in measured:
+            if name.startswith("paci"):
+                ratio_figures(report, acceptance, name, measured, simulated, closed_form, uniform)
     report["acceptance"] = acceptance
     report["runs"] = all_runs
     report["output_dir"] = workdir

@@ -29,7 +29,8 @@ Execution model (what the runtime does, minus the tensors):
 * ``p2p_latency`` is pure delay: it occupies no stage, and nothing hides it. The 1F1B in-flight
   window (N - s, PACI's admission too) covers exactly the compute of a round trip, so every
   transfer shows: PACI's steady state is then N(F+B) / (N(F+B) + 2(N-1)L) busy, not 1.
-* Costs are per stage (a number is used for every stage). A schedule without a split backward
+* Costs are per stage (a number is used for every stage). With ``noise`` (`costs.CostNoise`) each
+  action's cost is its nominal cost times a seeded lognormal factor of mean 1 (per-stage CV). A schedule without a split backward
   pays ``backward_cost + weight_grad_cost`` per backward; a split one (ZB-H1) pays
   ``backward_cost`` for the input-gradient pass B and ``weight_grad_cost`` for W.
 """
@@ -41,6 +42,7 @@ from typing import Sequence
 from ..schedules.base import Action, ActionKind, Schedule, StageView
 from ..stage_state import IllegalActionError, StageState
 from ..trace import TraceEvent
+from .costs import CostNoise
 from .results import SimulationResult, steady_utilization
 
 _FINISH, _ACTIVATION, _GRADIENT = 0, 1, 2
@@ -94,8 +96,10 @@ class _Stage:
 
 
 class _Simulator:
-    def __init__(self, schedule, num_stages, m, steps, costs, p2p_latency, record_timeline):
+    def __init__(self, schedule, num_stages, m, steps, costs, p2p_latency, record_timeline,
+                 noise=None):  # fmt: skip
         self.schedule = schedule
+        self.noise = noise
         self.n = num_stages
         self.m = m
         self.calls = steps
@@ -212,18 +216,25 @@ class _Simulator:
 
     def start(self, st: _Stage, action: Action) -> None:
         s, kind = st.index, action.kind
-        if kind is ActionKind.FORWARD:
-            cost = self.forward_cost[s]
-        elif kind is ActionKind.BACKWARD:
-            cost = self.full_backward_cost[s]
-        elif kind is ActionKind.WEIGHT_GRAD:
-            cost = self.wgrad_cost[s]
-        else:
-            cost = self.step_cost[s]
+        cost = self.cost_of(st, kind)
+        if kind is ActionKind.STEP:
             self.on_step(st)
         st.busy = True
         st.current = (action, self.now)
         self.push(self.now + cost, _FINISH, s)
+
+    def cost_of(self, st: _Stage, kind: ActionKind) -> float:
+        """The action's duration: the stage's nominal cost, times its noise factor if any."""
+        s, state = st.index, st.state
+        nominal, index = {
+            ActionKind.FORWARD: (self.forward_cost, state.forwards),
+            ActionKind.BACKWARD: (self.full_backward_cost, state.backwards),
+            ActionKind.WEIGHT_GRAD: (self.wgrad_cost, state.weight_grads),
+            ActionKind.STEP: (self.step_cost, state.steps),
+        }[kind]
+        if self.noise is None:
+            return nominal[s]
+        return nominal[s] * self.noise.factor(s, kind.value, index)
 
     def finish(self, st: _Stage) -> None:
         action, start = st.current
@@ -358,12 +369,14 @@ def simulate(
     step_cost: float | Sequence[float] = 0.0,
     p2p_latency: float = 0.0,
     record_timeline: bool = True,
+    noise: CostNoise | None = None,
 ) -> SimulationResult:
     """Run `steps` calls of `schedule` on `num_stages` stages and measure the run.
 
     Costs are durations in any unit (seconds for the CLI and the runtime's traces), one per
     stage or one number for all. `microbatches_per_step` is m for flush schedules and the
-    accumulation factor a for PACI. Raises ValueError for bad arguments and `SimulationError`
+    accumulation factor a for PACI. `noise` draws each action's cost around its nominal value
+    (`CostNoise`: seeded, per-stage CV). Raises ValueError for bad arguments and `SimulationError`
     when the schedule deadlocks or asks for an impossible action.
     """
     _check_arguments(schedule, num_stages, microbatches_per_step, steps, p2p_latency)
@@ -378,7 +391,7 @@ def simulate(
     )
     sim = _Simulator(
         schedule, num_stages, microbatches_per_step, steps, costs, float(p2p_latency),
-        record_timeline,
+        record_timeline, noise,
     )  # fmt: skip
     sim.run()
     return sim.result()
