@@ -72,36 +72,56 @@ def read_index_summary(path_prefix: str) -> IndexSummary:
     for path in (idx_path, bin_path):
         if not os.path.isfile(path):
             raise UserError(f"dataset file not found: {path}")
-    idx_size = os.path.getsize(idx_path)
     bin_size = os.path.getsize(bin_path)
+    dtype, n_seq, n_doc = _read_index_header(idx_path)
+    tokens = _count_index_tokens(idx_path, dtype, n_seq, n_doc)
+    itemsize = numpy.dtype(dtype).itemsize
+    if tokens * itemsize != bin_size:
+        raise UserError(
+            f"dataset {bin_path} has {bin_size} bytes but {idx_path} describes "
+            f"{tokens * itemsize} ({tokens} tokens of {numpy.dtype(dtype).name}): "
+            f"truncated, or the two files come from different runs"
+        )
+    return IndexSummary(path_prefix, dtype, n_seq, n_doc - 1, tokens)
+
+
+def _corrupt(idx_path: str, problem: str) -> UserError:
+    return UserError(f"corrupt dataset index {idx_path}: {problem}")
+
+
+def _read_index_header(idx_path: str) -> Tuple[type, int, int]:
+    """The index's (dtype, sequence count, document index count), after checking the header
+    and that the file size matches the counts."""
+    idx_size = os.path.getsize(idx_path)
     try:
         with open(idx_path, "rb") as f:
             header = f.read(_IDX_HEADER.size)
     except OSError as err:
         raise UserError(f"cannot read dataset index {idx_path}: {err.strerror}") from None
-
-    def corrupt(problem: str) -> UserError:
-        return UserError(f"corrupt dataset index {idx_path}: {problem}")
-
     if len(header) < _IDX_HEADER.size:
-        raise corrupt(f"truncated header ({idx_size} bytes)")
+        raise _corrupt(idx_path, f"truncated header ({idx_size} bytes)")
     magic, version, code, n_seq, n_doc = _IDX_HEADER.unpack(header)
     if magic != _IDX_MAGIC:
-        raise corrupt("bad magic, not a Megatron indexed dataset")
+        raise _corrupt(idx_path, "bad magic, not a Megatron indexed dataset")
     if version != 1:
-        raise corrupt(f"unsupported version {version}")
+        raise _corrupt(idx_path, f"unsupported version {version}")
     if code not in _DTYPE_CODES:
-        raise corrupt(f"unknown dtype code {code}")
-    dtype = _DTYPE_CODES[code]
+        raise _corrupt(idx_path, f"unknown dtype code {code}")
     expected = _IDX_HEADER.size + 12 * n_seq + 8 * n_doc
     if idx_size not in (expected, expected + n_seq):
-        raise corrupt(
+        raise _corrupt(
+            idx_path,
             f"{idx_size} bytes, but {n_seq} sequences and {n_doc} document indices need "
-            f"{expected} (truncated or overwritten?)"
+            f"{expected} (truncated or overwritten?)",
         )
     if n_doc < 1:
-        raise corrupt("no document indices")
+        raise _corrupt(idx_path, "no document indices")
+    return _DTYPE_CODES[code], n_seq, n_doc
 
+
+def _count_index_tokens(idx_path: str, dtype, n_seq: int, n_doc: int) -> int:
+    """The number of tokens the index describes, after checking its document indices and that
+    its sequence offsets are contiguous (memory-maps the index's arrays)."""
     offset = _IDX_HEADER.size
     lengths = numpy.memmap(idx_path, dtype=numpy.int32, mode="r", offset=offset, shape=(n_seq,))
     offset += 4 * n_seq
@@ -110,28 +130,22 @@ def read_index_summary(path_prefix: str) -> IndexSummary:
     documents = numpy.memmap(idx_path, dtype=numpy.int64, mode="r", offset=offset, shape=(n_doc,))
 
     if documents[0] != 0 or documents[-1] != n_seq:
-        raise corrupt(f"document indices must run from 0 to {n_seq}")
+        raise _corrupt(idx_path, f"document indices must run from 0 to {n_seq}")
     if n_doc > 1 and numpy.any(numpy.diff(documents) < 0):
-        raise corrupt("document indices are not in order")
+        raise _corrupt(idx_path, "document indices are not in order")
 
     itemsize = numpy.dtype(dtype).itemsize
     tokens = 0
     for beg in range(0, n_seq, _CHECK_CHUNK):
         chunk = numpy.asarray(lengths[beg : beg + _CHECK_CHUNK], dtype=numpy.int64)
         if chunk.min() < 0:
-            raise corrupt("negative sequence length")
+            raise _corrupt(idx_path, "negative sequence length")
         expected_pointers = (tokens + numpy.cumsum(chunk) - chunk) * itemsize
         if not numpy.array_equal(expected_pointers, pointers[beg : beg + len(chunk)]):
-            raise corrupt("sequence offsets do not match sequence lengths")
+            raise _corrupt(idx_path, "sequence offsets do not match sequence lengths")
         tokens += int(chunk.sum())
-    if tokens * itemsize != bin_size:
-        raise UserError(
-            f"dataset {bin_path} has {bin_size} bytes but {idx_path} describes "
-            f"{tokens * itemsize} ({tokens} tokens of {numpy.dtype(dtype).name}): "
-            f"truncated, or the two files come from different runs"
-        )
     del lengths, pointers, documents
-    return IndexSummary(path_prefix, dtype, n_seq, n_doc - 1, tokens)
+    return tokens
 
 
 def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
@@ -260,20 +274,18 @@ def build_data_iterators(
     holds barriers on the default group); every rank builds its own datasets, and rank 0 writes
     the index cache (``data_cache_path``, or megatron-core's default under each prefix) first.
     """
-    _check_positive(seq_length=seq_length, micro_batch_size=micro_batch_size)
-    _check_positive(data_parallel_size=data_parallel_size)
-    if not 0 <= data_parallel_rank < data_parallel_size:
-        raise UserError(f"data-parallel rank {data_parallel_rank} not in [0, {data_parallel_size})")
     sizes = [train_samples, valid_samples, test_samples]
-    if any(n < 0 for n in sizes) or consumed_train_samples < 0:
-        raise UserError(f"sample counts must be non-negative: {sizes}, {consumed_train_samples}")
-    if mock_data and data_path:
-        raise UserError("--mock-data and --data-path are mutually exclusive")
-    if not mock_data and not data_path:
-        raise UserError("no training data: give --data-path PREFIX or --mock-data")
-    if tokenizer is None:
-        raise UserError("a tokenizer is needed to build the datasets")
-
+    _check_iterator_arguments(
+        data_path=data_path,
+        mock_data=mock_data,
+        seq_length=seq_length,
+        tokenizer=tokenizer,
+        micro_batch_size=micro_batch_size,
+        data_parallel_rank=data_parallel_rank,
+        data_parallel_size=data_parallel_size,
+        sizes=sizes,
+        consumed_train_samples=consumed_train_samples,
+    )
     blend = None
     if not mock_data:
         parse_split(split)
@@ -288,6 +300,41 @@ def build_data_iterators(
         data_parallel_rank=data_parallel_rank,
         data_parallel_size=data_parallel_size,
     )
+    return _split_iterators(datasets, sizes, split, consumed_train_samples, common)
+
+
+def _check_iterator_arguments(
+    *,
+    data_path,
+    mock_data: bool,
+    seq_length: int,
+    tokenizer,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    sizes: List[int],
+    consumed_train_samples: int,
+) -> None:
+    """Reject the arguments of ``build_data_iterators`` that cannot build iterators."""
+    _check_positive(seq_length=seq_length, micro_batch_size=micro_batch_size)
+    _check_positive(data_parallel_size=data_parallel_size)
+    if not 0 <= data_parallel_rank < data_parallel_size:
+        raise UserError(f"data-parallel rank {data_parallel_rank} not in [0, {data_parallel_size})")
+    if any(n < 0 for n in sizes) or consumed_train_samples < 0:
+        raise UserError(f"sample counts must be non-negative: {sizes}, {consumed_train_samples}")
+    if mock_data and data_path:
+        raise UserError("--mock-data and --data-path are mutually exclusive")
+    if not mock_data and not data_path:
+        raise UserError("no training data: give --data-path PREFIX or --mock-data")
+    if tokenizer is None:
+        raise UserError("a tokenizer is needed to build the datasets")
+
+
+def _split_iterators(datasets, sizes, split: str, consumed_train_samples: int, common: dict):
+    """(train, valid, test) iterators over the split datasets: None for a split not requested
+    (0 samples) or left empty by ``--split`` (an error for the training split)."""
+    micro_batch_size = common["micro_batch_size"]
+    data_parallel_size = common["data_parallel_size"]
     names = ("train", "valid", "test")
     iterators = []
     for name, dataset, samples in zip(names, datasets, sizes):

@@ -239,17 +239,7 @@ def pretrain(args, forward_step_func) -> TrainingState:
         f"{dist.get_backend()}, schedule {args.pipeline_schedule}, {args.num_microbatches} "
         f"microbatches per step"
     )
-    tokenizer = build_tokenizer(
-        args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        vocab_size=args.vocab_size,
-    )
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    if not args.mock_data:
-        check_token_ids(parse_data_path(args.data_path)[0], tokenizer.vocab_size,
-                        args.padded_vocab_size)  # fmt: skip
+    tokenizer = _build_checked_tokenizer(args)
     model = build_stage_model(args, args.padded_vocab_size, device)
     optimizer = build_optimizer(model, args)
     scheduler = build_lr_scheduler(optimizer, args)
@@ -259,33 +249,8 @@ def pretrain(args, forward_step_func) -> TrainingState:
         state.iteration, state.consumed_train_samples = checkpointing.load(
             args.load, model=model, optimizer=optimizer, scheduler=scheduler, args=args
         )
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    runtime = StageRuntime(
-        build_pipeline_context(device),
-        model,
-        tensor_shape=(args.seq_length, args.micro_batch_size, args.hidden_size),
-        dtype=dtype,
-        record_trace=args.timeline_file is not None,
-        deterministic=args.deterministic_mode,
-    )
-    attach_stage_runtime(model, runtime)
-    set_pipeline_schedule(args.pipeline_schedule, args.paci_arrival_rule)
-    train_iter, valid_iter, _ = build_data_iterators(
-        data_path=None if args.mock_data else args.data_path,
-        mock_data=args.mock_data,
-        split=args.split,
-        seq_length=args.seq_length,
-        seed=args.seed,
-        tokenizer=tokenizer,
-        data_cache_path=args.data_cache_path,
-        micro_batch_size=args.micro_batch_size,
-        data_parallel_rank=parallel_state.get_data_parallel_rank(),
-        data_parallel_size=args.data_parallel_size,
-        train_samples=args.train_iters * args.global_batch_size,
-        valid_samples=_eval_samples(args),
-        test_samples=0,
-        consumed_train_samples=state.consumed_train_samples,
-    )
+    runtime = _build_stage_runtime(args, model, device)
+    train_iter, valid_iter = _build_train_valid_iterators(args, tokenizer, state)
     writer = tensorboard_writer(args)
     faults.register_peers()
     faults.apply_timeout_to_all_groups(args.distributed_timeout_minutes)
@@ -302,6 +267,66 @@ def pretrain(args, forward_step_func) -> TrainingState:
     if audit_requested():
         state.cross_stage_collectives = len(audit.violations)
 
+    _finish_run(args, state, runtime, step_func, optimizer, writer, wall_start)
+    return state
+
+
+def _build_checked_tokenizer(args):
+    """The tokenizer; sets ``args.padded_vocab_size`` and checks the data's token ids."""
+    tokenizer = build_tokenizer(
+        args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size,
+    )
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    if not args.mock_data:
+        check_token_ids(parse_data_path(args.data_path)[0], tokenizer.vocab_size,
+                        args.padded_vocab_size)  # fmt: skip
+    return tokenizer
+
+
+def _build_stage_runtime(args, model, device) -> StageRuntime:
+    """The stage's pipeline runtime, attached to the model, with the schedule selected."""
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    runtime = StageRuntime(
+        build_pipeline_context(device),
+        model,
+        tensor_shape=(args.seq_length, args.micro_batch_size, args.hidden_size),
+        dtype=dtype,
+        record_trace=args.timeline_file is not None,
+        deterministic=args.deterministic_mode,
+    )
+    attach_stage_runtime(model, runtime)
+    set_pipeline_schedule(args.pipeline_schedule, args.paci_arrival_rule)
+    return runtime
+
+
+def _build_train_valid_iterators(args, tokenizer, state: TrainingState):
+    """The (train, valid) microbatch iterators of this data-parallel rank."""
+    train_iter, valid_iter, _ = build_data_iterators(
+        data_path=None if args.mock_data else args.data_path,
+        mock_data=args.mock_data,
+        split=args.split,
+        seq_length=args.seq_length,
+        seed=args.seed,
+        tokenizer=tokenizer,
+        data_cache_path=args.data_cache_path,
+        micro_batch_size=args.micro_batch_size,
+        data_parallel_rank=parallel_state.get_data_parallel_rank(),
+        data_parallel_size=args.data_parallel_size,
+        train_samples=args.train_iters * args.global_batch_size,
+        valid_samples=_eval_samples(args),
+        test_samples=0,
+        consumed_train_samples=state.consumed_train_samples,
+    )
+    return train_iter, valid_iter
+
+
+def _finish_run(args, state, runtime, step_func, optimizer, writer, wall_start) -> None:
+    """Write the timelines and summary, close the writer and tear down model parallelism;
+    raises ``RunFailed`` when training diverged."""
     if args.timeline_file:
         write_timelines(args, runtime)
     write_summary(args, state, runtime, step_func, optimizer, wall_start)
@@ -310,7 +335,6 @@ def pretrain(args, forward_step_func) -> TrainingState:
     parallel_state.destroy_model_parallel()
     if state.diverged:
         raise RunFailed(f"training diverged: {state.diverged}", exit_code=3)
-    return state
 
 
 @contextlib.contextmanager

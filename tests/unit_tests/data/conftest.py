@@ -8,11 +8,12 @@ import pytest
 # The helpers module sits beside this file (on pytest's pythonpath: see pyproject.toml).
 from datatests_support import (
     TINY_VOCAB_SIZE,
-    load_tool,
     random_documents,
     tiny_documents,
     write_indexed_dataset,
 )
+
+from megatron.training import tokenizer_training
 
 
 @pytest.fixture(scope="session")
@@ -26,9 +27,9 @@ def tiny_corpus(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sp_model(tiny_corpus, tmp_path_factory):
-    """A sentencepiece model trained on the tiny corpus by tools/train_tokenizer.py."""
+    """A sentencepiece model trained on the tiny corpus by megatron.training.tokenizer_training."""
     prefix = str(tmp_path_factory.mktemp("tokenizer") / "tiny")
-    rc = load_tool("train_tokenizer").main(
+    rc = tokenizer_training.main(
         ["--input", tiny_corpus, "--output-prefix", prefix, "--vocab-size", str(TINY_VOCAB_SIZE)]
     )
     assert rc == 0

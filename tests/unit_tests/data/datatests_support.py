@@ -1,25 +1,11 @@
 """Helpers shared by the data tests (imported by conftest.py and the test modules)."""
 
-import importlib.util
 import os
-import sys
 
 import numpy
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 TINY_VOCAB_SIZE = 320
-
-
-def load_tool(name: str):
-    """Import ``tools/<name>.py`` (tools/ is not a package)."""
-    module_name = f"_tool_{name}"
-    if module_name not in sys.modules:
-        path = os.path.join(REPO_ROOT, "tools", f"{name}.py")
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
 
 
 def tiny_documents():

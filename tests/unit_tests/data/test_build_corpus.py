@@ -1,6 +1,6 @@
 import json
 
-from datatests_support import load_tool
+from megatron.training import corpus
 
 
 def _tree(root):
@@ -27,25 +27,24 @@ def _texts(path):
 
 
 def test_sorted_filtered_and_deterministic(tmp_path):
-    tool = load_tool("build_corpus")
     _tree(tmp_path / "lib")
     out = tmp_path / "corpus.jsonl"
-    stats = tool.build_corpus(str(out), root=str(tmp_path / "lib"))
+    stats = corpus.build_corpus(str(out), root=str(tmp_path / "lib"))
     assert _texts(out) == ["print('a')\n", "M = 1\n", "Z = 'é'\n"]
     assert stats["documents"] == 3 and stats["skipped"] == 2  # empty __init__, latin-1
     first = out.read_bytes()
-    tool.build_corpus(str(out), root=str(tmp_path / "lib"))
+    corpus.build_corpus(str(out), root=str(tmp_path / "lib"))
     assert out.read_bytes() == first
 
-    tool.build_corpus(str(out), root=str(tmp_path / "lib"), include_tests=True, max_docs=4)
+    corpus.build_corpus(str(out), root=str(tmp_path / "lib"), include_tests=True, max_docs=4)
     assert _texts(out)[-1] == "TEST = 1\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "lib"]
 
 
 def test_cli_on_the_real_stdlib(tmp_path, capsys):
     out = tmp_path / "stdlib.jsonl"
-    assert load_tool("build_corpus").main(["--output", str(out), "--max-docs", "3"]) == 0
+    assert corpus.main(["--output", str(out), "--max-docs", "3"]) == 0
     assert "3 documents" in capsys.readouterr().out
     assert len(_texts(out)) == 3
-    assert load_tool("build_corpus").main(["--output", str(out), "--max-docs", "0"]) == 2
+    assert corpus.main(["--output", str(out), "--max-docs", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: --max-docs")

@@ -5,8 +5,9 @@ import sys
 
 import numpy
 import pytest
-from datatests_support import REPO_ROOT, load_tool, tiny_documents
+from datatests_support import REPO_ROOT, tiny_documents
 
+from megatron.training import preprocessing
 from megatron.training.data import validate_indexed_dataset
 from megatron.training.errors import UserError
 from megatron.training.tokenizer import build_tokenizer
@@ -89,7 +90,7 @@ def test_bad_input_leaves_no_files(tmp_path, capsys, lines, message):
     prefix = str(tmp_path / "out")
     argv = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", prefix]
     argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "99", "--append-eod"]
-    assert load_tool("preprocess_data").main(argv) == 2
+    assert preprocessing.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
     assert os.listdir(tmp_path) == ["in.jsonl"]
@@ -97,14 +98,13 @@ def test_bad_input_leaves_no_files(tmp_path, capsys, lines, message):
 
 def test_null_tokenizer_and_atomic_overwrite(tmp_path, capsys):
     """A NullTokenizer run in process; a rerun replaces the files under the final names."""
-    tool = load_tool("preprocess_data")
     prefix = str(tmp_path / "ints")
     argv = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", prefix]
     argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "70000", "--append-eod"]
     _write_jsonl(tmp_path / "in.jsonl", [{"text": "5 6 7"}, {"text": "69999"}])
-    assert tool.main(argv) == 0
+    assert preprocessing.main(argv) == 0
     _write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2"}])
-    assert tool.main(argv) == 0
+    assert preprocessing.main(argv) == 0
     assert "1 documents, 3 tokens (int32)" in capsys.readouterr().out
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -123,22 +123,23 @@ def test_null_tokenizer_and_atomic_overwrite(tmp_path, capsys):
 
 
 def test_checked_document_rejects_bad_lengths():
-    tool = load_tool("preprocess_data")
-    assert tool.checked_document([1, 2, 3], [3], 10, numpy.uint16, "doc").dtype == numpy.uint16
+    assert (
+        preprocessing.checked_document([1, 2, 3], [3], 10, numpy.uint16, "doc").dtype
+        == numpy.uint16
+    )
     with pytest.raises(UserError, match="do not add up"):
-        tool.checked_document([1, 2, 3], [2], 10, numpy.uint16, "doc")
+        preprocessing.checked_document([1, 2, 3], [2], 10, numpy.uint16, "doc")
     with pytest.raises(UserError, match="do not add up"):
-        tool.checked_document([1, 2, 3], [3, 0], 10, numpy.uint16, "doc")
+        preprocessing.checked_document([1, 2, 3], [3, 0], 10, numpy.uint16, "doc")
 
 
 def test_null_text_is_skipped_not_the_word_none(tmp_path, capsys):
     """`{"text": null}` is a missing document (counted as skipped), not the text "None"."""
-    tool = load_tool("preprocess_data")
     prefix = str(tmp_path / "ints")
     argv = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", prefix]
     argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "99"]
     _write_jsonl(tmp_path / "in.jsonl", [{"text": "5 6"}, {"text": None}, {"text": "7"}])
-    assert tool.main(argv) == 0
+    assert preprocessing.main(argv) == 0
     assert "2 documents, 3 tokens, 1 empty skipped" in capsys.readouterr().out
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 

@@ -1,8 +1,9 @@
 import json
 
 import pytest
-from datatests_support import TINY_VOCAB_SIZE, load_tool, tiny_documents
+from datatests_support import TINY_VOCAB_SIZE, tiny_documents
 
+from megatron.training import tokenizer_training
 from megatron.training.errors import UserError
 from megatron.training.tokenizer import (
     GPT2BPETokenizer,
@@ -36,16 +37,22 @@ def test_sentencepiece_round_trip(sp_model):
 def test_train_tokenizer_is_deterministic(tiny_corpus, sp_model, tmp_path):
     prefix = str(tmp_path / "again")
     args = ["--input", tiny_corpus, "--output-prefix", prefix, "--vocab-size"]
-    assert load_tool("train_tokenizer").main(args + [str(TINY_VOCAB_SIZE)]) == 0
+    assert tokenizer_training.main(args + [str(TINY_VOCAB_SIZE)]) == 0
     with open(prefix + ".model", "rb") as a, open(sp_model, "rb") as b:
         assert a.read() == b.read()
 
 
 def test_train_tokenizer_reports_user_errors(tiny_corpus, tmp_path, capsys):
-    tool = load_tool("train_tokenizer")
     prefix = str(tmp_path / "x")
-    assert tool.main(["--input", tiny_corpus, "--output-prefix", prefix, "--vocab-size", "99999"])
-    assert tool.main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", prefix]) == 2
+    assert tokenizer_training.main(
+        ["--input", tiny_corpus, "--output-prefix", prefix, "--vocab-size", "99999"]
+    )
+    assert (
+        tokenizer_training.main(
+            ["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", prefix]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
     assert "Vocabulary size too high" in err[0] and "nope.jsonl" in err[1]
