@@ -52,19 +52,19 @@ data-gpt2: $(GPT2_DATASET).idx
 demo: venv data
 	bash examples/paci/demo_cpu.sh
 
-test: venv
+test: venv data
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # The Slurm launch test on a one-node cluster it starts on loopback. Installs Debian's Slurm and
 # MUNGE first (needs root); there a missing package fails the test instead of skipping it.
-cluster-test: venv
+cluster-test: venv data
 	bash tools/install_slurm.sh
 	PACI_REQUIRE_SLURM=1 $(PY) -m pytest -q -p no:cacheprovider tests/functional_tests/test_slurm.py
 
-unit-test: venv
+unit-test: venv data
 	$(PY) -m pytest -q tests/unit_tests
 
-functional-test: venv
+functional-test: venv data
 	$(PY) -m pytest -q tests/functional_tests
 
 lint: venv

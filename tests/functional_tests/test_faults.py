@@ -18,6 +18,8 @@ SMALL = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
     "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "paci", "--eval-iters", "0",
+    "--untie-embeddings-and-output-weights", "--log-interval", "1",
+    "--tokenizer-type", "SentencePieceTokenizer",  # MOCK, given after, overrides it
 ]  # fmt: skip
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

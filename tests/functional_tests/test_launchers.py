@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import unittest.mock
 
 import pytest
 import run_cases
@@ -83,7 +84,9 @@ def parsed_dry_run(variables: dict[str, str], world_size: int):
     assert len(lines) == 1, completed.stdout
     torchrun_args, pretrain_args = split_command(lines[0])
     args = build_parser().parse_args(pretrain_args)  # parse only: no process group, no GPU
-    validate_args(args, world_size=world_size)
+    # The script targets GPU nodes (--bf16, NCCL): validate as on one, whatever this machine is.
+    with unittest.mock.patch("torch.cuda.is_available", return_value=True):
+        validate_args(args, world_size=world_size)
     return launcher_flags(torchrun_args), args
 
 
