@@ -360,6 +360,12 @@ def ratio_figures(report, acceptance, name, measured, simulated, closed_form, un
     )
 
 
+def slowest_stage_bound(fwd_ms, bwd_ms, num_stages: int) -> float:
+    """Microbatches per second of the slowest stage (its forward + backward per microbatch)."""
+    per_stage = zip(per_stage_seconds(fwd_ms, num_stages), per_stage_seconds(bwd_ms, num_stages))
+    return 1.0 / max(forward + backward for forward, backward in per_stage)
+
+
 def benchmark(options) -> dict:
     """Run every schedule `options.repeats` times (interleaved, so both see the same machine)
     and report each schedule's median run."""
@@ -397,12 +403,7 @@ def benchmark(options) -> dict:
         },
         "runtime_overhead_us_per_action_max": overheads,
         "simulated_throughput_nominal": {s: r["simulated_nominal"] for s, r in runs.items()},
-        "slowest_stage_bound": 1.0
-        / max(
-            map(
-                sum, zip(per_stage_seconds(options.fwd_ms, n), per_stage_seconds(options.bwd_ms, n))
-            )
-        ),
+        "slowest_stage_bound": slowest_stage_bound(options.fwd_ms, options.bwd_ms, n),
         "load_average_1min_before_runs": {
             s: [r["load_average_1min_before"] for r in rs] for s, rs in all_runs.items()
         },
