@@ -45,6 +45,7 @@ def model_args(options) -> list[str]:
         "--lr", "3e-4",
         "--eval-iters", "0",
         "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--untie-embeddings-and-output-weights",  # PACI with two stages refuses tying
     ]  # fmt: skip
 
 
