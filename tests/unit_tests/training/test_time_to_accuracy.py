@@ -1,0 +1,46 @@
+"""Time-to-accuracy arithmetic: target crossings, spreads and the projected ratios."""
+
+import pytest
+
+from megatron.training import time_to_accuracy as tta
+
+
+def test_crossing_is_interpolated_between_the_evaluations_around_it():
+    curve = [(20, 7.0), (40, 6.0), (60, 5.0)]
+    assert tta.iterations_to(curve, 5.5) == pytest.approx(50.0)
+    assert tta.iterations_to(curve, 7.5) == 20.0  # already below at the first evaluation
+    assert tta.iterations_to(curve, 6.0) == 40.0
+    assert tta.iterations_to(curve, 4.9) is None
+
+
+def test_a_seed_that_misses_the_target_has_no_median():
+    runs = [tta.Run("a", 1, [(10, 6.0), (20, 5.0)]), tta.Run("a", 2, [(10, 6.0), (20, 5.8)])]
+    table = tta.iteration_table(runs, [5.9, 5.5])
+    crossing = table["a"]["5.9"]  # 10 + 10 * 0.1 / 1.0 and 10 + 10 * 0.1 / 0.2
+    assert [crossing[k] for k in ("min", "median", "max")] == pytest.approx([11.0, 13.0, 15.0])
+    assert table["a"]["5.5"] is None and table["a"]["5.5 reached"] == 1
+    assert table["a"]["final"] == {"median": 5.4, "min": 5.0, "max": 5.8}
+
+
+def test_projected_ratio_multiplies_iteration_ratio_by_schedule_speed():
+    table = {
+        "flush-a": {"5.0": {"median": 100.0}},
+        "flush-b": {"5.0": {"median": 80.0}},  # the best flush
+        "paci": {"5.0": {"median": 100.0}},
+    }
+    schedules = {"flush-a": "1f1b", "flush-b": "1f1b", "paci": "paci"}
+    speed = {"1f1b": {128: 1.0}, "paci": {128: 1.5}}
+    ratios = tta.projected_ratios(table, schedules, [5.0], speed)
+    assert ratios["flush-b"]["5.0"][128] == 1.0
+    assert ratios["flush-a"]["5.0"][128] == pytest.approx(0.8)
+    assert ratios["paci"]["5.0"][128] == pytest.approx(0.8 * 1.5)
+
+
+def test_configuration_text():
+    config = tta.parse_configuration("ef=paci:1e-3:--async-error-feedback,--optimizer=muon")
+    assert (config.schedule, config.lr) == ("paci", 1e-3)
+    assert config.flags == ("--async-error-feedback", "--optimizer", "muon")
+    args = config.args(iterations=40, eval_interval=20, seed=3)
+    assert args[args.index("--seed") + 1] == "3" and args[-2:] == ["--optimizer", "muon"]
+    with pytest.raises(ValueError, match="expected NAME=SCHEDULE:LR"):
+        tta.parse_configuration("paci:1e-3")

@@ -1,0 +1,62 @@
+"""Time to accuracy: iterations to target validation losses per schedule and optimizer on the
+default corpus (seeds, median and range), and the projected time-to-accuracy ratio at the
+paper's scale. The logic is in megatron/training/time_to_accuracy.py.
+
+    .venv/bin/python tools/time_to_accuracy.py --output runs/tta --seeds 1,2,3 \
+        --config flush=1f1b:1e-3 --config paci=paci:1e-3 \
+        --config paci-ef=paci:1e-3:--async-error-feedback --targets 5.6,5.4
+
+Runs that already have a summary.json under --output are reused (the study resumes); --report
+only reads them. Prints one JSON object and a markdown table.
+"""
+
+import argparse
+import json
+import sys
+
+from megatron.training import time_to_accuracy as tta
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--config", action="append", required=True, type=tta.parse_configuration,
+        help="NAME=SCHEDULE:LR[:flag,flag=value,...]; repeat")  # fmt: skip
+    add("--seeds", default="1,2,3")
+    add("--iterations", type=int, default=200)
+    add("--eval-interval", type=int, default=20)
+    add("--targets", default="6.0,5.6", help="comma list of validation losses")
+    add("--output", default="runs/time_to_accuracy")
+    add("--report", action="store_true", help="do not train: read the runs under --output")
+    options = parser.parse_args(argv)
+    seeds = [int(s) for s in options.seeds.split(",")]
+    targets = [float(t) for t in options.targets.split(",")]
+    configs = options.config
+    if options.report:
+        runs = [tta._read_run(options.output, c.name, s) for c in configs for s in seeds]
+    else:
+        runs = tta.run_all(configs, seeds, options.iterations, options.eval_interval,
+                           options.output)  # fmt: skip
+    table = tta.iteration_table(runs, targets)
+    schedules = {c.name: c.schedule for c in configs}
+    speed = tta.projected_speed(tuple(dict.fromkeys(schedules.values())))
+    report = {
+        "configurations": {c.name: {"schedule": c.schedule, "lr": c.lr, "flags": list(c.flags)}
+                           for c in configs},  # fmt: skip
+        "seeds": seeds,
+        "iterations": options.iterations,
+        "eval_interval": options.eval_interval,
+        "validation_curves": {f"{r.configuration} seed {r.seed}": r.validation for r in runs},
+        "iterations_to_target": table,
+        "projected_speed_over_flush": speed,
+        "projected_time_to_accuracy_over_best_flush": tta.projected_ratios(
+            table, schedules, targets, speed
+        ),
+    }
+    print(json.dumps(report, indent=2))
+    print(tta.markdown(report, targets))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
