@@ -89,9 +89,9 @@ def run_directory(output: str, configuration: str, seed: int) -> str:
 def run_all(configurations, seeds, iterations, eval_interval, output) -> list[Run]:
     """Every (configuration, seed) without a summary yet, in one torchrun launch; then every
     run's validation curve (already finished runs are reused: the study resumes)."""
-    todo = []
-    for config in configurations:
-        for seed in seeds:
+    todo = []  # seed-major: a cut-short study still has every configuration at its first seeds
+    for seed in seeds:
+        for config in configurations:
             directory = run_directory(output, config.name, seed)
             if not os.path.exists(os.path.join(directory, "summary.json")):
                 todo.append({"name": f"{config.name} seed {seed}", "metrics_dir": directory,
