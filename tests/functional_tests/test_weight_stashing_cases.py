@@ -115,3 +115,15 @@ def test_every_optimizer_completes_a_run(case_results, name, schedule):
 def test_each_optimizer_makes_its_own_updates(case_results, schedule):
     losses = [case_results[f"gpt_pp4_{schedule}_opt_{n}"]["loss"][:3] for n in OPTIMIZERS]
     assert len({round(run[-1], 6) for run in losses}) == len(OPTIMIZERS)
+
+
+@pytest.mark.parametrize("schedule", STASHING)
+def test_stashing_keeps_pacis_activation_memory(case_results, schedule):
+    """Same admission as PACI, so the same in-flight microbatches and activation bytes; the
+    stashed weights are reported apart (extra_weight_bytes), not as activations."""
+    paci = case_results["gpt_pp4_paci_opt_adam"]["stages"]
+    for ours, theirs in zip(case_results[f"gpt_pp4_{schedule}_opt_adam"]["stages"], paci):
+        assert ours["peak_inflight_microbatches"] == theirs["peak_inflight_microbatches"]
+        assert ours["peak_activation_bytes"] == theirs["peak_activation_bytes"]
+        assert ours["param_bytes"] == theirs["param_bytes"]
+        assert theirs["extra_weight_versions"] == theirs["extra_weight_bytes"] == 0
