@@ -36,13 +36,12 @@ def relative_difference(a: list[float], b: list[float]) -> float:
 
 @pytest.fixture(scope="module")
 def single_process_losses(tmp_path_factory):
-    """The 2BW cases' flags in one process, delayed by one step (and AdamW synchronously)."""
+    """The 2BW cases' flags in one process, delayed by one step."""
     cases = run_cases.discover_cases()
     spec = [
         {"name": n, "args": run_cases.flags(cases[n]["MODEL_ARGS"], "unused"), "delay": 1}
         for n in TWO_BW_REFERENCE
     ]
-    spec.append({**spec[0], "name": "synchronous_adam", "delay": 0})
     spec_file = tmp_path_factory.mktemp("stash_reference") / "spec.json"
     spec_file.write_text(json.dumps(spec))
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delayed_reference_runs.py")
@@ -64,12 +63,12 @@ def test_2bw_on_four_stages_equals_the_one_step_delayed_run(case_results, single
     assert relative_difference(losses, single_process_losses[name]) <= 1e-5
 
 
-def test_the_2bw_delay_is_really_there(case_results, single_process_losses):
-    """Batch 0 has no older version; from batch 1 on the loss comes from the stale weights."""
-    delayed = case_results["gpt_pp4_2bw_opt_adam"]["loss"]
-    synchronous = single_process_losses["synchronous_adam"]
-    assert relative_difference(delayed[:1], synchronous[:1]) <= 1e-5
-    assert relative_difference(delayed[1:], synchronous[1:]) > 1e-4
+def test_the_2bw_delay_is_really_there(case_results):
+    """Batches 0 and 1 both run on the initial weights W(0), so the first two losses are the
+    same whatever the optimizer; batch 2 runs on W(1), which the optimizers made differently."""
+    runs = [case_results[f"gpt_pp4_2bw_opt_{name}"]["loss"] for name in OPTIMIZERS]
+    assert len({tuple(losses[:2]) for losses in runs}) == 1
+    assert len({losses[2] for losses in runs}) == len(OPTIMIZERS)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -111,10 +110,10 @@ def test_every_optimizer_completes_a_run(case_results, name, schedule):
     assert all(math.isfinite(x) for x in summary["loss"])
 
 
-@pytest.mark.parametrize("schedule", STASHING)
-def test_each_optimizer_makes_its_own_updates(case_results, schedule):
-    losses = [case_results[f"gpt_pp4_{schedule}_opt_{n}"]["loss"][:3] for n in OPTIMIZERS]
-    assert len({round(run[-1], 6) for run in losses}) == len(OPTIMIZERS)
+def test_each_optimizer_makes_its_own_pipedream_updates(case_results):
+    runs = [case_results[f"gpt_pp4_pipedream_opt_{name}"]["loss"][:3] for name in OPTIMIZERS]
+    assert len({losses[0] for losses in runs}) == 1  # all start from the same weights
+    assert len({round(losses[-1], 6) for losses in runs}) == len(OPTIMIZERS)
 
 
 @pytest.mark.parametrize("schedule", STASHING)
