@@ -19,11 +19,16 @@ class SavedTensorMeter:
         self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
 
     @contextlib.contextmanager
-    def measure(self):
+    def measure(self, redirection=None):
+        """Count saved bytes inside the block. `redirection` (weight stashing, see
+        `weight_stash.SavedTensorRedirection`) may save a tensor that aliases a parameter as a
+        reference to its weight version instead: a weight, not an activation, so not counted."""
         seen: set[int] = set()
         total = [0]
 
         def pack(tensor: torch.Tensor):
+            if redirection is not None and (saved := redirection.pack(tensor)) is not None:
+                return saved
             storage = tensor.untyped_storage()
             pointer = storage.data_ptr()
             if pointer not in seen and pointer not in self._parameter_storages:
@@ -31,7 +36,8 @@ class SavedTensorMeter:
                 total[0] += storage.nbytes()
             return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        unpack = (lambda saved: saved) if redirection is None else redirection.unpack
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield total
 
 
@@ -41,6 +47,11 @@ class StageStats:
 
     stage: int
     drift_histogram: collections.Counter = field(default_factory=collections.Counter)
+    # Weight stashing: steps between a microbatch's forward and its backward, i.e. how stale
+    # its gradient is when applied (the backward itself sees the forward's weights: drift 0).
+    delay_histogram: collections.Counter = field(default_factory=collections.Counter)
+    extra_weight_versions: int = 0  # most stashed weight versions held at once
+    extra_weight_bytes: int = 0  # their bytes
     peak_inflight_microbatches: int = 0
     live_activation_bytes: int = 0
     peak_activation_bytes: int = 0
@@ -50,6 +61,9 @@ class StageStats:
 
     def record_drift(self, drift: int) -> None:
         self.drift_histogram[drift] += 1
+
+    def record_delay(self, delay: int) -> None:
+        self.delay_histogram[delay] += 1
 
     def add_activation(self, nbytes: int, inflight: int) -> None:
         self.live_activation_bytes += nbytes
@@ -76,6 +90,12 @@ class StageStats:
             "drift_histogram": {str(d): n for d, n in sorted(self.drift_histogram.items())},
             "peak_inflight_microbatches": self.peak_inflight_microbatches,
             "peak_activation_bytes": self.peak_activation_bytes,
+            "extra_weight_versions": self.extra_weight_versions,
+            "extra_weight_bytes": self.extra_weight_bytes,
+            "max_gradient_delay": max(self.delay_histogram, default=0),
+            "gradient_delay_histogram": {
+                str(d): n for d, n in sorted(self.delay_histogram.items())
+            },
             "optimizer_steps": self.optimizer_steps,
             "busy_s": self.busy_s,
             "wall_s": self.wall_s,

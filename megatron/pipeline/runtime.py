@@ -7,9 +7,15 @@ and the work itself is injected (Megatron's `forward_step_func`, an optimizer-st
 Counters, weight versions, the `StageView` and the check of every action are the stage's
 `StageState` (`megatron.pipeline.stage_state`), the same the simulator keeps: an action the
 stage cannot run raises `IllegalActionError` with the stage's state and recent actions.
+
+Schedules that stash weights (PipeDream-2BW, PipeDream) run each forward on the weight version
+the schedule names and its backward on the same one; the older versions and the swap are the
+stage's `WeightStash` (`megatron.pipeline.weight_stash`). The gradient is accumulated into the
+parameters' `.grad` and applied to the live weights at the stage's step.
 """
 
 import collections
+import contextlib
 import math
 import threading
 import time
@@ -24,6 +30,7 @@ from .p2p import Outbox, make_inbox
 from .schedules.base import Action, ActionKind, Schedule, StageView
 from .stage_state import NO_LIMIT, StageState
 from .trace import TraceEvent
+from .weight_stash import WeightStash
 
 _ACTION_CODES = list(ActionKind)
 
@@ -89,6 +96,8 @@ class StageRuntime:
         self.inflight: collections.deque[_InFlight] = collections.deque()
         self.stats = StageStats(stage=context.stage)
         self.meter = SavedTensorMeter(model.parameters())
+        self.stash: WeightStash | None = None  # weight-stashing schedules only
+        self.schedule: Schedule | None = None  # the current call's
         self.trace: list[TraceEvent] | None = [] if record_trace else None
         self.actions_run = 0
         self.loop_s = 0.0  # time inside training calls ...
@@ -149,6 +158,7 @@ class StageRuntime:
             self._start_time = time.perf_counter()
         if self.deterministic and schedule.fixed_order is not None:
             schedule = schedule.fixed_order
+        self._use_schedule(schedule)
         self._begin_call(schedule, num_microbatches, microbatches_before_drain)
         step_enabled = optimizer_step_func is not None
         losses: list[dict] = []
@@ -167,6 +177,18 @@ class StageRuntime:
         self.stats.wall_s = time.perf_counter() - self._start_time
         self.stats.optimizer_steps = state.steps
         return losses
+
+    def _use_schedule(self, schedule: Schedule) -> None:
+        """The call's schedule; a weight-stashing one gets the stage's `WeightStash`."""
+        if schedule.stashes_weights and self.stash is None:
+            self.stash = WeightStash(self.model.parameters())
+            self.stash.live_version = self.state.steps
+        elif not schedule.stashes_weights and self.stash is not None:
+            raise RuntimeError(
+                f"stage {self.context.stage}: {schedule.name} after a weight-stashing schedule "
+                "(the stashed versions would be lost)"
+            )
+        self.schedule = schedule
 
     def _begin_call(self, schedule: Schedule, num_microbatches, microbatches_before_drain) -> None:
         """Set the call's backward target and forward limit, and post its receives."""
@@ -316,22 +338,59 @@ class StageRuntime:
         input_tensor = None
         if not ctx.is_first:
             input_tensor = self._receive_activation().requires_grad_(True)
+        version = self._forward_version()
         compute_start = time.perf_counter()
-        with self.meter.measure() as saved:
+        with self._on_weights(version) as redirection, self.meter.measure(redirection) as saved:
             output, loss_func = self._call_forward_step(
                 forward_step_func, data_iterator, input_tensor
             )
             loss_dict = None
             if ctx.is_last:
                 loss, loss_dict = _split_loss(loss_func(output))
-                output = loss / num_microbatches  # as flush scales by 1/m, PACI by 1/a
+                # as flush scales by 1/m, PACI by 1/a; PipeDream steps on each microbatch
+                output = loss / self.schedule.microbatches_per_update(num_microbatches)
         self.compute_s += time.perf_counter() - compute_start
-        microbatch = self.state.record_forward()
+        microbatch = self.state.record_forward(version)
         self.inflight.append(_InFlight(microbatch, input_tensor, output, saved[0]))
         self.stats.add_activation(saved[0], len(self.inflight))
         if not ctx.is_last:
             self._send_activation(output)
         return loss_dict
+
+    def _forward_version(self) -> int:
+        """The weight version the next forward runs on: the current one, unless the schedule
+        pins it (PipeDream-2BW: batch b on W(b-1))."""
+        state, pinned = self.state, self.schedule.forward_weight_version
+        if pinned is None:
+            return state.steps
+        version = pinned(state.forwards, state.microbatches_per_step, state.steps)
+        if version > state.steps:
+            raise RuntimeError(
+                f"{self.schedule.name}: stage {self.context.stage}: forward {state.forwards} "
+                f"needs weight version {version}, only {state.steps} exist"
+            )
+        return version
+
+    @contextlib.contextmanager
+    def _on_weights(self, version: int):
+        """Run the block on weight `version`; yields the saved-tensor redirection (None when
+        the schedule does not stash weights, then the current weights are used)."""
+        if self.stash is None:
+            yield None
+            return
+        with self.stash.swapped_in(version):
+            yield self.stash.redirection(version)
+
+    def _still_needed(self, version: int) -> bool:
+        """A weight version is needed while a microbatch in flight was forwarded on it, or a
+        forward still to come is pinned to it (2BW's next batch forwards on the version
+        before the newest)."""
+        state, pinned = self.state, self.schedule.forward_weight_version
+        if version in state.forward_versions.values():
+            return True
+        if pinned is None:
+            return False
+        return version >= pinned(state.forwards, state.microbatches_per_step, state.steps)
 
     def _take(self, inbox) -> torch.Tensor:
         """Next tensor of `inbox`, blocking if a static schedule asked for it before arrival."""
@@ -372,21 +431,37 @@ class StageRuntime:
         ctx = self.context
         microbatch = self.inflight.popleft()
         grad = None if ctx.is_last else self._take(self.gradients_in)
+        version = self.state.forward_versions[microbatch.microbatch]
         compute_start = time.perf_counter()
-        torch.autograd.backward(microbatch.output_tensor, grad_tensors=grad)
+        with self._on_weights(version):
+            torch.autograd.backward(microbatch.output_tensor, grad_tensors=grad)
         self.compute_s += time.perf_counter() - compute_start
         if not ctx.is_first:
             self._timed_send(self.gradients_out, microbatch.input_tensor.grad)
         forward_version = self.state.record_backward()
-        self.stats.record_drift(self.state.steps - forward_version)
+        steps_since_forward = self.state.steps - forward_version
+        if self.stash is None:
+            self.stats.record_drift(steps_since_forward)
+        else:  # the backward ran on its forward's weights; the gradient is that stale
+            self.stats.record_drift(0)
+            self.stats.record_delay(steps_since_forward)
+            self.stash.release_unneeded(self._still_needed)
         self.stats.release_activation(microbatch.saved_bytes)
 
     def _step(self, optimizer_step_func) -> None:
+        stash = self.stash
         compute_start = time.perf_counter()
+        if stash is not None and self._still_needed(stash.live_version):
+            stash.keep_live_version()  # the step overwrites weights a microbatch still needs
         with preserve_versions(self.model.parameters()):
             optimizer_step_func()
         self.compute_s += time.perf_counter() - compute_start
         self.state.record_step()
+        if stash is not None:
+            stash.stepped()
+            stash.release_unneeded(self._still_needed)
+            self.stats.extra_weight_versions = stash.peak_versions
+            self.stats.extra_weight_bytes = stash.peak_bytes
 
     def _flush_sends(self) -> None:
         for outbox in (self.activations_out, self.gradients_out):

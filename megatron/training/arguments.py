@@ -7,7 +7,7 @@ with one line naming the problem.
 import argparse
 import os
 
-from megatron.pipeline.schedules import SCHEDULES
+from megatron.pipeline.schedules import SCHEDULES, get_schedule
 from megatron.pipeline.schedules.paci import ARRIVAL_RULES, DEFAULT_ARRIVAL_RULE
 from megatron.pipeline.simulation.costs import stage_values
 
@@ -216,6 +216,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     if args.save_interval is not None and args.save is None:
         raise UserError("--save-interval needs --save DIR")
     _validate_optimizer_suite_args(args)
+    _validate_weight_stashing(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise UserError(
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
@@ -241,11 +242,38 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
         raise UserError(f"unknown --pipeline-schedule {args.pipeline_schedule!r} (known: {known})")
     _validate_layer_split(args, pp)
     tied = not args.untie_embeddings_and_output_weights
-    if tied and pp > 1 and args.pipeline_schedule == "paci":
+    if tied and pp > 1 and not get_schedule(args.pipeline_schedule).flushes_every_call:
         raise UserError(
-            "tied embeddings need a first/last-stage all-reduce every step, which PACI does not "
-            "have: add --untie-embeddings-and-output-weights"
+            "tied embeddings need a first/last-stage all-reduce every step, which "
+            f"{args.pipeline_schedule} does not have: add --untie-embeddings-and-output-weights"
         )
+
+
+def _validate_weight_stashing(args: argparse.Namespace) -> None:
+    """2bw and pipedream: what their stashed weight versions do not support yet."""
+    schedule = get_schedule(args.pipeline_schedule)
+    if not schedule.stashes_weights:
+        return
+    name, pp = args.pipeline_schedule, args.pipeline_model_parallel_size
+    least = schedule.min_microbatches_per_step(pp)
+    if args.num_microbatches < least:
+        raise UserError(
+            f"--pipeline-schedule {name} on {pp} stages needs at least {least} microbatches per "
+            f"step (pipeline size - 1, so that two weight versions suffice), got "
+            f"{args.num_microbatches}"
+        )
+    unsupported = {
+        "async_sync_warmup_iters": "switching to and from 1f1b",
+        "async_sync_cooldown_iters": "switching to and from 1f1b",
+        "save": "checkpointing the stashed weight versions",
+        "load": "checkpointing the stashed weight versions",
+    }
+    for flag, missing in unsupported.items():
+        if getattr(args, flag):
+            raise UserError(
+                f"--{flag.replace('_', '-')} is not supported yet with --pipeline-schedule "
+                f"{name} ({missing} is not implemented)"
+            )
 
 
 def _validate_model_shape(args: argparse.Namespace) -> None:

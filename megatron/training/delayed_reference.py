@@ -4,7 +4,8 @@ the weights of `delay` steps earlier and applied to the current ones,
     x(t+1) = x(t) - U(grad f_t(x(max(t - delay, 0))))
 
 With delay 1 this is PipeDream-2BW's constant one-step delay (two weight versions, the
-update of batch t computed with version t-1); delay 0 is synchronous training, the same
+update of batch t computed with version t-1): `--pipeline-schedule 2bw` on any number of
+stages gives these numbers when no clipping happens (docs/weight_stashing.md); delay 0 is synchronous training, the same
 arithmetic as a non-pipelined 1F1B-flush run. Each batch is used exactly once, at its own
 step. `sync_warmup_iters` / `sync_cooldown_iters` run the first / last K steps with delay 0
 (a synchronous start and cooldown).

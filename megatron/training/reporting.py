@@ -168,7 +168,6 @@ def _stage_report(args, runtime, step_func, optimizer) -> dict:
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         grad_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
         optimizer_state_bytes=_optimizer_state_bytes(optimizer),
-        extra_weight_versions=0,
         skipped_steps=step_func.skipped_steps,
         runtime_overhead_us_per_action=runtime.overhead_per_action_us(),
     )

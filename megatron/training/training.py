@@ -35,6 +35,7 @@ from .data import build_data_iterators, parse_data_path
 from .delay_mitigation import schedule_of_iteration, synchronous_phase_ends
 from .emulation import EmulatedStage
 from .errors import RunFailed
+from .lr_per_iteration import per_iteration
 from .model import StageLayout, build_gpt_stage
 from .optimizer import StageOptimizerStep, build_lr_scheduler, build_optimizer
 from .reporting import (
@@ -216,7 +217,7 @@ def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
     step_func = StageOptimizerStep(
         model,
         optimizer,
-        scheduler,
+        per_iteration(scheduler, args),  # PipeDream steps m times per iteration
         data_parallel_group=parallel_state.get_data_parallel_group(),
         grad_norm_group=(
             parallel_state.get_model_parallel_group()

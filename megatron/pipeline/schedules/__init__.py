@@ -1,20 +1,21 @@
 """The schedule registries: one small module per schedule, looked up by its CLI name.
 
-`SCHEDULES` holds what the runtime runs. `SIMULATED_SCHEDULES` adds the references only the
-simulator runs (GPipe, ZB-H1, PipeDream-2BW, PipeDream), for comparisons and projections.
+`SCHEDULES` holds what the runtime runs: 1F1B-flush, PACI, and the weight-stashing
+PipeDream-2BW and PipeDream. `SIMULATED_SCHEDULES` adds the references only the simulator runs
+(GPipe, ZB-H1), for comparisons and projections.
 """
 
 from . import flush_1f1b, gpipe, paci, pipedream, pipedream_2bw, zb_h1
 from .base import Action, ActionKind, Schedule, StageView
 
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (flush_1f1b.SCHEDULE, paci.SCHEDULE)}
+SCHEDULES: dict[str, Schedule] = {
+    s.name: s
+    for s in (flush_1f1b.SCHEDULE, paci.SCHEDULE, pipedream_2bw.SCHEDULE, pipedream.SCHEDULE)
+}
 
 SIMULATED_SCHEDULES: dict[str, Schedule] = {
     **SCHEDULES,
-    **{
-        s.name: s
-        for s in (pipedream_2bw.SCHEDULE, pipedream.SCHEDULE, gpipe.SCHEDULE, zb_h1.SCHEDULE)
-    },
+    **{s.name: s for s in (gpipe.SCHEDULE, zb_h1.SCHEDULE)},
 }
 
 

@@ -119,6 +119,12 @@ class Schedule:
     # For schedules that react to arrivals: the same rules with arrivals ignored (a fixed,
     # counter-only order), used by --deterministic-mode so runs reproduce bit for bit.
     fixed_order: "Schedule | None" = None
+    # Microbatches whose gradients one optimizer step takes, given the microbatches of a call:
+    # m for every schedule that steps once per call's worth of backwards; 1 for PipeDream,
+    # which steps after every microbatch. The last stage scales each loss by its inverse.
+    microbatches_per_update: Callable[[int], int] = lambda microbatches_per_step: (
+        microbatches_per_step
+    )
 
     @property
     def global_grad_norm(self) -> bool:

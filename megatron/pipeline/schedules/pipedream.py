@@ -10,7 +10,10 @@ growing with the distance from the last stage. Stage s keeps up to N - s version
 weights and N - s - 1 stashes.
 
 `microbatches_per_step` only sets the length of a call of the runtime here (how many
-microbatches an iteration covers); the stage still steps after every one of them.
+microbatches an iteration covers); the stage still steps after every one of them, on that one
+microbatch's gradient (`microbatches_per_update` is 1: the last stage does not scale the loss).
+With --deterministic-mode the stage follows PACI's fixed order (`FIXED_ORDER`), which decides
+on counters alone, so which version each forward sees repeats from run to run.
 """
 
 import dataclasses
@@ -19,8 +22,16 @@ from . import paci
 from .base import Action, Schedule, StageView
 
 
+def _one_microbatch_per_step(view: StageView) -> StageView:
+    return dataclasses.replace(view, microbatches_per_step=1)
+
+
 def next_action(view: StageView) -> Action:
-    return paci.next_action(dataclasses.replace(view, microbatches_per_step=1))
+    return paci.next_action(_one_microbatch_per_step(view))
+
+
+def next_action_fixed_order(view: StageView) -> Action:
+    return paci.next_action_fixed_order(_one_microbatch_per_step(view))
 
 
 SCHEDULE = Schedule(
@@ -31,4 +42,12 @@ SCHEDULE = Schedule(
     extra_weight_versions=lambda stage, num_stages: num_stages - stage - 1,
     description="PipeDream: async 1F1B, weight stashing, an update after every microbatch",
     stashes_weights=True,
+    microbatches_per_update=lambda microbatches_per_step: 1,
 )
+FIXED_ORDER = dataclasses.replace(
+    SCHEDULE,
+    next_action=next_action_fixed_order,
+    depends_on_arrivals=False,
+    description="PipeDream in 1F1B order regardless of arrivals (deterministic)",
+)
+SCHEDULE = dataclasses.replace(SCHEDULE, fixed_order=FIXED_ORDER)

@@ -17,7 +17,13 @@ weights each pass sees:
 
 A stage then needs at most two versions, the live one and one stash (double buffering), as long
 as a batch covers the in-flight window: m >= N - 1.
+
+Which version a pass sees depends on microbatch numbers alone, never on arrival order, so the
+numbers of a run do not depend on timing; --deterministic-mode also fixes the order
+(`FIXED_ORDER`, PACI's).
 """
+
+import dataclasses
 
 from . import paci
 from .base import Schedule
@@ -39,3 +45,10 @@ SCHEDULE = Schedule(
     forward_weight_version=forward_weight_version,
     min_microbatches_per_step=lambda num_stages: max(1, num_stages - 1),
 )
+FIXED_ORDER = dataclasses.replace(
+    SCHEDULE,
+    next_action=paci.next_action_fixed_order,
+    depends_on_arrivals=False,
+    description="PipeDream-2BW in 1F1B order regardless of arrivals (deterministic)",
+)
+SCHEDULE = dataclasses.replace(SCHEDULE, fixed_order=FIXED_ORDER)

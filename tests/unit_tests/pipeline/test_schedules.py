@@ -58,7 +58,7 @@ def walk(schedule, stage, num_stages, m, calls=1):
 
 
 def test_registries_keep_runtime_schedules_apart():
-    assert set(SCHEDULES) == {"1f1b", "paci"}
+    assert set(SCHEDULES) == {"1f1b", "paci", "2bw", "pipedream"}
     assert set(SIMULATED_SCHEDULES) == {"1f1b", "paci", "2bw", "pipedream", "gpipe", "zb-h1"}
     assert all(SIMULATED_SCHEDULES[name] is s for name, s in SCHEDULES.items())
     assert get_schedule("zb-h1", simulated=True) is zb_h1.SCHEDULE
