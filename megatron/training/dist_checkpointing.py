@@ -25,10 +25,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner,
+    TorchDistSaveShardedStrategy,
+    _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict,
+)
+from torch.distributed import checkpoint
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.utils import _get_failure_dict
 
 from .errors import UserError
 
@@ -271,48 +275,36 @@ def ensure_optimizer_state(optimizer, model) -> None:
 
 
 # ---------------------------------------------------------------------------- writing
-class HostSafeSaveStrategy(TorchDistSaveShardedStrategy):
-    """megatron-core's torch_dist writer with our last step: megatron-core 0.16 broadcasts its
-    write-failure flag in a tensor on `torch.cuda.current_device()`, which fails on a CPU
-    process group; here the flag lives on the model's device."""
+class InProcessSaveStrategy(TorchDistSaveShardedStrategy):
+    """megatron-core's torch_dist format written by torch's own synchronous
+    `FileSystemWriter`, in this process. megatron-core 0.16's writer starts a spawned manager
+    process and forked writer processes per save and calls CUDA (`torch.cuda.synchronize`,
+    a failure flag on `torch.cuda.current_device()`), which fails without CUDA. The files are
+    the same format: megatron-core's planner decides what each rank writes (main replicas
+    only) and megatron-core's loader reads them."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self):
         super().__init__(FORMAT, 1)
-        self.device = device
 
-    def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret) -> AsyncRequest:
-        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-
-        def finalize():
-            self._finish(*save_state_dict_ret)
-
-        return AsyncRequest(save_fn, save_args, [finalize], preload_fn=preload_fn)
-
-    def _finish(self, storage_writer, global_metadata, dist_wrapper) -> None:
-        """Gather every rank's write results; the coordinator writes the metadata if all
-        succeeded; every rank learns whether they did."""
-        results = dist_wrapper.gather_object(storage_writer.retrieve_write_results())
-        failures = {}
-        if dist_wrapper.is_coordinator:
-            failures = _get_failure_dict(results)
-            if not failures:
-                storage_writer.finish(global_metadata, results)
-        flag = torch.tensor([int(bool(failures))], dtype=torch.int32, device=self.device)
-        dist.broadcast(flag, src=dist_wrapper.coordinator_rank, group=dist_wrapper.group)
-        if flag.item():
-            raise CheckpointException("write", failures)
+    def save(self, sharded_state_dict: dict, checkpoint_dir) -> None:
+        flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict, self.keep_only_main_replica
+        )
+        checkpoint.save(
+            mcore_to_pyt_state_dict(flat, False),
+            storage_writer=checkpoint.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+            planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
+        )
 
 
-def write(directory: str, sharded_state_dict: dict, device: torch.device) -> None:
+def write(directory: str, sharded_state_dict: dict) -> None:
     """Write into `directory` + STAGING_SUFFIX, then rename it to `directory` (collective)."""
     staging = directory + STAGING_SUFFIX
     if dist.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
         os.makedirs(staging)
     dist.barrier()
-    dist_checkpointing.save(
-        sharded_state_dict, staging, sharded_strategy=HostSafeSaveStrategy(device)
-    )
+    dist_checkpointing.save(sharded_state_dict, staging, sharded_strategy=InProcessSaveStrategy())
     dist.barrier()
     if dist.get_rank() == 0:
         _replace_directory(staging, directory)
@@ -409,7 +401,7 @@ def save_checkpoint(directory: str, common: dict, *, model, optimizer, args) -> 
     if not getattr(args, "no_save_rng", False):
         sharded["rng_state"] = per_model_rank_object("rng_state", torch.get_rng_state())
         sharded["saved_parts"].append("rng_state")
-    write(directory, sharded, next(model.parameters()).device)
+    write(directory, sharded)
 
 
 def saved_layout(payload: dict) -> tuple | None:

@@ -99,7 +99,7 @@ def rank_file(root, iteration: int) -> str:
     directory = os.path.join(root, f"iter_{iteration:07d}")
     if current["format"] == "torch":
         return os.path.join(directory, "mp_rank_00_000", "model_optim_rng.pt")
-    return os.path.join(directory, sorted(n for n in os.listdir(directory) if n.endswith(".distcp"))[0])
+    return os.path.join(directory, "__0_0.distcp")  # torch's FileSystemWriter: rank 0's file
 
 
 @pytest.fixture
@@ -172,8 +172,10 @@ def test_flush_checkpoint_resumes_under_paci_and_back(tmp_path, capsys):
 def test_changed_layout_is_named_or_resharded(tmp_path, ckpt_format, capsys):
     """A torch file belongs to its model-parallel rank; torch_dist keys are global."""
     args = make_args()
+    model, optimizer, scheduler = make_run(args)
     args.pipeline_model_parallel_size = 4  # recorded as written by a 4-stage run
-    save_at(tmp_path, 2, args)
+    state = SimpleNamespace(iteration=2, consumed_train_samples=2)
+    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, args=args)
     if ckpt_format == "torch":
         message = load_error(tmp_path)
         assert "the layout differs: --pipeline-model-parallel-size 1 (checkpoint 4)" in message
