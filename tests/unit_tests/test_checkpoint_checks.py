@@ -314,3 +314,43 @@ def test_optimizer_state_takes_its_parameters_keys_and_sharding():
     step = entries[f"optimizer.object.step.{weight.key}/shard_0_1"]
     assert isinstance(step, ShardedObject) and float(step.data) == 1.0
     assert len(entries) == 3 * len(parameters)
+
+
+def state_leaves(node, path=()):
+    """Every value of an optimizer state dict outside its parameter groups, by path."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key != "param_groups":
+                yield from state_leaves(value, path + (key,))
+    elif isinstance(node, (list, tuple)):
+        for index, value in enumerate(node):
+            yield from state_leaves(value, path + (index,))
+    else:
+        yield path, node
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist"], indirect=True)
+@pytest.mark.parametrize(
+    "flags",
+    [["--optimizer", "muon"], ["--optimizer", "soap"], ["--optimizer", "lion"],
+     ["--pipeline-schedule", "paci", "--async-error-feedback", "--delay-compensation-lambda", "0.1"]],
+    ids=["muon", "soap", "lion", "adam_ef_dc"],
+)  # fmt: skip
+def test_every_optimizers_state_round_trips(tmp_path, flags):
+    """Optimizer chains (AdamW + Muon with its split QKV blocks, AdamW + SOAP with its
+    preconditioners), pytorch_optimizer's group step counters and the delay-mitigation
+    buffers come back entry by entry into a new run's optimizer."""
+    args = make_args(*flags)
+    model, optimizer, scheduler = make_run(args)
+    optimizer.step()  # a second step: SOAP makes its first update only now
+    state = SimpleNamespace(iteration=2, consumed_train_samples=2)
+    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, args=args)
+    fresh_model = build_stage_model(args, args.padded_vocab_size, torch.device("cpu"))
+    fresh_optimizer = build_optimizer(fresh_model, args)
+    checkpointing.load(str(tmp_path), model=fresh_model, optimizer=fresh_optimizer,
+                       scheduler=build_lr_scheduler(fresh_optimizer, args), args=args)  # fmt: skip
+    expected = dict(state_leaves(optimizer.state_dict()))
+    got = dict(state_leaves(fresh_optimizer.state_dict()))
+    assert expected.keys() == got.keys() and len(expected) > 0
+    for path, value in expected.items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(got[path])), path
