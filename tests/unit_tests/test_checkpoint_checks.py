@@ -5,6 +5,7 @@ megatron-core GPT stage with AdamW state."""
 
 import errno
 import os
+import shutil
 import socket
 from types import SimpleNamespace
 
@@ -102,10 +103,20 @@ def rank_file(root, iteration: int) -> str:
     return os.path.join(directory, "__0_0.distcp")  # torch's FileSystemWriter: rank 0's file
 
 
+@pytest.fixture(scope="module")
+def saved_pairs(tmp_path_factory):
+    """Checkpoints of iterations 2 and 4, written once per format (copied per test)."""
+    return {}
+
+
 @pytest.fixture
-def two_checkpoints(tmp_path):
-    save_at(tmp_path, 2)
-    save_at(tmp_path, 4)
+def two_checkpoints(tmp_path, saved_pairs, ckpt_format):
+    if ckpt_format not in saved_pairs:
+        original = tmp_path.parent / f"pair_{ckpt_format}"
+        save_at(original, 2)
+        save_at(original, 4)
+        saved_pairs[ckpt_format] = original
+    shutil.copytree(saved_pairs[ckpt_format], tmp_path, dirs_exist_ok=True)
     return tmp_path
 
 
