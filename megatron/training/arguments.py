@@ -175,13 +175,23 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     add("--save", default=None)
     add("--save-interval", type=int, default=None)
     add("--load", default=None)
-    add("--ckpt-format", default="torch_dist",
+    add(
+        "--ckpt-format",
+        default="torch_dist",
         help="torch_dist (Megatron's default: megatron-core's distributed checkpoint, loads into "
-        "any TP x PP x DP layout) or torch (one file per model-parallel rank, same layout only)")
-    add("--auto-detect-ckpt-format", action="store_true",
-        help="load a checkpoint in whichever format it is (else it must be --ckpt-format's)")
-    add("--dist-ckpt-strictness", default="assume_ok_unexpected", choices=DIST_CKPT_STRICTNESS,
-        help="torch_dist: what to do with keys the checkpoint and the model do not share")
+        "any TP x PP x DP layout) or torch (one file per model-parallel rank, same layout only)",
+    )
+    add(
+        "--auto-detect-ckpt-format",
+        action="store_true",
+        help="load a checkpoint in whichever format it is (else it must be --ckpt-format's)",
+    )
+    add(
+        "--dist-ckpt-strictness",
+        default="assume_ok_unexpected",
+        choices=DIST_CKPT_STRICTNESS,
+        help="torch_dist: what to do with keys the checkpoint and the model do not share",
+    )
     add("--no-load-optim", action="store_true")
     add("--no-load-rng", action="store_true")
     add("--no-save-optim", action="store_true")

@@ -169,7 +169,9 @@ def _write_rank_file(root: str, path: str, payload: dict) -> None:
         cause = error if isinstance(error, OSError) else _os_error_in(error)
         if cause is None:
             raise
-        raise UserError(f"{_write_problem(path, cause)}: checkpoint not saved{_kept_note(root)}") from None
+        raise UserError(
+            f"{_write_problem(path, cause)}: checkpoint not saved{_kept_note(root)}"
+        ) from None
 
 
 def _os_error_in(error: BaseException) -> OSError | None:

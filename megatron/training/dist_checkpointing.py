@@ -192,8 +192,10 @@ class OptimizerMapping:
         bound = set()
         for value_id, (sharded, _) in self.owners.items():
             tensor = self._tensor_by_id.get(value_id)
-            if tensor is not None and tensor.dim() > 0 and tuple(tensor.shape) != tuple(
-                sharded.local_shape
+            if (
+                tensor is not None
+                and tensor.dim() > 0
+                and tuple(tensor.shape) != tuple(sharded.local_shape)
             ):
                 bound.add(id(sharded))
         return bound
@@ -407,7 +409,10 @@ def save_checkpoint(directory: str, common: dict, *, model, optimizer, args) -> 
 def saved_layout(payload: dict) -> tuple | None:
     """(tensor, pipeline) sizes the checkpoint was saved with, if recorded."""
     recorded = payload.get("args") or {}
-    sizes = (recorded.get("tensor_model_parallel_size"), recorded.get("pipeline_model_parallel_size"))
+    sizes = (
+        recorded.get("tensor_model_parallel_size"),
+        recorded.get("pipeline_model_parallel_size"),
+    )
     return None if None in sizes else sizes
 
 

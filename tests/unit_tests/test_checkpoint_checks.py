@@ -241,15 +241,20 @@ def test_disk_full_keeps_the_previous_checkpoint(two_checkpoints, monkeypatch, c
         save_at(two_checkpoints, 6)
     monkeypatch.undo()
     directory = two_checkpoints / "iter_0000006"
-    written = directory / "mp_rank_00_000" / "model_optim_rng.pt" if ckpt_format == "torch" else directory
+    written = (
+        directory / "mp_rank_00_000" / "model_optim_rng.pt" if ckpt_format == "torch" else directory
+    )
     assert str(caught.value).startswith(f"disk full while writing {written}")
     assert "latest_checkpointed_iteration.txt still names iteration 4" in str(caught.value)
     assert open(two_checkpoints / checkpointing.TRACKER).read() == "4"
     if ckpt_format == "torch":
         assert not os.listdir(directory / "mp_rank_00_000")  # no partial file
     else:
-        assert sorted(os.listdir(two_checkpoints)) == ["iter_0000002", "iter_0000004",
-                                                       "latest_checkpointed_iteration.txt"]
+        assert sorted(os.listdir(two_checkpoints)) == [
+            "iter_0000002",
+            "iter_0000004",
+            "latest_checkpointed_iteration.txt",
+        ]
     assert load(two_checkpoints)[0] == 4
 
 
@@ -308,6 +313,7 @@ def test_optimizer_state_takes_its_parameters_keys_and_sharding():
     """Adam's moments become ShardedTensors with their parameter's global key, offsets and
     replica id (so they reshard like it); its step count one object per parameter."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
+
     from megatron.training import dist_checkpointing as dc
 
     model, optimizer, _ = make_run(make_args("--num-layers", "2"))
@@ -344,7 +350,8 @@ def state_leaves(node, path=()):
 @pytest.mark.parametrize(
     "flags",
     [["--optimizer", "muon"], ["--optimizer", "soap"], ["--optimizer", "lion"],
-     ["--pipeline-schedule", "paci", "--async-error-feedback", "--delay-compensation-lambda", "0.1"]],
+     ["--pipeline-schedule", "paci", "--async-error-feedback",
+      "--delay-compensation-lambda", "0.1"]],
     ids=["muon", "soap", "lion", "adam_ef_dc"],
 )  # fmt: skip
 def test_every_optimizers_state_round_trips(tmp_path, flags):
