@@ -159,6 +159,7 @@ class OptimizerMapping:
         self.slots: dict[str, list] = {}  # sharded key -> [(container, key)] to write back
         self.local: dict[str, object] = {}  # "path" -> value
         self.local_slots: dict[str, tuple] = {}
+        self.layout_bound: list[str] = []  # keys of state stored per split (see _param_entry)
         self._map()
 
     def _map(self) -> None:
@@ -175,6 +176,8 @@ class OptimizerMapping:
             sharded, name = owner if torch.is_tensor(value) else (owner[0], key)
             entry = _param_entry(sharded, name, value, id(sharded) in bound)
             self._add(entry, container, key)
+            if id(sharded) in bound:
+                self.layout_bound.append(entry.key)
 
     def _owner(self, container, value):
         """(ShardedTensor, name) of a leaf that is a model parameter's state, else None."""
@@ -449,8 +452,10 @@ def restore_checkpoint(payload: dict, *, model, optimizer, load_optim, load_rng,
 
 
 def _check_local_state_fits(mapping: OptimizerMapping, payload: dict) -> None:
-    if mapping.local and not same_layout(payload):
-        example = next(iter(mapping.local))
+    """State tied to the layout loads into the saving layout only: one line otherwise."""
+    tied = list(mapping.local) + mapping.layout_bound
+    if tied and not same_layout(payload):
+        example = tied[0]
         raise UserError(
             f"--load {payload['directory']}: this optimizer keeps state that does not reshard "
             f"({example}, ...), saved with tensor x pipeline {saved_layout(payload)}: load it "

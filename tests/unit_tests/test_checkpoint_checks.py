@@ -372,3 +372,17 @@ def test_every_optimizers_state_round_trips(tmp_path, flags):
     assert expected.keys() == got.keys() and len(expected) > 0
     for path, value in expected.items():
         assert torch.equal(torch.as_tensor(value), torch.as_tensor(got[path])), path
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist"], indirect=True)
+def test_state_that_does_not_reshard_refuses_another_layout(tmp_path):
+    """SOAP's preconditioners are not parameter-shaped: they load into the saving layout only."""
+    args = make_args("--optimizer", "soap")
+    model, optimizer, scheduler = make_run(args)
+    args.tensor_model_parallel_size = 2  # recorded as written by a TP=2 run
+    state = SimpleNamespace(iteration=2, consumed_train_samples=2)
+    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, args=args)
+    message = load_error(tmp_path, "--optimizer", "soap")
+    assert "this optimizer keeps state that does not reshard (" in message
+    assert "saved with tensor x pipeline (2, 1): load it with that layout" in message
+    assert load(tmp_path, make_args("--optimizer", "soap", "--no-load-optim"))[0] == 2
