@@ -191,25 +191,15 @@ class OptimizerMapping:
 
     def _layout_bound_parameters(self) -> set[int]:
         """Parameters with a state tensor of another shape than theirs: their whole state
-        (e.g. SOAP's moments live in the basis of its preconditioners) stays with the split."""
+        stays with the split (a moment kept in the basis of such a tensor would be wrong
+        resharded)."""
+        tensors = {id(v): v for _, _, _, v in _leaves(self.state_dict) if torch.is_tensor(v)}
         bound = set()
         for value_id, (sharded, _) in self.owners.items():
-            tensor = self._tensor_by_id.get(value_id)
-            if (
-                tensor is not None
-                and tensor.dim() > 0
-                and tuple(tensor.shape) != tuple(sharded.local_shape)
-            ):
+            tensor = tensors.get(value_id)
+            if tensor is not None and tensor.dim() > 0 and tensor.shape != sharded.local_shape:
                 bound.add(id(sharded))
         return bound
-
-    @property
-    def _tensor_by_id(self) -> dict[int, torch.Tensor]:
-        found = {}
-        for _, _, _, value in _leaves(self.state_dict):
-            if torch.is_tensor(value):
-                found[id(value)] = value
-        return found
 
     def _map_groups(self, groups: list, seen: int) -> int:
         """Counters of parameter groups, one object per model parameter of the group."""
