@@ -236,6 +236,10 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         raise UserError("--emulated-forward-ms and --emulated-backward-ms go together")
     if args.save_interval is not None and args.save is None:
         raise UserError("--save-interval needs --save DIR")
+    if args.emulated_forward_ms is not None and (args.save or args.load):
+        if args.ckpt_format == "torch_dist":  # its keys come from megatron-core's model
+            raise UserError("emulated stages have no megatron-core model: checkpoint them with "
+                            "--ckpt-format torch")  # fmt: skip
     _validate_optimizer_suite_args(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise UserError(

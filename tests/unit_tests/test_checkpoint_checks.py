@@ -386,3 +386,13 @@ def test_state_that_does_not_reshard_refuses_another_layout(tmp_path):
     assert "this optimizer keeps state that does not reshard (" in message
     assert "saved with tensor x pipeline (2, 1): load it with that layout" in message
     assert load(tmp_path, make_args("--optimizer", "soap", "--no-load-optim"))[0] == 2
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist"], indirect=True)
+def test_emulated_stages_are_checkpointed_in_the_torch_format_only():
+    emulated = ["--emulated-forward-ms", "1", "--emulated-backward-ms", "2", "--save", "/tmp/c"]
+    with pytest.raises(UserError) as caught:
+        make_args(*emulated)
+    assert str(caught.value).endswith("checkpoint them with --ckpt-format torch")
+    current["format"] = "torch"
+    assert make_args(*emulated).ckpt_format == "torch"
