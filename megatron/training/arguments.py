@@ -165,12 +165,33 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     add("--timeline-file", default=None, help="Chrome trace of every stage's actions")
 
 
+# megatron-core's StrictHandling values (dist_checkpointing.validation)
+DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+                        "raise_all", "return_unexpected", "return_all", "ignore_all")  # fmt: skip
+
+
 def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("checkpoints").add_argument
     add("--save", default=None)
     add("--save-interval", type=int, default=None)
     add("--load", default=None)
-    add("--ckpt-format", default="torch", help="torch (ours); torch_dist is not supported yet")
+    add(
+        "--ckpt-format",
+        default="torch_dist",
+        help="torch_dist (Megatron's default: megatron-core's distributed checkpoint, loads into "
+        "any TP x PP x DP layout) or torch (one file per model-parallel rank, same layout only)",
+    )
+    add(
+        "--auto-detect-ckpt-format",
+        action="store_true",
+        help="load a checkpoint in whichever format it is (else it must be --ckpt-format's)",
+    )
+    add(
+        "--dist-ckpt-strictness",
+        default="assume_ok_unexpected",
+        choices=DIST_CKPT_STRICTNESS,
+        help="torch_dist: what to do with keys the checkpoint and the model do not share",
+    )
     add("--no-load-optim", action="store_true")
     add("--no-load-rng", action="store_true")
     add("--no-save-optim", action="store_true")
@@ -215,6 +236,10 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         raise UserError("--emulated-forward-ms and --emulated-backward-ms go together")
     if args.save_interval is not None and args.save is None:
         raise UserError("--save-interval needs --save DIR")
+    if args.emulated_forward_ms is not None and (args.save or args.load):
+        if args.ckpt_format == "torch_dist":  # its keys come from megatron-core's model
+            raise UserError("emulated stages have no megatron-core model: checkpoint them with "
+                            "--ckpt-format torch")  # fmt: skip
     _validate_optimizer_suite_args(args)
     _validate_weight_stashing(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:

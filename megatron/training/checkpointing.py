@@ -1,16 +1,23 @@
 """Checkpoints in Megatron's layout, written atomically, checked when loaded.
 
-    <dir>/iter_0000100/mp_rank_<tp>_<pp>/model_optim_rng.pt
-    <dir>/latest_checkpointed_iteration.txt
+Two formats (`--ckpt-format`, Megatron's default `torch_dist`):
+
+    torch_dist: <dir>/iter_0000100/{metadata.json,common.pt,*.distcp}   (dist_checkpointing.py)
+    torch:      <dir>/iter_0000100/mp_rank_<tp>_<pp>/model_optim_rng.pt
+                <dir>/latest_checkpointed_iteration.txt                  (both)
 
 Every file is written under a temporary name and renamed into place, and the tracker file is
-updated only after every rank's file is complete, so an interrupted save never leaves a
-checkpoint that looks whole. Asynchronous schedules drain before a save (see training.py), so
-a checkpoint never contains a partial gradient accumulation or in-flight microbatches.
+updated only after every rank's part is complete, so an interrupted save never leaves a
+checkpoint that looks whole. A torch_dist checkpoint loads into any tensor x pipeline x data
+layout; a torch checkpoint only into the layout that wrote it. Asynchronous schedules drain
+before a save (see training.py), so a checkpoint never contains a partial gradient
+accumulation or in-flight microbatches.
 
-Each file records the arguments that fix its layout, model shape and schedule; loading compares
-them with the run's and names what differs in one line. An unreadable file is named; with
-`--load-fallback` the newest checkpoint every rank can read is loaded instead.
+Each checkpoint records the arguments that fix its layout, model shape and schedule; loading
+compares them with the run's and names what differs in one line (the layout only for the torch
+format; the schedule only outside the drained schedules, see `DRAINED_SCHEDULES`). An
+unreadable file is named; with `--load-fallback` the newest checkpoint every rank can read is
+loaded instead.
 """
 
 import errno
@@ -21,6 +28,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from . import dist_checkpointing
 from .errors import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -30,9 +38,15 @@ RECORDED_ARGS = {
                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
     "model shape": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "max_position_embeddings", "padded_vocab_size", "position_embedding_type",
-                    "bf16"),
+                    "bf16", "untie_embeddings_and_output_weights"),
     "schedule": ("pipeline_schedule",),
 }  # fmt: skip
+# Recorded arguments a torch_dist checkpoint does not need to match: its keys are global.
+RESHARDABLE = {"layout"}
+# Schedules whose checkpoints hold no schedule state: each saves with the pipeline empty and
+# every stage at the same step boundary (flush by construction, PACI by draining first), and
+# keeps one weight version. A checkpoint of one resumes under the other.
+DRAINED_SCHEDULES = ("1f1b", "paci")
 # OptimizerParamScheduler field -> what the user calls it
 _SCHEDULE_FIELDS = {
     "max_lr": "--lr",
@@ -84,7 +98,19 @@ def recorded_args(args) -> dict:
 
 # ---------------------------------------------------------------------------- save
 def save(root: str, state, model, optimizer, scheduler, args=None) -> None:
-    """With `args`: Megatron's --no-save-optim / --no-save-rng leave those parts out."""
+    """In `--ckpt-format` (torch without `args`); with `args`: Megatron's --no-save-optim /
+    --no-save-rng leave those parts out."""
+    if getattr(args, "ckpt_format", "torch") == dist_checkpointing.FORMAT:
+        _save_dist(root, state, model, optimizer, scheduler, args)
+    else:
+        _save_torch(root, state, model, optimizer, scheduler, args)
+    dist.barrier()  # every rank's part is complete before the tracker names the iteration
+    if dist.get_rank() == 0:
+        atomic_write_text(os.path.join(root, TRACKER), str(state.iteration))
+        print(f"> saved checkpoint at iteration {state.iteration} to {root}", flush=True)
+
+
+def _save_torch(root: str, state, model, optimizer, scheduler, args) -> None:
     path = _rank_file(root, state.iteration)
     if parallel_state.get_data_parallel_rank() == 0:
         payload = {
@@ -99,10 +125,35 @@ def save(root: str, state, model, optimizer, scheduler, args=None) -> None:
         if not getattr(args, "no_save_rng", False):
             payload["rng_state"] = torch.get_rng_state()
         _write_rank_file(root, path, payload)
-    dist.barrier()  # every rank's file is complete before the tracker names the iteration
-    if dist.get_rank() == 0:
-        atomic_write_text(os.path.join(root, TRACKER), str(state.iteration))
-        print(f"> saved checkpoint at iteration {state.iteration} to {root}", flush=True)
+
+
+def _save_dist(root: str, state, model, optimizer, scheduler, args) -> None:
+    """The LR schedule goes with the common state (the first stage's, as in Megatron; stages'
+    schedules differ only after one of them skipped a step)."""
+    directory = os.path.join(root, f"iter_{state.iteration:07d}")
+    common = {
+        "iteration": state.iteration,
+        "consumed_train_samples": state.consumed_train_samples,
+        "args": recorded_args(args),
+    }
+    if not args.no_save_optim:
+        common["opt_param_scheduler"] = scheduler.state_dict()
+    try:
+        dist_checkpointing.save_checkpoint(
+            directory, common, model=model, optimizer=optimizer, args=args
+        )
+    except (OSError, RuntimeError, dist_checkpointing.CheckpointException) as error:
+        dist_checkpointing.remove_staging(directory)
+        cause = error if isinstance(error, OSError) else _os_error_in(error)
+        problem = _write_problem(directory, cause) if cause else f"cannot write {directory} ("
+        if cause is None:
+            problem += f"{dist_checkpointing.first_line(error)})"
+        raise UserError(f"{problem}: checkpoint not saved{_kept_note(root)}") from None
+
+
+def _kept_note(root: str) -> str:
+    kept = read_tracker(root, quiet=True)
+    return f"; {TRACKER} still names iteration {kept}" if kept is not None else ""
 
 
 def _write_rank_file(root: str, path: str, payload: dict) -> None:
@@ -118,13 +169,14 @@ def _write_rank_file(root: str, path: str, payload: dict) -> None:
         cause = error if isinstance(error, OSError) else _os_error_in(error)
         if cause is None:
             raise
-        kept = read_tracker(root, quiet=True)
-        still = f"; {TRACKER} still names iteration {kept}" if kept is not None else ""
-        raise UserError(f"{_write_problem(path, cause)}: checkpoint not saved{still}") from None
+        raise UserError(
+            f"{_write_problem(path, cause)}: checkpoint not saved{_kept_note(root)}"
+        ) from None
 
 
 def _os_error_in(error: BaseException) -> OSError | None:
-    """torch.save reports a full disk as a RuntimeError from its zip writer."""
+    """torch.save reports a full disk as a RuntimeError from its zip writer; torch's
+    distributed checkpoint wraps the writer's error in its own exception."""
     text = str(error).lower()
     if "no space left" in text or "file write failed" in text:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -176,14 +228,53 @@ def _every_rank_ok(ok: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def read_checkpoint(root: str, device: torch.device, fallback: bool) -> dict:
-    """The payload of the newest checkpoint every rank can read (collective)."""
+def format_on_disk(directory: str) -> str | None:
+    """The format of the checkpoint directory `iter_N` (None: neither format's files)."""
+    if not os.path.isdir(directory):
+        return None
+    names = os.listdir(directory)
+    if dist_checkpointing.is_dist_checkpoint(directory) or any(
+        name == "common.pt" or name.endswith(".distcp") for name in names
+    ):
+        return dist_checkpointing.FORMAT
+    return "torch" if any(name.startswith("mp_rank_") for name in names) else None
+
+
+def _checked_format(root: str, iteration: int, wanted: str | None) -> str:
+    """The format to read iteration `iteration` in: what is on disk; `wanted` (the run's
+    --ckpt-format, None with --auto-detect-ckpt-format) must agree, as in Megatron."""
+    on_disk = format_on_disk(os.path.join(root, f"iter_{iteration:07d}"))
+    if on_disk is None or wanted is None or on_disk == wanted:
+        return on_disk or wanted or "torch"
+    raise UserError(
+        f"--load {root}: the checkpoint of iteration {iteration} is in the {on_disk} format, "
+        f"not --ckpt-format {wanted}: pass --ckpt-format {on_disk} or --auto-detect-ckpt-format"
+    )
+
+
+def _read_iteration(root: str, iteration: int, wanted: str | None) -> tuple[dict | None, str]:
+    """(payload, None) or (None, the problem). A torch_dist payload is the common state (the
+    tensors are read by `restore`), with "format" and "directory" added."""
+    if _checked_format(root, iteration, wanted) == "torch":
+        return _read_rank_file(_rank_file(root, iteration))
+    directory = os.path.join(root, f"iter_{iteration:07d}")
+    common, problem = dist_checkpointing.read_common(directory)
+    if common is not None:
+        common.update(format=dist_checkpointing.FORMAT, directory=directory)
+    return common, problem
+
+
+def read_checkpoint(
+    root: str, device: torch.device, fallback: bool, ckpt_format: str | None = None
+) -> dict:
+    """The payload of the newest checkpoint every rank can read (collective); `ckpt_format`:
+    the format it must be in (None: whichever it is)."""
     newest = read_tracker(root, quiet=fallback)
     candidates = [newest] if newest is not None else []
     if fallback:
         candidates += [i for i in iterations_on_disk(root) if newest is None or i < newest]
     for iteration in candidates:
-        payload, problem = _read_rank_file(_rank_file(root, iteration))
+        payload, problem = _read_iteration(root, iteration, ckpt_format)
         if _every_rank_ok(problem is None, device):
             if iteration != newest and dist.get_rank() == 0:
                 print(f"> --load-fallback: loading the intact checkpoint of iteration "
@@ -200,19 +291,36 @@ def read_checkpoint(root: str, device: torch.device, fallback: bool) -> dict:
     raise UserError(f"--load {root}: no intact checkpoint there")
 
 
+def _differences(recorded: dict, args, names) -> list[str]:
+    return [
+        f"--{name.replace('_', '-')} {getattr(args, name, None)} (checkpoint {recorded[name]})"
+        for name in names
+        if name in recorded and recorded[name] != getattr(args, name, None)
+    ]
+
+
 def check_recorded_args(payload: dict, args, path: str) -> None:
-    """One line naming every recorded argument that differs from this run's."""
+    """One line naming every recorded argument that differs from this run's; a torch_dist
+    checkpoint may change the layout, and any checkpoint may change between the drained
+    schedules (both are printed)."""
     recorded = payload.get("args")
     if not recorded or args is None:
         return
+    resharding = payload.get("format") == dist_checkpointing.FORMAT
     for what, names in RECORDED_ARGS.items():
-        differences = [
-            f"--{name.replace('_', '-')} {getattr(args, name, None)} (checkpoint {recorded[name]})"
-            for name in names
-            if name in recorded and recorded[name] != getattr(args, name, None)
-        ]
-        if differences:
+        differences = _differences(recorded, args, names)
+        allowed = (what in RESHARDABLE and resharding) or (
+            what == "schedule" and _drained(recorded.get("pipeline_schedule"), args)
+        )
+        if differences and not allowed:
             raise UserError(f"--load {path}: the {what} differs: {', '.join(differences)}")
+        if differences and dist.get_rank() == 0:
+            print(f"> loading a checkpoint of another {what}: {', '.join(differences)}",
+                  flush=True)  # fmt: skip
+
+
+def _drained(saved_schedule, args) -> bool:
+    return saved_schedule in DRAINED_SCHEDULES and args.pipeline_schedule in DRAINED_SCHEDULES
 
 
 def check_schedule(payload: dict, scheduler, args, path: str) -> None:
@@ -245,10 +353,24 @@ def restore(payload: dict, *, model, optimizer, scheduler, path: str, args=None)
     finetune = getattr(args, "finetune", False)
     load_optim = not (finetune or getattr(args, "no_load_optim", False))
     load_rng = not (finetune or getattr(args, "no_load_rng", False))
+    saved = payload.get("saved_parts", payload)  # torch_dist lists them; torch holds them
     for part, wanted, flag in (("optimizer", load_optim, "--no-load-optim"),
                                ("rng_state", load_rng, "--no-load-rng")):  # fmt: skip
-        if wanted and part not in payload:
+        if wanted and part not in saved:
             raise UserError(f"--load {path}: the checkpoint has no {part} state: add {flag}")
+    if payload.get("format") == dist_checkpointing.FORMAT:
+        dist_checkpointing.restore_checkpoint(
+            payload, model=model, optimizer=optimizer, load_optim=load_optim, load_rng=load_rng,
+            strict=getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected"),
+        )  # fmt: skip
+    else:
+        _restore_torch(payload, model=model, optimizer=optimizer, path=path,
+                       load_optim=load_optim, load_rng=load_rng)  # fmt: skip
+    if load_optim:
+        scheduler.load_state_dict(payload["opt_param_scheduler"])
+
+
+def _restore_torch(payload: dict, *, model, optimizer, path: str, load_optim, load_rng) -> None:
     try:
         model.load_state_dict(payload["model"])
         if load_optim:
@@ -256,8 +378,6 @@ def restore(payload: dict, *, model, optimizer, scheduler, path: str, args=None)
     except (RuntimeError, ValueError, KeyError) as error:
         reason = str(error).strip().splitlines()[0][:160]
         raise UserError(f"--load {path}: the checkpoint does not fit this model ({reason})")
-    if load_optim:
-        scheduler.load_state_dict(payload["opt_param_scheduler"])
     if load_rng:
         torch.set_rng_state(payload["rng_state"])
 
@@ -279,7 +399,8 @@ def load(root: str, *, model, optimizer, scheduler, args=None) -> tuple[int, int
                   flush=True)  # fmt: skip
         return 0, 0
     device = next(model.parameters()).device
-    payload = read_checkpoint(root, device, fallback=fallback)
+    wanted = None if getattr(args, "auto_detect_ckpt_format", True) else args.ckpt_format
+    payload = read_checkpoint(root, device, fallback=fallback, ckpt_format=wanted)
     check_recorded_args(payload, args, root)
     finetune = getattr(args, "finetune", False)
     if args is not None:

@@ -59,13 +59,11 @@ OUR_BEHAVIOUR = [
         "--no-ckpt-fully-parallel-save",
         "--ckpt-assume-constant-structure",
         "--async-ckpt-use-cpu-shm",
-        "--auto-detect-ckpt-format",
         "--apply-query-key-layer-scaling",
         "--attention-softmax-in-fp32",
     ),
     Flag("--transformer-impl", str, "transformer_engine", supported=("local",)),
     Flag("--attention-backend", str, "auto", supported=("flash", "fused", "unfused", "local")),
-    Flag("--dist-ckpt-strictness", str, "assume_ok_unexpected", supported=None),
     Flag("--async-strategy", str, "nvrx", supported=None),
     Flag("--num-workers", int, 2, supported=None),
     Flag("--empty-unused-memory-level", int, 0, supported=(1, 2)),
@@ -185,10 +183,10 @@ NOT_SUPPORTED = [
     Flag("--profile-step-end", int, 12),
 ]
 
-# Value flags whose other values are other features: `--ckpt-format torch_dist` is a feature we
-# do not have, `--ckpt-format torch` is our format. These are parsed in arguments.py.
+# Value flags whose other values are other features (`--ckpt-format torch_dcp` and
+# `fsdp_dtensor`: other checkpoint formats). These are parsed in arguments.py.
 VALUE_NOT_SUPPORTED = {
-    "--ckpt-format": ("torch",),
+    "--ckpt-format": ("torch_dist", "torch"),
 }
 
 

@@ -99,6 +99,7 @@ def diverged(tmp_path_factory):
         "--train-iters", "12", "--lr", "1e3", "--lr-decay-style", "constant",
         "--data-path", DATA, "--tokenizer-model", TOKENIZER,
         "--save", str(out / "ckpt"), "--save-interval", "2", "--max-consecutive-skips", "2",
+        "--ckpt-format", "torch",  # the checks below read its per-rank files
         "--metrics-dir", str(out / "metrics"),
     ]  # fmt: skip
     returncode, output = run(args)
@@ -144,7 +145,8 @@ def test_error_of_one_rank_is_printed_with_its_rank(diverged):
     missing = ckpt / f"iter_{latest:07d}" / "mp_rank_00_002" / "model_optim_rng.pt"
     os.remove(missing)
     args = SMALL + ["--train-iters", "12", "--lr", "1e3", "--lr-decay-style", "constant",
-                    "--data-path", DATA, "--tokenizer-model", TOKENIZER, "--load", str(ckpt)]  # fmt: skip
+                    "--data-path", DATA, "--tokenizer-model", TOKENIZER, "--load", str(ckpt),
+                    "--ckpt-format", "torch"]  # fmt: skip
     returncode, output = run(args)
     assert returncode != 0
     assert not worker_traceback(output), output[-3000:]

@@ -1,8 +1,11 @@
 """Checkpoint problems end in one line naming the file or what differs, in one process with a
-one-rank gloo group (the loader is collective: every rank must agree on what it loads)."""
+one-rank gloo group (the loader is collective: every rank must agree on what it loads).
+Every check runs for both formats (`--ckpt-format torch` and `torch_dist`) on a small
+megatron-core GPT stage with AdamW state."""
 
 import errno
 import os
+import shutil
 import socket
 from types import SimpleNamespace
 
@@ -13,6 +16,7 @@ from megatron.training import checkpointing
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.errors import UserError
 from megatron.training.optimizer import build_lr_scheduler, build_optimizer
+from megatron.training.training import build_stage_model
 
 FLAGS = [
     "--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
@@ -37,16 +41,34 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
+FORMATS = ["torch", "torch_dist"]
+current = {"format": "torch"}
+
+
+@pytest.fixture(params=FORMATS, autouse=True)
+def ckpt_format(request):
+    """Each test once per format: make_args passes --ckpt-format."""
+    current["format"] = request.param
+    yield request.param
+
+
 def make_args(*extra: str):
-    args = build_parser().parse_args(FLAGS + list(extra))
+    args = build_parser().parse_args(FLAGS + ["--ckpt-format", current["format"], *extra])
     validate_args(args, world_size=1)
     args.padded_vocab_size = 128
     return args
 
 
 def make_run(args, width: int = 8):
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.LayerNorm(width))
+    """A GPT stage with AdamW state (one step on a made-up gradient)."""
+    if width != args.hidden_size:
+        args = make_args("--hidden-size", str(width))
+    model = build_stage_model(args, args.padded_vocab_size, torch.device("cpu"))
     optimizer = build_optimizer(model, args)
+    for param in model.parameters():
+        param.grad = torch.full_like(param, 0.01)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     return model, optimizer, build_lr_scheduler(optimizer, args)
 
 
@@ -74,13 +96,27 @@ def load_error(root, *extra: str, width: int = 8) -> str:
 
 
 def rank_file(root, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}", "mp_rank_00_000", "model_optim_rng.pt")
+    """The file a damage test breaks: the rank's file, or the torch_dist tensor data."""
+    directory = os.path.join(root, f"iter_{iteration:07d}")
+    if current["format"] == "torch":
+        return os.path.join(directory, "mp_rank_00_000", "model_optim_rng.pt")
+    return os.path.join(directory, "__0_0.distcp")  # torch's FileSystemWriter: rank 0's file
+
+
+@pytest.fixture(scope="module")
+def saved_pairs(tmp_path_factory):
+    """Checkpoints of iterations 2 and 4, written once per format (copied per test)."""
+    return {}
 
 
 @pytest.fixture
-def two_checkpoints(tmp_path):
-    save_at(tmp_path, 2)
-    save_at(tmp_path, 4)
+def two_checkpoints(tmp_path, saved_pairs, ckpt_format):
+    if ckpt_format not in saved_pairs:
+        original = tmp_path.parent / f"pair_{ckpt_format}"
+        save_at(original, 2)
+        save_at(original, 4)
+        saved_pairs[ckpt_format] = original
+    shutil.copytree(saved_pairs[ckpt_format], tmp_path, dirs_exist_ok=True)
     return tmp_path
 
 
@@ -127,19 +163,38 @@ def test_no_tracker_with_fallback_loads_what_is_on_disk(two_checkpoints):
     [
         (["--hidden-size", "16"], "the model shape differs: --hidden-size 16 (checkpoint 8)"),
         (["--num-layers", "4"], "the model shape differs: --num-layers 4 (checkpoint 2)"),
-        (["--pipeline-schedule", "paci"], "the schedule differs: --pipeline-schedule paci"),
+        (["--untie-embeddings-and-output-weights"],
+         "the model shape differs: --untie-embeddings-and-output-weights True (checkpoint False)"),
     ],
-)
-def test_changed_shape_or_schedule_is_named(two_checkpoints, changed, needle):
+)  # fmt: skip
+def test_changed_shape_is_named(two_checkpoints, changed, needle):
     assert needle in load_error(two_checkpoints, *changed)
 
 
-def test_changed_layout_is_named(tmp_path):
+def test_flush_checkpoint_resumes_under_paci_and_back(tmp_path, capsys):
+    """Both schedules save with the pipeline empty at a step boundary: no schedule state."""
+    save_at(tmp_path, 2)
+    assert load(tmp_path, make_args("--pipeline-schedule", "paci"))[0] == 2
+    assert "another schedule: --pipeline-schedule paci (checkpoint 1f1b)" in capsys.readouterr().out
+    save_at(tmp_path, 4, make_args("--pipeline-schedule", "paci"))
+    assert load(tmp_path, make_args("--pipeline-schedule", "1f1b"))[0] == 4
+
+
+def test_changed_layout_is_named_or_resharded(tmp_path, ckpt_format, capsys):
+    """A torch file belongs to its model-parallel rank; torch_dist keys are global."""
     args = make_args()
+    model, optimizer, scheduler = make_run(args)
     args.pipeline_model_parallel_size = 4  # recorded as written by a 4-stage run
-    save_at(tmp_path, 2, args)
-    message = load_error(tmp_path)
-    assert "the layout differs: --pipeline-model-parallel-size 1 (checkpoint 4)" in message
+    state = SimpleNamespace(iteration=2, consumed_train_samples=2)
+    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, args=args)
+    if ckpt_format == "torch":
+        message = load_error(tmp_path)
+        assert "the layout differs: --pipeline-model-parallel-size 1 (checkpoint 4)" in message
+        return
+    assert load(tmp_path)[0] == 2
+    out = capsys.readouterr().out
+    assert "another layout: --pipeline-model-parallel-size 1 (checkpoint 4)" in out
+    assert "RNG state does not apply to this layout and is not loaded" in out
 
 
 def test_changed_lr_is_named_or_honoured(two_checkpoints):
@@ -165,6 +220,7 @@ def test_load_past_train_iters(two_checkpoints):
     assert "is at iteration 4, at or past --train-iters 4: nothing to train" in message
 
 
+@pytest.mark.parametrize("ckpt_format", ["torch"], indirect=True)  # torch_dist records them
 def test_checkpoint_without_recorded_args_that_does_not_fit(tmp_path):
     args = make_args()
     model, optimizer, scheduler = make_run(args)
@@ -173,7 +229,9 @@ def test_checkpoint_without_recorded_args_that_does_not_fit(tmp_path):
     assert "the checkpoint does not fit this model (" in load_error(tmp_path, width=16)
 
 
-def test_disk_full_keeps_the_previous_checkpoint(two_checkpoints, monkeypatch):
+def test_disk_full_keeps_the_previous_checkpoint(two_checkpoints, monkeypatch, ckpt_format):
+    """torch.save writes the torch format's files and torch_dist's common.pt."""
+
     def full(payload, path):
         open(path, "wb").write(b"partial")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -181,7 +239,160 @@ def test_disk_full_keeps_the_previous_checkpoint(two_checkpoints, monkeypatch):
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(UserError) as caught:
         save_at(two_checkpoints, 6)
-    assert str(caught.value).startswith(f"disk full while writing {rank_file(two_checkpoints, 6)}")
+    monkeypatch.undo()
+    directory = two_checkpoints / "iter_0000006"
+    written = (
+        directory / "mp_rank_00_000" / "model_optim_rng.pt" if ckpt_format == "torch" else directory
+    )
+    assert str(caught.value).startswith(f"disk full while writing {written}")
     assert "latest_checkpointed_iteration.txt still names iteration 4" in str(caught.value)
     assert open(two_checkpoints / checkpointing.TRACKER).read() == "4"
-    assert not os.listdir(os.path.dirname(rank_file(two_checkpoints, 6)))  # no partial file
+    if ckpt_format == "torch":
+        assert not os.listdir(directory / "mp_rank_00_000")  # no partial file
+    else:
+        assert sorted(os.listdir(two_checkpoints)) == [
+            "iter_0000002",
+            "iter_0000004",
+            "latest_checkpointed_iteration.txt",
+        ]
+    assert load(two_checkpoints)[0] == 4
+
+
+def test_round_trip_restores_model_optimizer_and_schedule(tmp_path):
+    args = make_args()
+    model, optimizer, scheduler = make_run(args)
+    scheduler.step(increment=3)
+    state = SimpleNamespace(iteration=3, consumed_train_samples=24)
+    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, args=args)
+    fresh_model, fresh_optimizer, fresh_scheduler = make_run(args)
+    with torch.no_grad():
+        for param in fresh_model.parameters():
+            param.add_(1.0)
+    fresh_optimizer.state.clear()  # as a new run's optimizer: no state before its first step
+    loaded = checkpointing.load(str(tmp_path), model=fresh_model, optimizer=fresh_optimizer,
+                                scheduler=fresh_scheduler, args=args)  # fmt: skip
+    assert loaded == (3, 24) and fresh_scheduler.num_steps == 3
+    for name, value in model.state_dict().items():
+        if torch.is_tensor(value):
+            assert torch.equal(value, fresh_model.state_dict()[name]), name
+    expected, got = optimizer.state_dict(), fresh_optimizer.state_dict()
+    assert expected["state"].keys() == got["state"].keys()
+    for index, entries in expected["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(got["state"][index][key]))
+    assert expected["param_groups"] == got["param_groups"]
+
+
+def test_wrong_format_is_named_and_auto_detect_loads_it(two_checkpoints, ckpt_format):
+    other = "torch" if ckpt_format == "torch_dist" else "torch_dist"
+    current["format"] = other
+    message = load_error(two_checkpoints)
+    assert f"is in the {ckpt_format} format, not --ckpt-format {other}" in message
+    assert load(two_checkpoints, make_args("--auto-detect-ckpt-format"))[0] == 4
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint(two_checkpoints, ckpt_format):
+    """What a killed save leaves (a staging directory, or a rank file without the tracker
+    naming it) is never loaded; the next save of that iteration replaces it."""
+    if ckpt_format == "torch_dist":
+        staging = two_checkpoints / "iter_0000006.tmp"
+        staging.mkdir()
+        (staging / "__0_0.distcp").write_bytes(b"half a tensor")
+    else:
+        os.makedirs(os.path.dirname(rank_file(two_checkpoints, 6)))
+        open(rank_file(two_checkpoints, 6), "wb").write(b"half a file")
+    assert load(two_checkpoints)[0] == 4
+    assert load(two_checkpoints, make_args("--load-fallback"))[0] == 4
+    save_at(two_checkpoints, 6)
+    assert load(two_checkpoints)[0] == 6
+    assert not (two_checkpoints / "iter_0000006.tmp").exists()
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist"], indirect=True)
+def test_optimizer_state_takes_its_parameters_keys_and_sharding():
+    """Adam's moments become ShardedTensors with their parameter's global key, offsets and
+    replica id (so they reshard like it); its step count one object per parameter."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megatron.training import dist_checkpointing as dc
+
+    model, optimizer, _ = make_run(make_args("--num-layers", "2"))
+    model_sharded = dc.model_sharded_state_dict(model)
+    parameters = dc.sharded_parameters(model_sharded)
+    entries = dc.OptimizerMapping(optimizer, parameters).sharded_state_dict(with_local=True)
+    assert entries.pop("local").data == {}  # nothing tied to the layout for AdamW
+    weight = model_sharded["decoder.layers.1.mlp.linear_fc1.weight"]
+    assert weight.key == "decoder.layers.1.mlp.linear_fc1.weight"  # global layer number
+    for name in ("exp_avg", "exp_avg_sq"):
+        moment = entries[f"optimizer.state.{name}.{weight.key}"]
+        assert moment.data is optimizer.state[weight.data][name]
+        assert (moment.global_shape, moment.global_offset, moment.replica_id) == (
+            weight.global_shape, weight.global_offset, weight.replica_id)  # fmt: skip
+    step = entries[f"optimizer.object.step.{weight.key}/shard_0_1"]
+    assert isinstance(step, ShardedObject) and float(step.data) == 1.0
+    assert len(entries) == 3 * len(parameters)
+
+
+def state_leaves(node, path=()):
+    """Every value of an optimizer state dict outside its parameter groups, by path."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key != "param_groups":
+                yield from state_leaves(value, path + (key,))
+    elif isinstance(node, (list, tuple)):
+        for index, value in enumerate(node):
+            yield from state_leaves(value, path + (index,))
+    else:
+        yield path, node
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist"], indirect=True)
+@pytest.mark.parametrize(
+    "flags",
+    [["--optimizer", "muon"], ["--optimizer", "soap"], ["--optimizer", "lion"],
+     ["--pipeline-schedule", "paci", "--async-error-feedback",
+      "--delay-compensation-lambda", "0.1"]],
+    ids=["muon", "soap", "lion", "adam_ef_dc"],
+)  # fmt: skip
+def test_every_optimizers_state_round_trips(tmp_path, flags):
+    """Optimizer chains (AdamW + Muon with its split QKV blocks, AdamW + SOAP with its
+    preconditioners), pytorch_optimizer's group step counters and the delay-mitigation
+    buffers come back entry by entry into a new run's optimizer."""
+    args = make_args(*flags)
+    model, optimizer, scheduler = make_run(args)
+    optimizer.step()  # a second step: SOAP makes its first update only now
+    state = SimpleNamespace(iteration=2, consumed_train_samples=2)
+    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, args=args)
+    fresh_model = build_stage_model(args, args.padded_vocab_size, torch.device("cpu"))
+    fresh_optimizer = build_optimizer(fresh_model, args)
+    checkpointing.load(str(tmp_path), model=fresh_model, optimizer=fresh_optimizer,
+                       scheduler=build_lr_scheduler(fresh_optimizer, args), args=args)  # fmt: skip
+    expected = dict(state_leaves(optimizer.state_dict()))
+    got = dict(state_leaves(fresh_optimizer.state_dict()))
+    assert expected.keys() == got.keys() and len(expected) > 0
+    for path, value in expected.items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(got[path])), path
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist"], indirect=True)
+def test_state_that_does_not_reshard_refuses_another_layout(tmp_path):
+    """SOAP's preconditioners are not parameter-shaped: they load into the saving layout only."""
+    args = make_args("--optimizer", "soap")
+    model, optimizer, scheduler = make_run(args)
+    args.tensor_model_parallel_size = 2  # recorded as written by a TP=2 run
+    state = SimpleNamespace(iteration=2, consumed_train_samples=2)
+    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, args=args)
+    message = load_error(tmp_path, "--optimizer", "soap")
+    assert "this optimizer keeps state that does not reshard (" in message
+    assert "saved with tensor x pipeline (2, 1): load it with that layout" in message
+    assert load(tmp_path, make_args("--optimizer", "soap", "--no-load-optim"))[0] == 2
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist"], indirect=True)
+def test_emulated_stages_are_checkpointed_in_the_torch_format_only():
+    emulated = ["--emulated-forward-ms", "1", "--emulated-backward-ms", "2", "--save", "/tmp/c"]
+    with pytest.raises(UserError) as caught:
+        make_args(*emulated)
+    assert str(caught.value).endswith("checkpoint them with --ckpt-format torch")
+    current["format"] = "torch"
+    assert make_args(*emulated).ckpt_format == "torch"
