@@ -84,14 +84,13 @@ def _per_token_loss(loss_func: Callable, output):
 def _divided_by_step_tokens(optimizer_step_func: Callable, runtime: StageRuntime) -> Callable:
     """The step, after dividing the stage's gradient by the step's token count (the counts of
     its accumulated microbatches, summed over the stage's data-parallel ranks)."""
-    from megatron.core import parallel_state
 
     def step():
         params = [p for p in runtime.model.parameters() if p.grad is not None]
         device = params[0].device if params else runtime.context.device
         tokens = torch.tensor([float(runtime.tokens_since_step)], device=device)
-        group = parallel_state.get_data_parallel_group()
-        data_parallel = torch.distributed.get_world_size(group)
+        group = _data_parallel_group()
+        data_parallel = 1 if group is None else torch.distributed.get_world_size(group)
         if data_parallel > 1:
             torch.distributed.all_reduce(tokens, group=group)
         if tokens.item() > 0:
@@ -120,8 +119,19 @@ def _two_tuple_loss(loss_func: Callable, output):
     return loss_sum / torch.clamp(torch.as_tensor(num_tokens), min=1), averaged
 
 
+def _data_parallel_group():
+    """The stage's data-parallel group (None in a single process without process groups)."""
+    if not torch.distributed.is_initialized():
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group()
+
+
 def _check_process_groups(p2p_communicator, pg_collection) -> None:
     """Megatron may hand its groups in; they must be the ones this stage's runtime uses."""
+    if p2p_communicator is None and pg_collection is None:
+        return
     from megatron.core import parallel_state
 
     ours = parallel_state.get_pipeline_model_parallel_group()

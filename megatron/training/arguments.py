@@ -327,7 +327,7 @@ def _validate_run_length(args: argparse.Namespace) -> None:
         args.train_iters = args.train_samples // args.global_batch_size
     elif args.lr_decay_samples is not None or args.lr_warmup_samples:
         raise UserError("--lr-decay-samples / --lr-warmup-samples need --train-samples")
-    if args.train_iters < 1:
+    if args.train_iters < 1 and args.rampup_batch_size is None:  # a ramp counts its own
         raise UserError("--train-iters must be >= 1 (or --train-samples >= --global-batch-size)")
     _validate_emulation_and_rule(args)
 

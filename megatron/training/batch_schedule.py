@@ -107,8 +107,8 @@ def validate_rampup(args: argparse.Namespace) -> None:
     if args.train_samples is None:
         raise UserError("--rampup-batch-size needs a sample-based run: use --train-samples")
     final, per_microbatch = args.global_batch_size, args.micro_batch_size * args.data_parallel_size
-    if start < 1 or increment < 1 or samples < 0:
-        raise UserError("--rampup-batch-size: start and increment must be >= 1, samples >= 0")
+    if min(start, increment, samples) < 1:
+        raise UserError("--rampup-batch-size: start, increment and samples must be >= 1")
     if start >= final or (final - start) % increment:
         raise UserError(
             f"--rampup-batch-size: --global-batch-size {final} minus the start batch {start} "
