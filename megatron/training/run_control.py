@@ -100,8 +100,9 @@ class FlushAgreement:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         agreed = int(flag.item())
         if agreed:
-            self.reason = local or ("SIGTERM received by another rank" if agreed == 2 else
-                                    "another rank ran out of time")  # fmt: skip
+            elsewhere = (f"{_SIGNAL_EXIT}: SIGTERM received by another rank" if agreed == 2
+                         else f"{_DURATION_EXIT}: another rank's time is up")  # fmt: skip
+            self.reason = local or elsewhere
         return bool(agreed)
 
 
@@ -127,7 +128,8 @@ class StoreAgreement:
             local = self.requests.reason()
             if local is None:
                 return None
-            value = self.store.compare_set(self.key, "", f"{self._proposal(iteration, cumulative)}|{local}").decode()  # fmt: skip
+            proposal = f"{self._proposal(iteration, cumulative)}|{local}"
+            value = self.store.compare_set(self.key, "", proposal).decode()
         stop, reason = value.split("|", 1)
         self.stop, self.reason = int(stop), reason
         return self.stop

@@ -60,7 +60,9 @@ def test_iteration_count_is_megatrons(ramp, train_samples):
     if train_samples > consumed:
         iterations += (train_samples - consumed) // ramp[3]
     args = ramp_args(*ramp, train_samples=train_samples)
-    assert args.train_iters == iterations == train_iterations(BatchSchedule(args).ramp, train_samples)
+    assert (
+        args.train_iters == iterations == train_iterations(BatchSchedule(args).ramp, train_samples)
+    )
 
 
 def test_batches_of_a_run_and_resume_from_consumed_samples():

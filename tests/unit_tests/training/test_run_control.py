@@ -45,8 +45,10 @@ def test_reasons_of_a_rank():
     finally:
         requests.release()
     started_long_ago = time.perf_counter() - 120.0
-    assert StopRequests(run_args(minutes=1.0), started_long_ago).reason().startswith(
-        "--exit-duration-in-mins: 2.00 minutes elapsed"
+    assert (
+        StopRequests(run_args(minutes=1.0), started_long_ago)
+        .reason()
+        .startswith("--exit-duration-in-mins: 2.00 minutes elapsed")
     )
     assert StopRequests(run_args(minutes=5.0), started_long_ago).reason() is None
 
