@@ -650,10 +650,10 @@ def _average_loss(loss_dicts: list[dict]) -> float:
     """Mean 'lm loss' over the step's microbatches and the stage's data-parallel ranks; with
     Megatron's (loss sum, tokens) pairs (--calculate-per-token-loss), the mean per token."""
     # On the model's device, which is the one the data-parallel group's backend expects.
-    values = [d["lm loss"].detach().float().view(-1) for d in loss_dicts]
-    if values[0].numel() == 2:
-        return _per_token_mean(torch.stack(values).sum(dim=0))
-    local = torch.stack(values).mean()
+    if loss_dicts[0]["lm loss"].numel() == 2:
+        pairs = [d["lm loss"].detach().float().view(-1) for d in loss_dicts]
+        return _per_token_mean(torch.stack(pairs).sum(dim=0))
+    local = torch.stack([d["lm loss"].detach().float() for d in loss_dicts]).mean()
     group = parallel_state.get_data_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(local, group=group)
