@@ -6,6 +6,7 @@ optimizer itself when a step is due.
 """
 
 import contextlib
+import itertools
 import math
 import os
 import time
@@ -483,6 +484,8 @@ class IterationPlan:
         self.sizes = schedule.batches(state.consumed_train_samples, self.stop - state.iteration)
         self.ramp = schedule.ramp is not None
         self.final_microbatches = args.num_microbatches
+        # microbatches of the first i iterations, for O(1) sums over any range
+        self.prefix = [0, *itertools.accumulate(b // self.per_microbatch for b in self.sizes)]
 
     def batch(self, iteration: int) -> int:
         return self.sizes[iteration - self.first]
@@ -494,14 +497,17 @@ class IterationPlan:
 
     def cumulative(self, iteration: int) -> int:
         """Microbatches of this run's iterations up to `iteration` (0 before the first)."""
-        return sum(self.microbatches(i) for i in range(self.first, iteration + 1))
+        done = iteration - self.first + 1
+        if done < len(self.prefix):
+            return self.prefix[max(done, 0)]
+        return self.prefix[-1] + (done - len(self.prefix) + 1) * self.final_microbatches
 
     def next_drain(self, iteration: int) -> int:
         return next(p for p in self.drains if p >= iteration)
 
     def microbatches_before_drain(self, iteration: int) -> int:
         """This iteration's and the following ones' microbatches up to the next drain."""
-        return sum(self.microbatches(i) for i in range(iteration, self.next_drain(iteration) + 1))
+        return self.cumulative(self.next_drain(iteration)) - self.cumulative(iteration - 1)
 
     def stop_after(self, iteration: int) -> None:
         """End training after `iteration` (a drain point from now on)."""
