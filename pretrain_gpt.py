@@ -33,10 +33,15 @@ def get_batch(data_iterator, model):
     return tokens, position_ids, labels, loss_mask
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean per-token loss over the unmasked tokens of the microbatch."""
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: bool = False):
+    """Mean per-token loss over the unmasked tokens of the microbatch. With
+    --calculate-per-token-loss, Megatron's 3-tuple instead: the loss sum, the number of
+    unmasked tokens, and both for reporting (the schedule divides by the step's count)."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
+    if per_token:
+        loss_sum, num_tokens = torch.sum(losses * mask), mask.sum()
+        return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum, num_tokens]).detach()}
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
     return loss, {"lm loss": loss.detach()}
 
@@ -44,7 +49,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     tokens, position_ids, labels, loss_mask = get_batch(data_iterator, model)
     output_tensor = model(tokens, position_ids, None, labels=labels)
-    return output_tensor, partial(loss_func, loss_mask)
+    per_token = getattr(getattr(model, "config", None), "calculate_per_token_loss", False)
+    return output_tensor, partial(loss_func, loss_mask, per_token=per_token)
 
 
 def main(argv=None) -> int:

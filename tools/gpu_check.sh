@@ -10,15 +10,32 @@
 # writes the calibration JSON the simulator reads, and runs tools/project_paper_scale.py on it:
 # the measured efficiency curve then replaces the assumed one of docs/projection.md.
 #
+# Then a training pass (megatron/training/gpu_training_check.py): short pretrain_gpt.py runs
+# of a small GPT under --pipeline-schedule 1f1b and paci with --bf16, --fp16,
+# --use-distributed-optimizer, --recompute-activations and --recompute-granularity full
+# --recompute-method uniform --recompute-num-layers 1, each reported PASS, FAIL or SKIPPED
+# (not supported yet), with its final loss, time per iteration and peak memory per stage.
+# With one GPU every run is one process (NCCL refuses two ranks on one GPU); with more, two
+# pipeline stages (and two data-parallel ranks for the distributed optimizer with 4).
+#
 # Usage: tools/gpu_check.sh [--output FILE.json] [--micro-batch-sizes 1,2,4,8,16]
 #                           [--warmup N] [--repeats N] [--stages N] [--python PY]
-#                           [--no-projection] [--dry-run] [-- extra calibrate_stage.py flags]
+#                           [--no-projection] [--skip-calibration] [--skip-training]
+#                           [--train-iters N] [--training-output DIR] [--wheels DIR]
+#                           [--gpus N] [--dry-run] [-- extra calibrate_stage.py flags]
 #   --output    calibration JSON (default docs/calibration/gpu_gpt2_medium.json in the
 #               repository); the projection goes beside it as <name>_projection.md
+#   --training-output  logs and summary.json of the training pass (default runs/gpu_check)
+#   --train-iters      iterations per training run (default 20)
+#   --wheels DIR       install the wheels in DIR (e.g. a megatron-core wheel for the machine's
+#                      Python) into a temporary directory first, without an index or their
+#                      dependencies; the repository itself runs from its checkout
+#   --gpus N    the GPU count the dry run plans for (default: the machine's, else 1)
 #   --dry-run   print the commands and exit (works without a GPU)
 #   after --     flags passed to calibrate_stage.py, e.g. -- --p2p-s 0.0004 --no-validate
-# Exit status: 0 done, 2 bad arguments, 3 no CUDA device (nothing was run), else the failing
-# step's status. Takes a few minutes on one GPU.
+# Exit status: 0 done (SKIPPED runs included), 1 a training run failed, 2 bad arguments, 3 no
+# CUDA device (nothing was run), 4 megatron-core missing, else the failing step's status.
+# Takes a few minutes on one GPU.
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
@@ -34,15 +51,27 @@ STAGES=8
 PYTHON=${PYTHON:-}
 PROJECTION=1
 DRY_RUN=0
+CALIBRATION=1
+TRAINING=1
+TRAIN_ITERS=20
+TRAINING_OUTPUT=$ROOT/runs/gpu_check
+WHEELS=
+GPUS=
 EXTRA=()
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
-    --output|--micro-batch-sizes|--warmup|--repeats|--stages|--python)
+    --output|--micro-batch-sizes|--warmup|--repeats|--stages|--python|--train-iters|\
+    --training-output|--wheels|--gpus)
       [[ $# -ge 2 ]] || die "$1 needs a value"
       case "$1" in
         --output) OUTPUT=$2; [[ $OUTPUT == /* ]] || OUTPUT="$CALLER/$OUTPUT" ;;
+        --training-output) TRAINING_OUTPUT=$2
+          [[ $TRAINING_OUTPUT == /* ]] || TRAINING_OUTPUT="$CALLER/$TRAINING_OUTPUT" ;;
+        --wheels) WHEELS=$2; [[ $WHEELS == /* ]] || WHEELS="$CALLER/$WHEELS" ;;
+        --train-iters) TRAIN_ITERS=$2 ;;
+        --gpus) GPUS=$2 ;;
         --micro-batch-sizes) MBS=$2 ;;
         --warmup) WARMUP=$2 ;;
         --repeats) REPEATS=$2 ;;
@@ -51,6 +80,8 @@ while [[ $# -gt 0 ]]; do
       esac
       shift 2 ;;
     --no-projection) PROJECTION=0; shift ;;
+    --skip-calibration) CALIBRATION=0; shift ;;
+    --skip-training) TRAINING=0; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
     *) die "unknown argument '$1' (see --help)" ;;
@@ -64,6 +95,10 @@ cd "$ROOT"  # the default --output and the tools are relative to the repository 
 [[ $STAGES =~ ^[1-9][0-9]*$ ]] && (( 24 % STAGES == 0 )) \
   || die "--stages: expected a divisor of the 24 layers, got '$STAGES'"
 [[ $OUTPUT == *.json ]] || die "--output: expected a .json path, got '$OUTPUT'"
+[[ $TRAIN_ITERS =~ ^[1-9][0-9]*$ ]] || die "--train-iters: expected a positive integer, got '$TRAIN_ITERS'"
+[[ -z $GPUS || $GPUS =~ ^[1-9][0-9]*$ ]] || die "--gpus: expected a positive integer, got '$GPUS'"
+[[ -z $WHEELS || -d $WHEELS ]] || die "--wheels: no directory '$WHEELS'"
+(( CALIBRATION || TRAINING )) || die "--skip-calibration and --skip-training leave nothing to do"
 if [[ -z $PYTHON ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -76,16 +111,36 @@ CALIBRATE=("$PYTHON" tools/calibrate_stage.py --device cuda --bf16
 STAGE_TABLE=("$PYTHON" - "$OUTPUT" "$STAGES")
 PROJECT=("$PYTHON" tools/project_paper_scale.py --calibration "$OUTPUT" --stages "$STAGES"
   --micro-batch-sizes "$MBS" --markdown "$PROJECTION_MD")
+# The repository runs from its checkout (no install needed); --wheels adds, e.g., megatron-core.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+SITE="${TMPDIR:-/tmp}/gpu_check_site"
+INSTALL=("$PYTHON" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE")
+training_pass() {  # the training runs; extra arguments go to gpu_training_check.py
+  "$PYTHON" -m megatron.training.gpu_training_check --python "$PYTHON" --repo "$ROOT" \
+    --output-dir "$TRAINING_OUTPUT" --train-iters "$TRAIN_ITERS" --gpus "${GPUS:-1}" "$@"
+}
 
 if (( DRY_RUN )); then
-  echo "gpu_check: dry run, would run:"
-  printf '  %q' "${CALIBRATE[@]}"; echo
-  echo "  (per-stage table of $OUTPUT for $STAGES stages)"
-  if (( PROJECTION )); then printf '  %q' "${PROJECT[@]}"; echo; fi
+  echo "gpu_check: dry run, would run (PYTHONPATH=$PYTHONPATH):"
+  if [[ -n $WHEELS ]]; then printf '  %q' "${INSTALL[@]}" "$WHEELS"/*.whl; echo; fi
+  if (( CALIBRATION )); then
+    printf '  %q' "${CALIBRATE[@]}"; echo
+    echo "  (per-stage table of $OUTPUT for $STAGES stages)"
+    if (( PROJECTION )); then printf '  %q' "${PROJECT[@]}"; echo; fi
+  fi
+  if (( TRAINING )); then
+    echo "  training pass for ${GPUS:-1} GPU(s), logs in $TRAINING_OUTPUT:"
+    training_pass --dry-run
+  fi
   exit 0
 fi
 
 command -v "$PYTHON" >/dev/null 2>&1 || [[ -x $PYTHON ]] || die "no python at '$PYTHON' (make venv, or --python PY)"
+if [[ -n $WHEELS ]]; then
+  echo "gpu_check: installing the wheels of $WHEELS into $SITE"
+  "${INSTALL[@]}" "$WHEELS"/*.whl
+  export PYTHONPATH="$SITE:$PYTHONPATH"
+fi
 
 set +e
 "$PYTHON" - <<'EOF'
@@ -115,11 +170,18 @@ if importlib.util.find_spec("transformer_engine") is not None:
 else:
     print("gpu_check: transformer_engine is not installed: measuring the portable SDPA layer "
           "spec instead (pip install -e '.[gpu]' for Transformer Engine)")
+if importlib.util.find_spec("megatron.core") is None:
+    print("gpu_check: megatron-core is not installed for this Python: install it, or pass "
+          "--wheels DIR with its wheel (pip download --no-deps megatron-core==0.16.1)",
+          file=sys.stderr)
+    sys.exit(4)
 EOF
 status=$?
 set -e
 if (( status != 0 )); then exit "$status"; fi
+[[ -n $GPUS ]] || GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
 
+if (( CALIBRATION )); then
 echo "gpu_check: forward/backward in bf16, GPT-2 Medium shape, micro-batch sizes $MBS"
 "${CALIBRATE[@]}"
 
@@ -147,4 +209,14 @@ if (( PROJECTION )); then
   echo "gpu_check: paper-scale projection from these measurements ($PROJECTION_MD)"
   "${PROJECT[@]}"
 fi
-echo "gpu_check: done; calibration in $OUTPUT"
+echo "gpu_check: calibration in $OUTPUT"
+fi
+
+if (( TRAINING )); then
+  set +e
+  training_pass
+  status=$?
+  set -e
+  if (( status != 0 )); then echo "gpu_check: a training run failed (see above)"; exit 1; fi
+fi
+echo "gpu_check: done"

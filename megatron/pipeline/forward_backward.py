@@ -20,6 +20,14 @@ argument (or Megatron's `pp_size`, `vp_size`) returns the configured schedule; t
 `force_all_reduce` (our step always all-reduces over data-parallel ranks); a `loss_func` that
 returns Megatron's 3-tuple `(loss sum, number of tokens, {'lm loss': [sum, tokens]})`; and
 a model wrapped by megatron-core's `DistributedDataParallel` (anything with `.module`).
+
+With a per-token loss (a runtime built with `per_token_loss=True`, from Megatron's
+--calculate-per-token-loss) the loss_func must return the 3-tuple: the last stage then
+backpropagates the loss sum, each stage counts the tokens of the microbatches it accumulated
+(the counts ride upstream on the gradients) and, at its own step, divides its gradient by the
+step's token count summed over its data-parallel ranks. Under 1F1B-flush that is Megatron's
+division by the global batch's token count; under PACI each stage does it at its own step,
+for the same microbatches, with no collective beyond its data-parallel group.
 """
 
 import functools
@@ -50,16 +58,49 @@ def stage_runtime_of(model: torch.nn.Module) -> StageRuntime:
         model = model.module
 
 
-def _megatron_loss_contract(forward_step_func: Callable) -> Callable:
+def _megatron_loss_contract(forward_step_func: Callable, per_token: bool = False) -> Callable:
     """forward_step whose loss_func may return Megatron's 3-tuple; the schedule sees the
     2-tuple `(loss sum / tokens, {'lm loss': sum / tokens})`, Megatron's meaning without
-    --calculate-per-token-loss."""
+    --calculate-per-token-loss. With it, the 3-tuple goes through as it is."""
+    checked = _per_token_loss if per_token else _two_tuple_loss
 
     def forward_step(data_iterator, model):
         output, loss_func = forward_step_func(data_iterator, model)
-        return output, functools.partial(_two_tuple_loss, loss_func)
+        return output, functools.partial(checked, loss_func)
 
     return forward_step
+
+
+def _per_token_loss(loss_func: Callable, output):
+    result = loss_func(output)
+    if not (isinstance(result, tuple) and len(result) == 3):
+        raise TypeError(
+            "--calculate-per-token-loss needs a loss_func that returns Megatron's 3-tuple "
+            "(loss sum, number of tokens, {'lm loss': [loss sum, number of tokens]})"
+        )
+    return result
+
+
+def _divided_by_step_tokens(optimizer_step_func: Callable, runtime: StageRuntime) -> Callable:
+    """The step, after dividing the stage's gradient by the step's token count (the counts of
+    its accumulated microbatches, summed over the stage's data-parallel ranks)."""
+
+    def step():
+        params = [p for p in runtime.model.parameters() if p.grad is not None]
+        device = params[0].device if params else runtime.context.device
+        tokens = torch.tensor([float(runtime.tokens_since_step)], device=device)
+        group = _data_parallel_group()
+        data_parallel = 1 if group is None else torch.distributed.get_world_size(group)
+        if data_parallel > 1:
+            torch.distributed.all_reduce(tokens, group=group)
+        if tokens.item() > 0:
+            # The step averages gradients over data-parallel ranks (megatron/training/
+            # optimizer.py), so dp / total makes the result the sum over ranks / total.
+            for param in params:
+                param.grad.mul_(data_parallel / tokens.item())
+        return optimizer_step_func()
+
+    return step
 
 
 def _two_tuple_loss(loss_func: Callable, output):
@@ -68,14 +109,29 @@ def _two_tuple_loss(loss_func: Callable, output):
         return result
     loss_sum, num_tokens, reduced = result
     averaged = {
-        name: value[0] / value[1] if torch.is_tensor(value) and value.numel() == 2 else value
+        name: (
+            value[0] / value[1].clamp(min=1)
+            if torch.is_tensor(value) and value.numel() == 2
+            else value
+        )
         for name, value in reduced.items()
     }
-    return loss_sum / num_tokens, averaged
+    return loss_sum / torch.clamp(torch.as_tensor(num_tokens), min=1), averaged
+
+
+def _data_parallel_group():
+    """The stage's data-parallel group (None in a single process without process groups)."""
+    if not torch.distributed.is_initialized():
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group()
 
 
 def _check_process_groups(p2p_communicator, pg_collection) -> None:
     """Megatron may hand its groups in; they must be the ones this stage's runtime uses."""
+    if p2p_communicator is None and pg_collection is None:
+        return
     from megatron.core import parallel_state
 
     ours = parallel_state.get_pipeline_model_parallel_group()
@@ -115,9 +171,13 @@ def _run_schedule(
     if collect_non_loss_data or adjust_tensor_shapes_fn is not None:
         raise NotImplementedError("collect_non_loss_data / adjust_tensor_shapes_fn")
     _check_process_groups(p2p_communicator, pg_collection)
-    forward_step_func = _megatron_loss_contract(forward_step_func)
     model = _single_chunk(model)
     runtime = stage_runtime_of(model)
+    forward_step_func = _megatron_loss_contract(forward_step_func, runtime.per_token_loss)
+    if runtime.per_token_loss and not forward_only:
+        if optimizer_step_func is None:
+            raise ValueError("a per-token loss needs optimizer_step_func (it scales the step)")
+        optimizer_step_func = _divided_by_step_tokens(optimizer_step_func, runtime)
     expected_shape = (seq_length, micro_batch_size)
     if runtime.tensor_shape[:2] != expected_shape:
         raise ValueError(f"stage runtime built for {runtime.tensor_shape}, got {expected_shape}")

@@ -68,6 +68,21 @@ class _InFlight:
     input_tensor: torch.Tensor | None
     output_tensor: torch.Tensor
     saved_bytes: int
+    tokens: int = 0  # last stage, per-token loss: the microbatch's loss-mask count
+
+
+# A token count rides on each gradient sent upstream (per-token loss) as base-256 digits,
+# exact in any payload dtype (bf16 holds integers exactly only up to 256).
+COUNT_DIGITS = 4
+
+
+def encode_count(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    digits = [(int(count) >> (8 * i)) & 0xFF for i in range(COUNT_DIGITS)]
+    return torch.tensor(digits, dtype=dtype, device=device)
+
+
+def decode_count(digits: torch.Tensor) -> int:
+    return sum(int(round(float(d))) << (8 * i) for i, d in enumerate(digits.tolist()))
 
 
 class StageRuntime:
@@ -82,10 +97,16 @@ class StageRuntime:
         dtype: torch.dtype,
         record_trace: bool = False,
         deterministic: bool = False,
+        per_token_loss: bool = False,
     ):
         self.context, self.model = context, model
         self.tensor_shape, self.dtype = tuple(tensor_shape), dtype
         self.deterministic = deterministic  # reactive schedules follow their fixed order
+        # --calculate-per-token-loss: the last stage backpropagates summed losses; each
+        # microbatch's token count travels upstream with its gradient, and every stage sums
+        # the counts of the backwards since its last step (the step divides by them).
+        self.per_token_loss = per_token_loss
+        self.tokens_since_step = 0
         # Drift reports ride on the activations: every stage overwrites its own (max, mean)
         # pair and passes the rest on, so the last stage (which logs) sees every stage's
         # figures, a pipeline delay old, without any extra message or synchronization.
@@ -128,8 +149,11 @@ class StageRuntime:
                 peer=ctx.prev_rank, group=ctx.gradient_group, max_pending=max_pending
             )
         if not ctx.is_last:
+            gradient_payload = self.tensor_shape
+            if self.per_token_loss:
+                gradient_payload = (math.prod(self.tensor_shape) + COUNT_DIGITS,)
             self.gradients_in = make_inbox(
-                peer=ctx.next_rank, group=ctx.gradient_group, shape=self.tensor_shape, **common
+                peer=ctx.next_rank, group=ctx.gradient_group, shape=gradient_payload, **common
             )
             self.activations_out = Outbox(
                 peer=ctx.next_rank, group=ctx.activation_group, max_pending=max_pending
@@ -344,14 +368,18 @@ class StageRuntime:
             output, loss_func = self._call_forward_step(
                 forward_step_func, data_iterator, input_tensor
             )
-            loss_dict = None
+            loss_dict, tokens = None, 0
             if ctx.is_last:
-                loss, loss_dict = _split_loss(loss_func(output))
-                # as flush scales by 1/m, PACI by 1/a; PipeDream steps on each microbatch
-                output = loss / self.schedule.microbatches_per_update(num_microbatches)
+                loss, tokens, loss_dict = _split_loss(loss_func(output))
+                # flush scales by 1/m, PACI by 1/a, PipeDream (a step per microbatch) by 1;
+                # a per-token loss is divided by the step's token count at the step instead
+                if not self.per_token_loss:
+                    output = loss / self.schedule.microbatches_per_update(num_microbatches)
+                else:
+                    output = loss
         self.compute_s += time.perf_counter() - compute_start
         microbatch = self.state.record_forward(version)
-        self.inflight.append(_InFlight(microbatch, input_tensor, output, saved[0]))
+        self.inflight.append(_InFlight(microbatch, input_tensor, output, saved[0], tokens))
         self.stats.add_activation(saved[0], len(self.inflight))
         if not ctx.is_last:
             self._send_activation(output)
@@ -430,14 +458,21 @@ class StageRuntime:
     def _backward(self) -> None:
         ctx = self.context
         microbatch = self.inflight.popleft()
-        grad = None if ctx.is_last else self._take(self.gradients_in)
+        grad, tokens = None, microbatch.tokens
+        if not ctx.is_last:
+            grad = self._take(self.gradients_in)
+            if self.per_token_loss:
+                grad, tokens = grad[:-COUNT_DIGITS].view(self.tensor_shape), decode_count(
+                    grad[-COUNT_DIGITS:]
+                )
         version = self.state.forward_versions[microbatch.microbatch]
         compute_start = time.perf_counter()
         with self._on_weights(version):
             torch.autograd.backward(microbatch.output_tensor, grad_tensors=grad)
         self.compute_s += time.perf_counter() - compute_start
+        self.tokens_since_step += int(tokens)
         if not ctx.is_first:
-            self._timed_send(self.gradients_out, microbatch.input_tensor.grad)
+            self._send_gradient(microbatch.input_tensor.grad, tokens)
         forward_version = self.state.record_backward()
         steps_since_forward = self.state.steps - forward_version
         if self.stash is None:
@@ -448,14 +483,21 @@ class StageRuntime:
             self.stash.release_unneeded(self._still_needed)
         self.stats.release_activation(microbatch.saved_bytes)
 
+    def _send_gradient(self, grad: torch.Tensor, tokens: int) -> None:
+        if self.per_token_loss:
+            count = encode_count(tokens, grad.dtype, grad.device)
+            grad = torch.cat([grad.reshape(-1), count])
+        self._timed_send(self.gradients_out, grad)
+
     def _step(self, optimizer_step_func) -> None:
         stash = self.stash
         compute_start = time.perf_counter()
         if stash is not None and self._still_needed(stash.live_version):
             stash.keep_live_version()  # the step overwrites weights a microbatch still needs
         with preserve_versions(self.model.parameters()):
-            optimizer_step_func()
+            optimizer_step_func()  # with a per-token loss it reads tokens_since_step
         self.compute_s += time.perf_counter() - compute_start
+        self.tokens_since_step = 0
         self.state.record_step()
         if stash is not None:
             stash.stepped()
@@ -469,12 +511,16 @@ class StageRuntime:
                 outbox.flush()
 
 
-def _split_loss(result) -> tuple[torch.Tensor, dict]:
-    """Megatron loss functions return (loss, reduced-dict)."""
+def _split_loss(result) -> tuple[torch.Tensor, int, dict]:
+    """(loss, number of tokens, reduced dict): Megatron loss functions return (loss,
+    reduced-dict), or with a per-token loss (loss sum, number of tokens, reduced-dict)."""
+    if isinstance(result, tuple) and len(result) == 3:
+        loss, tokens, reduced = result
+        return loss, int(tokens), reduced
     if not (isinstance(result, tuple) and len(result) == 2):
         raise TypeError("loss_func must return (loss, {'lm loss': ...})")
-    return result
+    return result[0], 0, result[1]
 
 
 def _loss_dict(result) -> dict:
-    return _split_loss(result)[1]
+    return _split_loss(result)[2]

@@ -41,6 +41,8 @@ class StageState:
     calls: int = 0
     microbatches_per_step: int = 1
     backward_target: int = 0  # cumulative backwards the current call must reach
+    backwards_at_m: int = 0  # backwards and steps when microbatches_per_step last changed
+    steps_at_m: int = 0
     forward_limit: int = NO_LIMIT  # no forward beyond this count in the current call
     # microbatch -> weight version its forward used, until its weight gradient is accumulated
     forward_versions: dict[int, int] = field(default_factory=dict)
@@ -56,6 +58,9 @@ class StageState:
     # ------------------------------------------------------------------ calls and views
     def begin_call(self, microbatches_per_step: int, forward_limit: int = NO_LIMIT) -> None:
         """Start a call that ends after `microbatches_per_step` more backwards."""
+        if self.calls and microbatches_per_step != self.microbatches_per_step:
+            # the previous call ended on a step boundary: steps fall every m from there
+            self.backwards_at_m, self.steps_at_m = self.backward_target, self.steps
         self.calls += 1
         self.microbatches_per_step = microbatches_per_step
         self.backward_target += microbatches_per_step
@@ -75,6 +80,8 @@ class StageState:
             grad_ready=grad_ready,
             step_enabled=step_enabled,
             weight_grads=self.weight_grads,
+            backwards_at_m=self.backwards_at_m,
+            steps_at_m=self.steps_at_m,
         )
 
     # ------------------------------------------------------------------ validation

@@ -11,6 +11,7 @@ from megatron.pipeline.schedules import SCHEDULES, get_schedule
 from megatron.pipeline.schedules.paci import ARRIVAL_RULES, DEFAULT_ARRIVAL_RULE
 from megatron.pipeline.simulation.costs import stage_values
 
+from .batch_schedule import validate_rampup
 from .errors import UserError
 from .megatron_flags import add_compatibility_flags, reject_unsupported_flags
 from .validation import add_reliability_args, validate_reliability
@@ -103,6 +104,17 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     add("--train-iters", type=int, default=None)
     add("--train-samples", type=int, default=None, help="instead of --train-iters")
     add("--exit-interval", type=int, default=None, help="stop after an iteration divisible by N")
+    add("--exit-duration-in-mins", type=float, default=None,
+        help="stop (and save) once this many minutes passed since the run started; all ranks "
+        "agree on the iteration (under PACI a drain a few iterations later)")  # fmt: skip
+    add("--exit-signal-handler", action="store_true",
+        help="on SIGTERM, stop at an iteration all ranks agree on, save and exit 0")  # fmt: skip
+    add("--rampup-batch-size", nargs="*", default=None, metavar="N",
+        help="START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over "
+        "SAMPLES samples (needs --train-samples)")  # fmt: skip
+    add("--calculate-per-token-loss", action="store_true",
+        help="scale the summed loss by the step's token count (over its microbatches and "
+        "data-parallel ranks) instead of averaging per microbatch")  # fmt: skip
     add("--skip-train", action="store_true", help="only evaluate")
     add("--seed", type=int, default=1234)
     add("--deterministic-mode", action="store_true",
@@ -234,6 +246,8 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         raise UserError("NullTokenizer needs --vocab-size")
     if (args.emulated_forward_ms is None) != (args.emulated_backward_ms is None):
         raise UserError("--emulated-forward-ms and --emulated-backward-ms go together")
+    if args.calculate_per_token_loss and args.emulated_forward_ms is not None:
+        raise UserError("--calculate-per-token-loss needs the model's loss, not emulated compute")
     if args.save_interval is not None and args.save is None:
         raise UserError("--save-interval needs --save DIR")
     if args.emulated_forward_ms is not None and (args.save or args.load):
@@ -347,8 +361,11 @@ def _validate_batch_and_run_length(args: argparse.Namespace) -> None:
         )
     args.num_microbatches = args.global_batch_size // per_microbatch
     _validate_run_length(args)
+    validate_rampup(args)
     if args.exit_interval is not None and args.exit_interval < 1:
         raise UserError("--exit-interval must be >= 1")
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins < 0:
+        raise UserError("--exit-duration-in-mins must be >= 0 (0: no limit, as Megatron)")
 
 
 def _validate_run_length(args: argparse.Namespace) -> None:
@@ -363,7 +380,7 @@ def _validate_run_length(args: argparse.Namespace) -> None:
         args.train_iters = args.train_samples // args.global_batch_size
     elif args.lr_decay_samples is not None or args.lr_warmup_samples:
         raise UserError("--lr-decay-samples / --lr-warmup-samples need --train-samples")
-    if args.train_iters < 1:
+    if args.train_iters < 1 and args.rampup_batch_size is None:  # a ramp counts its own
         raise UserError("--train-iters must be >= 1 (or --train-samples >= --global-batch-size)")
     _validate_emulation_and_rule(args)
 

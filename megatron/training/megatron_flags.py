@@ -151,7 +151,6 @@ NOT_SUPPORTED = [
     # optimizer and batch schedule variants
     Flag("--decoupled-lr", float),
     Flag("--decoupled-min-lr", float),
-    Flag("--rampup-batch-size", str, nargs="*"),
     Flag("--step-batch-size-schedule", str),
     Flag("--eval-global-batch-size", int),
     # data variants
@@ -169,10 +168,6 @@ NOT_SUPPORTED = [
     Flag("--export-te-mcore-model"),
     Flag("--export-kd-teacher-load", str),
     Flag("--export-kd-cfg", str),
-    # run control and logging we do not have yet
-    Flag("--exit-duration-in-mins", float),
-    Flag("--exit-signal-handler"),
-    Flag("--calculate-per-token-loss"),
     # logging and profiling outside this process
     Flag("--wandb-project", str),
     Flag("--wandb-entity", str),

@@ -32,7 +32,13 @@ def build_optimizer(model: torch.nn.Module, args):
 
 def _schedule_lengths(args) -> tuple[float, float]:
     """(warmup, decay) in iterations. A sample-based run (--train-samples) gives them in
-    samples; with a constant global batch, samples / batch is Megatron's sample schedule."""
+    samples; with a constant global batch, samples / batch is Megatron's sample schedule.
+    With --rampup-batch-size they stay in samples, and each step advances the schedule by
+    its iteration's global batch (the training loop sets `scheduler_increment`), as Megatron."""
+    if getattr(args, "rampup_batch_size", None) is not None:
+        decay = args.lr_decay_samples or args.train_samples
+        fraction = args.lr_warmup_fraction
+        return (fraction * decay if fraction is not None else args.lr_warmup_samples), decay
     if getattr(args, "train_samples", None) is not None:
         batch = args.global_batch_size
         decay = (args.lr_decay_samples or args.train_samples) / batch
@@ -100,6 +106,7 @@ class StageOptimizerStep:
         self.last = StepReport(grad_norm=0.0, learning_rate=0.0)
         self.skipped_steps = 0  # steps this stage skipped, over the run
         self.consecutive_skips = 0  # ... in a row, up to the last step
+        self.scheduler_increment = 1  # iterations; samples of the iteration with a batch ramp
 
     def __call__(self) -> StepReport:
         grads = [self._grad(p) for p in self.params]
@@ -114,7 +121,7 @@ class StageOptimizerStep:
                 grad.mul_(scale)
         learning_rate = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
-        self.scheduler.step(increment=1)
+        self.scheduler.step(increment=self.scheduler_increment)
         self.optimizer.zero_grad(set_to_none=True)
         self.last = StepReport(grad_norm=grad_norm, learning_rate=learning_rate)
         return self.last

@@ -67,9 +67,10 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fiel
     report = step_func.last
     fields = fields or {}
     skipped, nans = _interval_counts(state, step_func)
+    batch = getattr(state, "global_batch_size", 0) or args.global_batch_size  # ramps change it
     throughput = ""
     if args.log_throughput:
-        tflops = floating_point_operations(args) / (per_iteration_ms / 1000.0) / 1e12
+        tflops = floating_point_operations(args, batch) / (per_iteration_ms / 1000.0) / 1e12
         throughput = f"throughput per GPU (TFLOP/s/GPU): {tflops / args.world_size:.1f} | "
     extra = "".join(
         f"{name}: {fields[name]:{form}} | "
@@ -82,7 +83,7 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fiel
         f"{args.train_iters:8d} | consumed samples: {state.consumed_train_samples:12d} | "
         f"elapsed time per iteration (ms): {per_iteration_ms:.1f} | {throughput}"
         f"learning rate: {report.learning_rate:.6E} | "
-        f"global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} | "
+        f"global batch size: {batch:5d} | lm loss: {loss:.6E} | "
         f"loss scale: {LOSS_SCALE:.1f} | grad norm: {report.grad_norm:.3f} | {extra}"
         f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nans:3d} | "
         f"weight drift max/mean by stage: {drift_text} |",
@@ -98,7 +99,7 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fiel
             _write_memory(writer, state.iteration, runtime)
 
 
-def floating_point_operations(args) -> float:
+def floating_point_operations(args, global_batch_size: int | None = None) -> float:
     """Model FLOPs of one iteration (forward and backward, global batch), Megatron's formula
     for a dense GPT: 3 passes x 2 FLOPs per multiply-add x 2 (QKV/proj, MLP, logits) terms."""
     heads, groups = args.num_attention_heads, args.num_query_groups or args.num_attention_heads
@@ -110,7 +111,8 @@ def floating_point_operations(args) -> float:
         + (args.ffn_hidden_size / h) * gated
         + args.padded_vocab_size / (2 * layers * h)
     )
-    return 12.0 * args.global_batch_size * s * layers * h * h * per_layer
+    batch = global_batch_size or args.global_batch_size
+    return 12.0 * batch * s * layers * h * h * per_layer
 
 
 def _write_scalars(args, writer, step, loss, report, per_iteration_ms, drift) -> None:

@@ -6,6 +6,7 @@ optimizer itself when a step is due.
 """
 
 import contextlib
+import itertools
 import math
 import os
 import time
@@ -30,7 +31,8 @@ from megatron.pipeline.parallel import build_pipeline_context, ranks_of_my_stage
 from megatron.pipeline.runtime import StageRuntime
 from megatron.pipeline.schedules import get_schedule
 
-from . import checkpointing, divergence, faults
+from . import checkpointing, divergence, faults, run_control
+from .batch_schedule import BatchSchedule
 from .data import build_data_iterators, parse_data_path
 from .delay_mitigation import schedule_of_iteration, synchronous_phase_ends
 from .emulation import EmulatedStage
@@ -157,6 +159,7 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
     )
 
 
@@ -209,6 +212,8 @@ class TrainingState:
     rollbacks: list = field(default_factory=list)  # {"iteration", "to"} per rollback
     fit_to_save: bool = True  # as agreed at the last drain point
     diverged: str | None = None  # why the run ended diverged
+    global_batch_size: int = 0  # of the last iteration (--rampup-batch-size changes it)
+    exit_reason: str | None = None  # why training stopped before --train-iters
 
 
 def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
@@ -232,6 +237,16 @@ def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
 
 def pretrain(args, forward_step_func) -> TrainingState:
     wall_start = time.perf_counter()
+    # Installed first, so that a SIGTERM during set-up is caught too (--exit-signal-handler).
+    requests = run_control.StopRequests(args, wall_start) if run_control.requested(args) else None
+    try:
+        return _pretrain(args, forward_step_func, wall_start, requests)
+    finally:
+        if requests is not None:
+            requests.release()
+
+
+def _pretrain(args, forward_step_func, wall_start, requests) -> TrainingState:
     faults.watch_launcher()
     device = initialize_distributed(args)
     print_rank_0(
@@ -258,13 +273,15 @@ def pretrain(args, forward_step_func) -> TrainingState:
     dist.barrier()  # everyone built; from here on only the schedule's own traffic
     print_rank_0(f"> setup done in {time.perf_counter() - wall_start:.1f} s, training ...")
 
+    flushes = get_schedule(args.pipeline_schedule).flushes_every_call
+    control = run_control.build_agreement(args, requests, device, flushes)
     with _maybe_audit() as audit:
         if args.skip_train:
             print_rank_0("> --skip-train: evaluation only")
             evaluate(args, forward_step_func, model, valid_iter, state, writer)
         else:
             train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter,
-                  state, writer, audit)  # fmt: skip
+                  state, writer, audit, control)  # fmt: skip
     if audit_requested():
         state.cross_stage_collectives = len(audit.violations)
 
@@ -298,6 +315,7 @@ def _build_stage_runtime(args, model, device) -> StageRuntime:
         dtype=dtype,
         record_trace=args.timeline_file is not None,
         deterministic=args.deterministic_mode,
+        per_token_loss=args.calculate_per_token_loss,
     )
     attach_stage_runtime(model, runtime)
     set_pipeline_schedule(args.pipeline_schedule, args.paci_arrival_rule)
@@ -317,7 +335,7 @@ def _build_train_valid_iterators(args, tokenizer, state: TrainingState):
         micro_batch_size=args.micro_batch_size,
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
         data_parallel_size=args.data_parallel_size,
-        train_samples=args.train_iters * args.global_batch_size,
+        train_samples=sum(BatchSchedule(args).batches(0, args.train_iters)),
         valid_samples=_eval_samples(args),
         test_samples=0,
         consumed_train_samples=state.consumed_train_samples,
@@ -453,37 +471,64 @@ def drain_points(args, start_iteration: int) -> list[int]:
     return sorted(p for p in points if p > start_iteration)
 
 
+class IterationPlan:
+    """What the loop knows ahead of each iteration: its global batch and number of
+    microbatches (constant, or growing with --rampup-batch-size), and the drain points
+    (evaluation, checkpoint, the end, and an agreed early stop)."""
+
+    def __init__(self, args, state: TrainingState):
+        self.first = state.iteration + 1
+        self.drains = drain_points(args, state.iteration)
+        self.stop = self.drains[-1] if self.drains else state.iteration
+        schedule = BatchSchedule(args)
+        self.per_microbatch = schedule.per_microbatch
+        self.sizes = schedule.batches(state.consumed_train_samples, self.stop - state.iteration)
+        self.ramp = schedule.ramp is not None
+        self.final_microbatches = args.num_microbatches
+        # microbatches of the first i iterations, for O(1) sums over any range
+        self.prefix = [0, *itertools.accumulate(b // self.per_microbatch for b in self.sizes)]
+
+    def batch(self, iteration: int) -> int:
+        return self.sizes[iteration - self.first]
+
+    def microbatches(self, iteration: int) -> int:
+        if iteration - self.first >= len(self.sizes):
+            return self.final_microbatches  # past the end: only for the stop agreement
+        return self.batch(iteration) // self.per_microbatch
+
+    def cumulative(self, iteration: int) -> int:
+        """Microbatches of this run's iterations up to `iteration` (0 before the first)."""
+        done = iteration - self.first + 1
+        if done < len(self.prefix):
+            return self.prefix[max(done, 0)]
+        return self.prefix[-1] + (done - len(self.prefix) + 1) * self.final_microbatches
+
+    def next_drain(self, iteration: int) -> int:
+        return next(p for p in self.drains if p >= iteration)
+
+    def microbatches_before_drain(self, iteration: int) -> int:
+        """This iteration's and the following ones' microbatches up to the next drain."""
+        return self.cumulative(self.next_drain(iteration)) - self.cumulative(iteration - 1)
+
+    def stop_after(self, iteration: int) -> None:
+        """End training after `iteration` (a drain point from now on)."""
+        if iteration < self.stop:
+            self.drains = [p for p in self.drains if p < iteration] + [iteration]
+            self.stop = iteration
+
+
 def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state,
-          writer, audit) -> None:  # fmt: skip
-    drains = drain_points(args, state.iteration)
-    stop = drains[-1] if drains else state.iteration
-    m = args.num_microbatches
+          writer, audit, control=None) -> None:  # fmt: skip
+    plan = IterationPlan(args, state)
     interval_start, interval_losses = time.perf_counter(), []
     train_start = time.perf_counter()
-    while state.iteration < stop:
+    while state.iteration < plan.stop:
         iteration = state.iteration + 1
-        next_drain = next(p for p in drains if p >= iteration)
-        name = schedule_of_iteration(args, iteration)  # flush during synchronous phases
-        rule = args.paci_arrival_rule if name == "paci" else None
-        schedule_function = get_forward_backward_func(name, arrival_rule=rule)
-        loss_dicts = schedule_function(
-            forward_step_func=forward_step_func,
-            data_iterator=train_iter,
-            model=model,
-            num_microbatches=m,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            optimizer_step_func=step_func,
-            microbatches_before_drain=(next_drain - iteration + 1) * m,
-        )
-        state.iteration = iteration
-        state.consumed_train_samples += args.global_batch_size
-        state.tokens += args.global_batch_size * args.seq_length
-        if parallel_state.is_pipeline_last_stage():
-            loss = _average_loss(loss_dicts)
-            state.losses.append(loss)
-            interval_losses.append(loss)
-            state.nan_iterations += 0 if math.isfinite(loss) else 1
+        if control is not None:
+            _agree_on_stop(control, plan, iteration, runtime)
+        loss_dicts = _train_iteration(args, forward_step_func, model, train_iter, step_func,
+                                      plan, iteration)  # fmt: skip
+        _account_iteration(state, plan, iteration, loss_dicts, interval_losses, args.seq_length)
         if iteration % args.log_interval == 0:
             elapsed = time.perf_counter() - interval_start
             fields = megatron_log_fields(args, step_func)
@@ -491,7 +536,8 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
                           fields)  # fmt: skip
             step_func.step_seconds = 0.0
             interval_start, interval_losses = time.perf_counter(), []
-        if iteration == next_drain:
+        stopping = control is not None and control.stop_after(iteration)
+        if iteration == plan.next_drain(iteration) or stopping:
             with audit.paused():  # the pipeline is drained here: not a training step
                 if not _check_health(args, state, model, step_func):
                     break
@@ -500,12 +546,69 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
             interval_start = time.perf_counter()  # evaluation time is not iteration time
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             _save_checkpoint(args, state, model, step_func, audit)
+        if stopping:
+            state.exit_reason = control.reason
+            break
     state.train_time_s = time.perf_counter() - train_start
+    _end_of_training(args, state, model, step_func, audit)
+
+
+def _agree_on_stop(control, plan: IterationPlan, iteration: int, runtime) -> None:
+    """Before `iteration`: adopt an agreed early stop as the next drain point."""
+    agreed = control.stop_before(iteration, plan.cumulative)
+    if agreed is None or agreed >= plan.stop:
+        return
+    if agreed < iteration or runtime.state.forwards > plan.cumulative(agreed):
+        # the agreement's margin rules this out: a bug if it happens
+        raise RuntimeError(
+            f"stop after iteration {agreed} agreed too late for iteration {iteration}: "
+            f"{runtime.state.describe()}"
+        )
+    plan.stop_after(agreed)
+    print_rank_0(f"> {control.reason}: training stops after iteration {agreed} (drained)")
+
+
+def _train_iteration(args, forward_step_func, model, train_iter, step_func, plan, iteration):
+    """One iteration of the schedule (flush during synchronous phases); the last stage's
+    loss dicts."""
+    name = schedule_of_iteration(args, iteration)
+    rule = args.paci_arrival_rule if name == "paci" else None
+    schedule_function = get_forward_backward_func(name, arrival_rule=rule)
+    if plan.ramp:  # Megatron's LR schedule of a ramp is in samples
+        getattr(step_func, "step_func", step_func).scheduler_increment = plan.batch(iteration)
+    return schedule_function(
+        forward_step_func=forward_step_func,
+        data_iterator=train_iter,
+        model=model,
+        num_microbatches=plan.microbatches(iteration),
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        optimizer_step_func=step_func,
+        microbatches_before_drain=plan.microbatches_before_drain(iteration),
+    )
+
+
+def _account_iteration(state, plan, iteration, loss_dicts, interval_losses, seq_length) -> None:
+    batch = plan.batch(iteration)
+    state.iteration = iteration
+    state.global_batch_size = batch
+    state.consumed_train_samples += batch
+    state.tokens += batch * seq_length
+    if parallel_state.is_pipeline_last_stage():
+        loss = _average_loss(loss_dicts)
+        state.losses.append(loss)
+        interval_losses.append(loss)
+        state.nan_iterations += 0 if math.isfinite(loss) else 1
+
+
+def _end_of_training(args, state, model, step_func, audit) -> None:
+    """Save unless the last iteration just did; say why training stopped early."""
     saved_last = args.save_interval and state.iteration % args.save_interval == 0
     if args.save and not saved_last and not state.diverged:
         _save_checkpoint(args, state, model, step_func, audit)
     if state.iteration < args.train_iters and not state.diverged:
-        print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval)")
+        reason = state.exit_reason or "--exit-interval"
+        print_rank_0(f"> exiting at iteration {state.iteration} ({reason})")
 
 
 def _check_health(args, state, model, step_func) -> bool:
@@ -551,14 +654,25 @@ def _save_checkpoint(args, state, model, step_func, audit) -> None:
 
 
 def _average_loss(loss_dicts: list[dict]) -> float:
-    """Mean 'lm loss' over the step's microbatches and the stage's data-parallel ranks."""
+    """Mean 'lm loss' over the step's microbatches and the stage's data-parallel ranks; with
+    Megatron's (loss sum, tokens) pairs (--calculate-per-token-loss), the mean per token."""
     # On the model's device, which is the one the data-parallel group's backend expects.
+    if loss_dicts[0]["lm loss"].numel() == 2:
+        pairs = [d["lm loss"].detach().float().view(-1) for d in loss_dicts]
+        return _per_token_mean(torch.stack(pairs).sum(dim=0))
     local = torch.stack([d["lm loss"].detach().float() for d in loss_dicts]).mean()
     group = parallel_state.get_data_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(local, group=group)
         local = local / dist.get_world_size(group)
     return float(local)
+
+
+def _per_token_mean(sum_and_tokens: torch.Tensor) -> float:
+    group = parallel_state.get_data_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(sum_and_tokens, group=group)
+    return float(sum_and_tokens[0] / sum_and_tokens[1].clamp(min=1.0))
 
 
 def evaluate(args, forward_step_func, model, valid_iter, state, writer) -> None:

@@ -5,9 +5,11 @@ process group per case would spend most of the test time there. Each case gets f
 parallel groups (pretrain destroys them at the end), so cases do not see each other's state.
 
     torchrun --nproc-per-node 4 tests/functional_tests/multi_run.py CASES.json
-CASES.json: [{"name": ..., "args": [...flags...], "metrics_dir": ...}, ...]
+CASES.json: [{"name": ..., "args": [...flags...], "metrics_dir": ..., "forward_step": None
+or "module.function" (instead of pretrain_gpt's)}, ...]
 """
 
+import importlib
 import json
 import sys
 
@@ -25,10 +27,17 @@ def main(cases_file: str) -> int:
         if dist.get_rank() == 0:
             print(f"=== case {case['name']}", flush=True)
         args = parse_args(case["args"] + ["--metrics-dir", case["metrics_dir"]])
-        pretrain(args, forward_step)
+        pretrain(args, _forward_step(case.get("forward_step")))
         dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _forward_step(name: str | None):
+    if not name:
+        return forward_step
+    module, function = name.rsplit(".", 1)
+    return getattr(importlib.import_module(module), function)
 
 
 if __name__ == "__main__":

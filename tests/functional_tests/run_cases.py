@@ -1,7 +1,8 @@
 """Megatron-style functional tests: run case directories and compare with golden values.
 
 A case is a directory `test_cases/<model>/<case>/` holding `model_config.yaml`
-(`NPROC`: processes, `ENV_VARS`, `MODEL_ARGS`: flag -> value) and `golden_values.json`
+(`NPROC`: processes, `ENV_VARS`, `MODEL_ARGS`: flag -> value, optionally `FORWARD_STEP`:
+`module.function` replacing pretrain_gpt's forward_step) and `golden_values.json`
 (`{"lm loss": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {...}}}`).
 Cases with the same process count and environment run in one torchrun launch.
 
@@ -39,6 +40,8 @@ def flags(model_args: dict, output: str) -> list[str]:
     for flag, value in model_args.items():
         if value is True:
             result.append(flag)
+        elif isinstance(value, list):  # a flag of several values (--rampup-batch-size)
+            result.extend([flag, *(str(item) for item in value)])
         elif value is not False and value is not None:
             value = str(value).replace("{gpt2}", os.path.join(output, "gpt2"))
             result.extend([flag, value.replace("{output}", output)])
@@ -97,6 +100,7 @@ def run(case_names: list[str], output: str) -> dict[str, dict]:
                 "name": name,
                 "args": flags(cases[name]["MODEL_ARGS"], output),
                 "metrics_dir": os.path.join(output, name),
+                "forward_step": cases[name].get("FORWARD_STEP"),
             }
             for name in names
         ]

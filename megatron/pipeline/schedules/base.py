@@ -64,6 +64,10 @@ class StageView:
     grad_ready: bool  # the output gradient of backward number `backwards` has arrived
     step_enabled: bool = True  # False when the caller steps the optimizer itself
     weight_grads: int = 0  # split-backward schedules: weight-gradient passes done so far
+    # Backwards and steps when `microbatches_per_step` took its current value (0, 0 unless it
+    # changed during the run, as with a batch-size ramp): steps fall every m backwards from here.
+    backwards_at_m: int = 0
+    steps_at_m: int = 0
 
     @property
     def inflight(self) -> int:
@@ -142,4 +146,6 @@ class Schedule:
 
 def steps_due(view: StageView) -> bool:
     """A step is due once `microbatches_per_step` backwards have accumulated since the last one."""
-    return view.step_enabled and view.backwards >= (view.steps + 1) * view.microbatches_per_step
+    steps_since = view.steps - view.steps_at_m
+    due_at = view.backwards_at_m + (steps_since + 1) * view.microbatches_per_step
+    return view.step_enabled and view.backwards >= due_at

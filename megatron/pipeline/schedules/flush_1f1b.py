@@ -23,7 +23,8 @@ def next_action(view: StageView) -> Action:
     step_start = view.backward_target - m  # the pipeline was empty when this step began
     forwards, backwards = view.forwards - step_start, view.backwards - step_start
     if backwards == m:
-        due = view.step_enabled and view.steps < view.backward_target // m
+        steps_for_m = (view.backward_target - view.backwards_at_m) // m
+        due = view.step_enabled and view.steps - view.steps_at_m < steps_for_m
         return Action(STEP) if due else Action(DONE)
     warmup = min(view.num_stages - view.stage - 1, m)
     if forwards < warmup or (forwards < m and forwards - backwards <= warmup):
