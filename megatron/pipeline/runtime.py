@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .accounting import SavedTensorMeter, StageStats, preserve_versions
-from .p2p import Outbox, make_inbox
+from .p2p import Outbox, decode_scale, encode_scale, make_inbox, scale_elements
 from .schedules.base import Action, ActionKind, Schedule, StageView
 from .stage_state import NO_LIMIT, StageState
 from .trace import TraceEvent
@@ -83,6 +83,9 @@ class StageRuntime:
         # pair and passes the rest on, so the last stage (which logs) sees every stage's
         # figures, a pipeline delay old, without any extra message or synchronization.
         self.pipeline_drift = torch.zeros(2 * context.num_stages, dtype=torch.float64)
+        # fp16: the stage's loss scaler (set by the training loop). Every gradient message
+        # carries the scale its sender computed it with; the receiver rescales to its own.
+        self.loss_scaler = None
         # Counters, weight versions, views and action checks, as the simulator keeps them.
         self.state = StageState(context.stage, context.num_stages)
         self._forward_only_microbatches = 0  # they share the activation stream with training
@@ -106,6 +109,7 @@ class StageRuntime:
         replace them with in-process ones."""
         ctx = self.context
         activation_payload = (math.prod(self.tensor_shape) + self.pipeline_drift.numel(),)
+        gradient_payload = (math.prod(self.tensor_shape) + scale_elements(self.dtype),)
         common = dict(backend=ctx.backend, dtype=self.dtype, device=ctx.device,
                       arrivals=self._arrivals)  # fmt: skip
         self.activations_in = self.gradients_in = None
@@ -120,7 +124,7 @@ class StageRuntime:
             )
         if not ctx.is_last:
             self.gradients_in = make_inbox(
-                peer=ctx.next_rank, group=ctx.gradient_group, shape=self.tensor_shape, **common
+                peer=ctx.next_rank, group=ctx.gradient_group, shape=gradient_payload, **common
             )
             self.activations_out = Outbox(
                 peer=ctx.next_rank, group=ctx.activation_group, max_pending=max_pending
@@ -371,15 +375,35 @@ class StageRuntime:
     def _backward(self) -> None:
         ctx = self.context
         microbatch = self.inflight.popleft()
-        grad = None if ctx.is_last else self._take(self.gradients_in)
+        grad = None if ctx.is_last else self._receive_gradient()
+        output = microbatch.output_tensor
+        if ctx.is_last and self.loss_scaler is not None:
+            output = output * self.loss_scaler.scale  # fp16: the stage's scale, now
         compute_start = time.perf_counter()
-        torch.autograd.backward(microbatch.output_tensor, grad_tensors=grad)
+        torch.autograd.backward(output, grad_tensors=grad)
         self.compute_s += time.perf_counter() - compute_start
         if not ctx.is_first:
-            self._timed_send(self.gradients_out, microbatch.input_tensor.grad)
+            self._send_gradient(microbatch.input_tensor.grad)
         forward_version = self.state.record_backward()
         self.stats.record_drift(self.state.steps - forward_version)
         self.stats.release_activation(microbatch.saved_bytes)
+
+    def _loss_scale(self) -> float:
+        return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+
+    def _receive_gradient(self) -> torch.Tensor:
+        """The gradient, brought from its sender's loss scale to this stage's (in fp32)."""
+        payload = self._take(self.gradients_in)
+        numel = math.prod(self.tensor_shape)
+        grad = payload[:numel].view(self.tensor_shape)
+        sender, mine = decode_scale(payload[numel:]), self._loss_scale()
+        if sender != mine:
+            grad = (grad.float() * (mine / sender)).to(self.dtype)
+        return grad
+
+    def _send_gradient(self, grad: torch.Tensor) -> None:
+        scale = encode_scale(self._loss_scale(), grad.dtype, grad.device)
+        self._timed_send(self.gradients_out, torch.cat([grad.reshape(-1), scale]))
 
     def _step(self, optimizer_step_func) -> None:
         compute_start = time.perf_counter()

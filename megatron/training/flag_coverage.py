@@ -14,6 +14,7 @@ import io
 import json
 import os
 import re
+import unittest.mock
 
 from .arguments import build_parser, validate_args
 from .errors import UserError
@@ -119,7 +120,9 @@ def classify(flags: list) -> tuple[str, list[str]]:
     if missing:
         return "not supported yet", missing
     try:
-        validate_args(args, world_size=world_size_of(flags), check_files=False)
+        # Megatron's command lines are GPU command lines (nccl): judged as on a GPU node.
+        with unittest.mock.patch("torch.cuda.is_available", return_value=True):
+            validate_args(args, world_size=world_size_of(flags), check_files=False)
     except UserError as error:
         return "other error", [str(error)]
     return "accepted", []
