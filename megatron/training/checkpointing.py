@@ -86,6 +86,9 @@ def recorded_args(args) -> dict:
 def save(root: str, state, model, optimizer, scheduler, args=None) -> None:
     """With `args`: Megatron's --no-save-optim / --no-save-rng leave those parts out."""
     path = _rank_file(root, state.iteration)
+    save_optim = not getattr(args, "no_save_optim", False)
+    # On every rank: the distributed optimizer gathers its shards over data parallelism.
+    optimizer_state = optimizer.state_dict() if save_optim else None
     if parallel_state.get_data_parallel_rank() == 0:
         payload = {
             "iteration": state.iteration,
@@ -93,8 +96,8 @@ def save(root: str, state, model, optimizer, scheduler, args=None) -> None:
             "model": model.state_dict(),
             "args": recorded_args(args) if args is not None else None,
         }
-        if not getattr(args, "no_save_optim", False):
-            payload["optimizer"] = optimizer.state_dict()
+        if save_optim:
+            payload["optimizer"] = optimizer_state
             payload["opt_param_scheduler"] = scheduler.state_dict()
         if not getattr(args, "no_save_rng", False):
             payload["rng_state"] = torch.get_rng_state()

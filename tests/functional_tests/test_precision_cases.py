@@ -35,6 +35,16 @@ def test_distributed_optimizer_matches_the_unsharded_run(case_results, schedule)
         assert sharded["cross_stage_collectives"] == 0
 
 
+def test_distributed_optimizer_checkpoint_resumes_without_it(case_results):
+    """The checkpoint holds the unsharded state: a run without the distributed optimizer
+    resumes it and continues the sharded run's losses."""
+    sharded = case_results["gpt_dp2pp2_paci_distopt"]["loss"]
+    first_half = case_results["gpt_dp2pp2_paci_distopt_resume_1_save"]["loss"]
+    second_half = case_results["gpt_dp2pp2_paci_distopt_resume_2_load"]["loss"]
+    assert first_half == sharded[:4]
+    assert relative_difference(second_half, sharded[4:]) <= 1e-6
+
+
 def test_bf16_tracks_fp32_with_fp32_optimizer_state(case_results):
     fp32, bf16 = case_results["gpt_pp4_1f1b"], case_results["gpt_pp4_1f1b_bf16"]
     assert 0 < relative_difference(bf16["loss"], fp32["loss"]) <= 1e-2
