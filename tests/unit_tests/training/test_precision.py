@@ -203,7 +203,7 @@ def test_distributed_optimizer_equals_the_unsharded_one_over_two_ranks():
     cases = [("adam", torch.float32), ("sgd", torch.float32), ("adam", torch.bfloat16),
              ("lion", torch.float32), ("adan", torch.float32)]  # fmt: skip
     torch.multiprocessing.start_processes(_worker, args=(port, cases), nprocs=2,
-                                          start_method="fork")  # fmt: skip
+                                          start_method="spawn")  # fmt: skip
 
 
 def test_distributed_optimizer_refuses_matrix_optimizers():
