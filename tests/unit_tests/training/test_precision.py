@@ -220,3 +220,70 @@ def test_distributed_optimizer_refuses_matrix_optimizers():
         str(caught.value)
         == "--use-distributed-optimizer with --optimizer muon is not supported yet"
     )
+
+
+# ---------------------------------------------------------------------------- step and flags
+def test_overflow_skips_the_step_halves_the_scale_and_is_not_divergence():
+    model = TinyGPT().to(torch.float16)
+    optimizer = build_optimizer(model, optimizer_args("adam", fp16=True, loss_scale=None,
+                                                      initial_loss_scale=4.0, min_loss_scale=2.0,
+                                                      loss_scale_window=1000, hysteresis=1))  # fmt: skip
+    step = _stage_step(model, optimizer, None)
+    before = [p.detach().clone() for p in model.parameters()]
+    for expected_scale, expected_in_a_row in ((2.0, 0), (2.0, 1)):
+        _backward_with(model, 0)
+        model.output_layer.weight.main_grad[0, 0] = float("inf")
+        report = step()
+        assert report.skipped and step.loss_scale == expected_scale
+        assert step.consecutive_skips == expected_in_a_row  # at the minimum scale it counts
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert step.skipped_steps == 2 and float(optimizer.buffer.flat.abs().sum()) == 0.0
+    _backward_with(model, 1)
+    assert not step().skipped and step.consecutive_skips == 0
+
+
+def test_gradient_messages_carry_the_scale_exactly():
+    from megatron.pipeline.p2p import decode_scale, encode_scale, scale_elements
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        tail = encode_scale(2.0**32, dtype, torch.device("cpu"))
+        assert tail.dtype == dtype and tail.numel() == scale_elements(dtype)
+        assert decode_scale(tail) == 2.0**32
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--fp16", "--bf16"], "--fp16 and --bf16 exclude each other"),
+        (["--overlap-param-gather"],
+         "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"),
+        (["--fp16", "--loss-scale", "-1"], "--loss-scale must be a positive number, got -1.0"),
+        (["--use-distributed-optimizer", "--optimizer", "soap"],
+         "--use-distributed-optimizer with --optimizer soap is not supported yet"),
+        (["--use-distributed-optimizer", "--async-error-feedback", "--pipeline-schedule", "paci"],
+         "--use-distributed-optimizer with --async-error-feedback is not supported yet"),
+    ],
+)  # fmt: skip
+def test_precision_flags_are_checked(extra, message):
+    from megatron.training.arguments import build_parser, validate_args
+    from megatron.training.errors import UserError
+
+    argv = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+            "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "2", "--lr", "0.1",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]  # fmt: skip
+    with pytest.raises(UserError) as caught:
+        validate_args(build_parser().parse_args(argv + extra), world_size=2)
+    assert str(caught.value) == message
+
+
+def test_accepted_precision_flags():
+    from megatron.training.arguments import build_parser, validate_args
+
+    argv = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+            "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "2", "--lr", "0.1",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--bf16",
+            "--accumulate-allreduce-grads-in-fp32", "--use-distributed-optimizer",
+            "--overlap-grad-reduce", "--overlap-param-gather"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    validate_args(args, world_size=2)
+    assert args.initial_loss_scale == 2**32 and args.hysteresis == 2
