@@ -86,9 +86,7 @@ def _divided_by_step_tokens(optimizer_step_func: Callable, runtime: StageRuntime
     its accumulated microbatches, summed over the stage's data-parallel ranks)."""
 
     def step():
-        params = [p for p in runtime.model.parameters() if p.grad is not None]
-        device = params[0].device if params else runtime.context.device
-        tokens = torch.tensor([float(runtime.tokens_since_step)], device=device)
+        tokens = torch.tensor([float(runtime.tokens_since_step)], device=runtime.context.device)
         group = _data_parallel_group()
         data_parallel = 1 if group is None else torch.distributed.get_world_size(group)
         if data_parallel > 1:
@@ -96,11 +94,22 @@ def _divided_by_step_tokens(optimizer_step_func: Callable, runtime: StageRuntime
         if tokens.item() > 0:
             # The step averages gradients over data-parallel ranks (megatron/training/
             # optimizer.py), so dp / total makes the result the sum over ranks / total.
-            for param in params:
-                param.grad.mul_(data_parallel / tokens.item())
+            _scale_gradients(optimizer_step_func, runtime.model, data_parallel / tokens.item())
         return optimizer_step_func()
 
     return step
+
+
+def _scale_gradients(optimizer_step_func: Callable, model: torch.nn.Module, factor: float):
+    """Scale the gradients the step will use: the optimizer's own (fp32 main gradients with
+    --bf16/--fp16/--use-distributed-optimizer), else the model's `.grad`."""
+    gradients = getattr(optimizer_step_func, "gradients", None)
+    if gradients is not None:
+        gradients.scale(factor)
+        return
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.mul_(factor)
 
 
 def _two_tuple_loss(loss_func: Callable, output):

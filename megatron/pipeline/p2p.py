@@ -156,5 +156,19 @@ class Outbox:
             self._pending.popleft()[0].wait()
 
 
+def scale_elements(dtype: torch.dtype) -> int:
+    """Payload elements that carry a gradient's fp32 loss scale: its 4 bytes reinterpreted in
+    the payload's dtype (2 for bf16/fp16, whose range could not hold 2**32 as a value)."""
+    return 4 // torch.empty((), dtype=dtype).element_size()
+
+
+def encode_scale(scale: float, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.tensor([scale], dtype=torch.float32).view(dtype).to(device)
+
+
+def decode_scale(payload_tail: torch.Tensor) -> float:
+    return float(payload_tail.detach().cpu().contiguous().view(torch.float32)[0])
+
+
 def make_inbox(*, backend: str, **kwargs) -> Inbox:
     return ThreadedInbox(**kwargs) if backend == "gloo" else PolledInbox(**kwargs)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .accounting import SavedTensorMeter, StageStats, preserve_versions
-from .p2p import Outbox, make_inbox
+from .p2p import Outbox, decode_scale, encode_scale, make_inbox, scale_elements
 from .schedules.base import Action, ActionKind, Schedule, StageView
 from .stage_state import NO_LIMIT, StageState
 from .trace import TraceEvent
@@ -111,6 +111,9 @@ class StageRuntime:
         # pair and passes the rest on, so the last stage (which logs) sees every stage's
         # figures, a pipeline delay old, without any extra message or synchronization.
         self.pipeline_drift = torch.zeros(2 * context.num_stages, dtype=torch.float64)
+        # fp16: the stage's loss scaler (set by the training loop). Every gradient message
+        # carries the scale its sender computed it with; the receiver rescales to its own.
+        self.loss_scaler = None
         # Counters, weight versions, views and action checks, as the simulator keeps them.
         self.state = StageState(context.stage, context.num_stages)
         self._forward_only_microbatches = 0  # they share the activation stream with training
@@ -136,6 +139,7 @@ class StageRuntime:
         replace them with in-process ones."""
         ctx = self.context
         activation_payload = (math.prod(self.tensor_shape) + self.pipeline_drift.numel(),)
+        gradient_payload = (math.prod(self.tensor_shape) + self._gradient_trailer_elements(),)
         common = dict(backend=ctx.backend, dtype=self.dtype, device=ctx.device,
                       arrivals=self._arrivals)  # fmt: skip
         self.activations_in = self.gradients_in = None
@@ -149,9 +153,6 @@ class StageRuntime:
                 peer=ctx.prev_rank, group=ctx.gradient_group, max_pending=max_pending
             )
         if not ctx.is_last:
-            gradient_payload = self.tensor_shape
-            if self.per_token_loss:
-                gradient_payload = (math.prod(self.tensor_shape) + COUNT_DIGITS,)
             self.gradients_in = make_inbox(
                 peer=ctx.next_rank, group=ctx.gradient_group, shape=gradient_payload, **common
             )
@@ -460,15 +461,15 @@ class StageRuntime:
         microbatch = self.inflight.popleft()
         grad, tokens = None, microbatch.tokens
         if not ctx.is_last:
-            grad = self._take(self.gradients_in)
-            if self.per_token_loss:
-                grad, tokens = grad[:-COUNT_DIGITS].view(self.tensor_shape), decode_count(
-                    grad[-COUNT_DIGITS:]
-                )
+            grad, received_tokens = self._receive_gradient()
+            tokens = received_tokens if self.per_token_loss else tokens
+        output = microbatch.output_tensor
+        if ctx.is_last and self.loss_scaler is not None:
+            output = output * self.loss_scaler.scale  # fp16: the stage's scale, now
         version = self.state.forward_versions[microbatch.microbatch]
         compute_start = time.perf_counter()
         with self._on_weights(version):
-            torch.autograd.backward(microbatch.output_tensor, grad_tensors=grad)
+            torch.autograd.backward(output, grad_tensors=grad)
         self.compute_s += time.perf_counter() - compute_start
         self.tokens_since_step += int(tokens)
         if not ctx.is_first:
@@ -483,11 +484,32 @@ class StageRuntime:
             self.stash.release_unneeded(self._still_needed)
         self.stats.release_activation(microbatch.saved_bytes)
 
+    def _loss_scale(self) -> float:
+        return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+
+    def _gradient_trailer_elements(self) -> int:
+        """What rides after a gradient's elements: the sender's loss scale, and with a
+        per-token loss the microbatch's token count."""
+        return scale_elements(self.dtype) + (COUNT_DIGITS if self.per_token_loss else 0)
+
+    def _receive_gradient(self) -> tuple[torch.Tensor, int]:
+        """The gradient, brought from its sender's loss scale to this stage's (in fp32), and
+        the token count it carries (0 without a per-token loss)."""
+        payload = self._take(self.gradients_in)
+        numel = math.prod(self.tensor_shape)
+        count_start = numel + scale_elements(self.dtype)
+        grad = payload[:numel].view(self.tensor_shape)
+        sender, mine = decode_scale(payload[numel:count_start]), self._loss_scale()
+        if sender != mine:
+            grad = (grad.float() * (mine / sender)).to(self.dtype)
+        tokens = decode_count(payload[count_start:]) if self.per_token_loss else 0
+        return grad, tokens
+
     def _send_gradient(self, grad: torch.Tensor, tokens: int) -> None:
+        parts = [grad.reshape(-1), encode_scale(self._loss_scale(), grad.dtype, grad.device)]
         if self.per_token_loss:
-            count = encode_count(tokens, grad.dtype, grad.device)
-            grad = torch.cat([grad.reshape(-1), count])
-        self._timed_send(self.gradients_out, grad)
+            parts.append(encode_count(tokens, grad.dtype, grad.device))
+        self._timed_send(self.gradients_out, torch.cat(parts))
 
     def _step(self, optimizer_step_func) -> None:
         stash = self.stash

@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                       _add_checkpoint_args, _add_benchmark_args):  # fmt: skip
         add_group(parser)
     _add_optimizer_suite_args(parser)
+    _add_precision_args(parser)
     add_reliability_args(parser)
     add_compatibility_flags(parser)
     return parser
@@ -79,7 +80,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     add("--untie-embeddings-and-output-weights", action="store_true",
         help="separate input embedding and output layer weights (default: tied, as Megatron)")  # fmt: skip
     add("--make-vocab-size-divisible-by", type=int, default=128)
-    add("--bf16", action="store_true", help="bf16 parameters and activations (GPU)")
+    add("--bf16", action="store_true",
+        help="bf16 parameters and activations, fp32 main weights and gradient accumulation")  # fmt: skip
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -256,6 +258,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
                             "--ckpt-format torch")  # fmt: skip
     _validate_optimizer_suite_args(args)
     _validate_weight_stashing(args)
+    _validate_precision_args(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise UserError(
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
@@ -497,3 +500,59 @@ def _validate_optimizer_suite_args(args: argparse.Namespace) -> None:
             raise UserError(f"{name} must be >= 0")
         if getattr(args, flag) and args.pipeline_schedule == "1f1b":
             raise UserError(f"{name} needs an asynchronous --pipeline-schedule (1f1b is flush)")
+
+
+# ---------------------------------------------------------------------------- precision
+def _add_precision_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron's mixed-precision and distributed-optimizer flags (docs/precision.md)."""
+    add = parser.add_argument_group("mixed precision and distributed optimizer").add_argument
+    add("--fp16", action="store_true",
+        help="fp16 parameters and activations, fp32 main weights, loss scaling per stage")  # fmt: skip
+    add("--loss-scale", type=float, default=None,
+        help="static fp16 loss scale (default: dynamic)")  # fmt: skip
+    add("--initial-loss-scale", type=float, default=2**32)
+    add("--min-loss-scale", type=float, default=1.0)
+    add("--loss-scale-window", type=float, default=1000,
+        help="clean steps before the dynamic scale doubles")  # fmt: skip
+    add("--hysteresis", type=int, default=2,
+        help="overflowing steps before the dynamic scale halves")  # fmt: skip
+    add("--accumulate-allreduce-grads-in-fp32", action="store_true",
+        help="our behaviour with --bf16/--fp16 (fp32 main_grad); fp32 runs are fp32 anyway")  # fmt: skip
+    add("--use-distributed-optimizer", action="store_true",
+        help="shard fp32 main weights and optimizer state over the stage's data-parallel group")  # fmt: skip
+    add("--overlap-grad-reduce", action="store_true",
+        help="accepted; gradients are reduced once the accumulation ends (no overlap)")  # fmt: skip
+    add("--overlap-param-gather", action="store_true",
+        help="accepted with --use-distributed-optimizer; parameters are gathered after the step")  # fmt: skip
+
+
+DISTRIBUTED_OPTIMIZER_REFUSES = ("muon", "soap", "mars")  # not element-wise (per matrix)
+
+
+def _validate_precision_args(args: argparse.Namespace) -> None:
+    if args.fp16 and args.bf16:
+        raise UserError("--fp16 and --bf16 exclude each other")
+    for name in ("loss_scale", "initial_loss_scale", "min_loss_scale"):
+        value = getattr(args, name)
+        if value is not None and not (0 < value < float("inf")):
+            raise UserError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+    if args.min_loss_scale > args.initial_loss_scale:
+        raise UserError("--min-loss-scale is above --initial-loss-scale")
+    if args.loss_scale_window < 1 or args.hysteresis < 1:
+        raise UserError("--loss-scale-window and --hysteresis must be >= 1")
+    if args.overlap_param_gather and not (
+        args.use_distributed_optimizer and args.overlap_grad_reduce
+    ):
+        raise UserError(
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
+        )
+    if not args.use_distributed_optimizer:
+        return
+    if args.optimizer in DISTRIBUTED_OPTIMIZER_REFUSES:
+        raise UserError(
+            f"--use-distributed-optimizer with --optimizer {args.optimizer} is not supported yet"
+        )
+    for flag, value in (("--async-error-feedback", args.async_error_feedback),
+                        ("--delay-compensation-lambda", args.delay_compensation_lambda)):  # fmt: skip
+        if value:
+            raise UserError(f"--use-distributed-optimizer with {flag} is not supported yet")

@@ -112,6 +112,9 @@ def save(root: str, state, model, optimizer, scheduler, args=None) -> None:
 
 def _save_torch(root: str, state, model, optimizer, scheduler, args) -> None:
     path = _rank_file(root, state.iteration)
+    save_optim = not getattr(args, "no_save_optim", False)
+    # On every rank: the distributed optimizer gathers its shards over data parallelism.
+    optimizer_state = optimizer.state_dict() if save_optim else None
     if parallel_state.get_data_parallel_rank() == 0:
         payload = {
             "iteration": state.iteration,
@@ -119,8 +122,8 @@ def _save_torch(root: str, state, model, optimizer, scheduler, args) -> None:
             "model": model.state_dict(),
             "args": recorded_args(args) if args is not None else None,
         }
-        if not getattr(args, "no_save_optim", False):
-            payload["optimizer"] = optimizer.state_dict()
+        if save_optim:
+            payload["optimizer"] = optimizer_state
             payload["opt_param_scheduler"] = scheduler.state_dict()
         if not getattr(args, "no_save_rng", False):
             payload["rng_state"] = torch.get_rng_state()

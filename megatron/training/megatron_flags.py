@@ -77,16 +77,13 @@ OUR_BEHAVIOUR = [
 # Parsed, rejected at validation unless left at the default.
 NOT_SUPPORTED = [
     # mixed precision and low precision
-    *_switches("--fp16", "--fp8-param-gather", "--grad-reduce-in-bf16"),
+    *_switches("--fp8-param-gather", "--grad-reduce-in-bf16"),
     Flag("--fp8-format", str),
     Flag("--fp8-recipe", str),
     Flag("--fp8-amax-history-len", int),
     Flag("--fp8-amax-compute-algo", str),
     # distributed optimizer, overlap, FSDP
     *_switches(
-        "--use-distributed-optimizer",
-        "--overlap-grad-reduce",
-        "--overlap-param-gather",
         "--overlap-param-gather-with-optimizer-step",
         "--ddp-average-in-collective",
         "--use-torch-fsdp2",

@@ -2,32 +2,59 @@
 
 Torch optimizers on every device (megatron-core's wrappers are CUDA-only). The step does what
 Megatron's does, in this order: average gradients over the stage's data-parallel group, clip
-by the gradient norm, step, advance the LR schedule, clear gradients.
+by the gradient norm, step, advance the LR schedule, clear gradients. Where weights and
+gradients live (the model's own in fp32; fp32 main weights and gradients for `--bf16` /
+`--fp16`; sharded over data parallelism for `--use-distributed-optimizer`) is main_params.py's
+and distributed_optimizer.py's business; fp16 loss scaling is loss_scaling.py's.
 
 The gradient norm's reach is the one difference between schedules: 1F1B-flush reduces it over
 the whole model (tensor x pipeline ranks), like Megatron; PACI only over the stage's tensor-
 parallel ranks, because a pipeline-wide norm would be a global synchronization every step.
+A non-finite norm (an fp16 overflow, or divergence) skips the step; under 1F1B-flush every
+stage sees the same norm, so all skip together, as Megatron's model-wide found-inf does.
 """
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-
-def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    return param.ndim < 2 or name.endswith("bias") or "norm" in name
+from .main_params import ModelGradients, ReplicatedMainOptimizer, needs_main_params
 
 
 def build_optimizer(model: torch.nn.Module, args):
-    """`--optimizer`'s optimizer (optimizers.py), with the delay mitigations asked for."""
+    """`--optimizer`'s optimizer (optimizers.py), with the delay mitigations asked for; over
+    fp32 main weights when the model is bf16/fp16 or the optimizer is distributed."""
     from .delay_mitigation import with_delay_mitigation
     from .optimizers import build_suite_optimizer
 
+    if needs_main_params(args):
+        return build_main_params_optimizer(model, args)
     params = [p for p in model.parameters() if p.requires_grad]
     return with_delay_mitigation(build_suite_optimizer(model, args), params, args)
+
+
+def build_main_params_optimizer(model: torch.nn.Module, args):
+    from megatron.core import parallel_state
+
+    from .delay_mitigation import with_delay_mitigation
+    from .distributed_optimizer import ShardedMainOptimizer
+    from .loss_scaling import build_loss_scaler
+    from .optimizers import build_suite_optimizer
+
+    if getattr(args, "use_distributed_optimizer", False):
+        initialized = parallel_state.model_parallel_is_initialized()
+        group = parallel_state.get_data_parallel_group() if initialized else dist.group.WORLD
+        wrapper = ShardedMainOptimizer(model, group)
+    else:
+        wrapper = ReplicatedMainOptimizer(model)
+    inner = build_suite_optimizer(wrapper.main_view(getattr(model, "config", None)), args)
+    mains = [main for _, main in wrapper.named_main()]
+    wrapper.attach(with_delay_mitigation(inner, mains, args), build_loss_scaler(args))
+    return wrapper
 
 
 def _schedule_lengths(args) -> tuple[float, float]:
@@ -103,22 +130,39 @@ class StageOptimizerStep:
         self.tensor_parallel_rank = tensor_parallel_rank
         self.clip_grad = clip_grad
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # The optimizer's own gradients (main weights), or the model's (fp32).
+        self.gradients = optimizer if hasattr(optimizer, "average_over") else None
+        self.gradients = self.gradients or ModelGradients(self.params)
+        self.loss_scaler = getattr(optimizer, "loss_scaler", None)
         self.last = StepReport(grad_norm=0.0, learning_rate=0.0)
+        self.calls = 0  # step calls, skipped ones included
         self.skipped_steps = 0  # steps this stage skipped, over the run
-        self.consecutive_skips = 0  # ... in a row, up to the last step
+        self.consecutive_skips = 0  # ... in a row (not counting fp16 overflows), up to the last
         self.scheduler_increment = 1  # iterations; samples of the iteration with a batch ramp
 
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+
+    def gradient_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The gradient the step will use for a model parameter (fp32 `main_grad` with main
+        weights), before the data-parallel average."""
+        return self.gradients.gradient_of(param)
+
     def __call__(self) -> StepReport:
-        grads = [self._grad(p) for p in self.params]
-        self._average_over_data_parallel(grads)
+        self.calls += 1
+        self.gradients.average_over(self.data_parallel_group)
+        self._maybe_inject_overflow()
         grad_norm = self._grad_norm()
-        if not math.isfinite(grad_norm):
-            return self._skip(grad_norm)
+        found_inf = not math.isfinite(grad_norm)
+        overflow = found_inf and self.loss_scaler is not None and self.loss_scaler.can_back_off()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
+        if found_inf:
+            return self._skip(grad_norm, overflow=overflow)
         self.consecutive_skips = 0
         if self.clip_grad > 0 and grad_norm > self.clip_grad:
-            scale = self.clip_grad / (grad_norm + 1e-6)
-            for grad in grads:
-                grad.mul_(scale)
+            self.gradients.scale(self.clip_grad / (grad_norm + 1e-6))
         learning_rate = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step(increment=self.scheduler_increment)
@@ -130,45 +174,43 @@ class StageOptimizerStep:
         """After a rollback the skips in a row start again from zero."""
         self.consecutive_skips = 0
 
-    def _skip(self, grad_norm: float) -> StepReport:
+    def _skip(self, grad_norm: float, *, overflow: bool) -> StepReport:
         """A non-finite gradient norm: no update, and (as in Megatron) the LR schedule does not
-        advance. Every rank of the stage sees the same norm, so they all skip."""
+        advance. Every rank of the stage sees the same norm, so they all skip. An fp16
+        overflow while the loss scale can still back off is the scaler's normal work, not a
+        sign of divergence: it does not count towards --max-consecutive-skips."""
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += 1
-        self.consecutive_skips += 1
+        if not overflow:
+            self.consecutive_skips += 1
         learning_rate = self.optimizer.param_groups[0]["lr"]
         self.last = StepReport(grad_norm=grad_norm, learning_rate=learning_rate, skipped=True)
         return self.last
 
-    @staticmethod
-    def _grad(param: torch.nn.Parameter) -> torch.Tensor:
-        if param.grad is None:  # unused this step: its gradient is zero, not missing
-            param.grad = torch.zeros_like(param)
-        return param.grad
+    def _maybe_inject_overflow(self) -> None:
+        """Tests: MEGATRON_INJECT_GRAD_OVERFLOW names this stage and step (loss_scaling.py)."""
+        from .loss_scaling import INJECT_ENV, inject_overflow, injected_overflow_steps
 
-    def _average_over_data_parallel(self, grads: list[torch.Tensor]) -> None:
-        group = self.data_parallel_group
-        if group is None or dist.get_world_size(group) == 1:
+        if not os.environ.get(INJECT_ENV):
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat.div_(dist.get_world_size(group))
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        from megatron.core import parallel_state
+
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        if self.calls in injected_overflow_steps(stage):
+            inject_overflow(self.gradients.first_gradient())
+
+    def _counted(self, param: torch.nn.Parameter) -> bool:
+        """A parameter replicated over tensor-parallel ranks is counted once (on TP rank 0);
+        the last stage's copy of a tied embedding is counted on the first stage."""
+        if getattr(param, "shared", False):
+            return False
+        return getattr(param, "tensor_model_parallel", False) or self.tensor_parallel_rank == 0
 
     def _grad_norm(self) -> float:
-        """L2 norm over `grad_norm_group`; a parameter replicated over tensor-parallel ranks
-        is counted once (on TP rank 0)."""
-        device = self.params[0].device
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        for param in self.params:
-            if getattr(param, "shared", False):
-                continue  # the last stage's copy of a tied embedding: counted on the first stage
-            if getattr(param, "tensor_model_parallel", False) or self.tensor_parallel_rank == 0:
-                total += param.grad.detach().float().pow(2).sum()
-        group = self.grad_norm_group
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(total, group=group)
+        """L2 norm of the averaged gradient over `grad_norm_group` (and over the
+        data-parallel group when each rank holds a shard of it)."""
+        total = self.gradients.squared_norm(self._counted)
+        for group in (self.gradients.norm_group, self.grad_norm_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(total, group=group)
         return math.sqrt(total.item())

@@ -41,7 +41,9 @@ MATRIX_OPTIMIZERS = ("muon", "soap")
 
 
 def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    return param.ndim < 2 or name.endswith("bias") or "norm" in name
+    # A distributed optimizer's flat piece of a matrix keeps the matrix's rule (model_ndim).
+    ndim = getattr(param, "model_ndim", param.ndim)
+    return ndim < 2 or name.endswith("bias") or "norm" in name
 
 
 def is_hidden_matrix(name: str, param: torch.nn.Parameter) -> bool:

@@ -21,10 +21,6 @@ from megatron.pipeline.trace import write_chrome_trace
 from .checkpointing import atomic_write_text
 from .errors import UserError
 
-# Megatron scales the loss only for fp16 training (not supported here): fp32 and bf16 runs
-# report a loss scale of 1, as Megatron's do.
-LOSS_SCALE = 1.0
-
 
 def is_logging_rank() -> bool:
     """Megatron logs from the last pipeline stage (it has the loss); its first TP/DP rank."""
@@ -84,13 +80,14 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fiel
         f"elapsed time per iteration (ms): {per_iteration_ms:.1f} | {throughput}"
         f"learning rate: {report.learning_rate:.6E} | "
         f"global batch size: {batch:5d} | lm loss: {loss:.6E} | "
-        f"loss scale: {LOSS_SCALE:.1f} | grad norm: {report.grad_norm:.3f} | {extra}"
+        f"loss scale: {step_func.loss_scale:.1f} | grad norm: {report.grad_norm:.3f} | {extra}"
         f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nans:3d} | "
         f"weight drift max/mean by stage: {drift_text} |",
         flush=True,
     )
     if writer is not None:
-        _write_scalars(args, writer, state.iteration, loss, report, per_iteration_ms, drift)
+        _write_scalars(args, writer, state.iteration, loss, report, per_iteration_ms, drift,
+                       step_func.loss_scale)  # fmt: skip
         for name, value in fields.items():
             writer.add_scalar(name.replace(" ", "-"), value, state.iteration)
         if args.log_timers_to_tensorboard:
@@ -115,10 +112,11 @@ def floating_point_operations(args, global_batch_size: int | None = None) -> flo
     return 12.0 * batch * s * layers * h * h * per_layer
 
 
-def _write_scalars(args, writer, step, loss, report, per_iteration_ms, drift) -> None:
+def _write_scalars(args, writer, step, loss, report, per_iteration_ms, drift, loss_scale) -> None:
     writer.add_scalar("lm loss", loss, step)
     writer.add_scalar("learning-rate", report.learning_rate, step)
     writer.add_scalar("grad-norm", report.grad_norm, step)
+    writer.add_scalar("loss-scale", loss_scale, step)
     writer.add_scalar("iteration-time", per_iteration_ms / 1000.0, step)
     for stage, (max_drift, mean_drift) in enumerate(drift):
         writer.add_scalar(f"drift/stage{stage}/max", max_drift, step)
@@ -170,6 +168,8 @@ def _stage_report(args, runtime, step_func, optimizer) -> dict:
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         grad_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
         optimizer_state_bytes=_optimizer_state_bytes(optimizer),
+        main_param_bytes=step_func.gradients.main_param_bytes,  # fp32 main weights, this rank
+        loss_scale=step_func.loss_scale,
         skipped_steps=step_func.skipped_steps,
         runtime_overhead_us_per_action=runtime.overhead_per_action_us(),
     )
@@ -189,6 +189,7 @@ def write_summary(args, state, runtime, step_func, optimizer, wall_start) -> Non
     """Gather every rank's figures (the pipeline is drained: this is not a training step)."""
     mine = {
         "rank": dist.get_rank(),
+        "optimizer_state_bytes": _optimizer_state_bytes(optimizer),
         "stage": parallel_state.get_pipeline_model_parallel_rank(),
         "leader": is_stage_leader(),
         "report": _stage_report(args, runtime, step_func, optimizer),
@@ -226,6 +227,8 @@ def write_summary(args, state, runtime, step_func, optimizer, wall_start) -> Non
         "tokens_per_second": state.tokens / elapsed if elapsed > 0 else 0.0,
         "wall_s_including_setup": time.perf_counter() - wall_start,
         "stages": [g["report"] for g in stages],
+        # every rank's (the stage figures above are its first TP/DP rank's)
+        "optimizer_state_bytes_by_rank": [g["optimizer_state_bytes"] for g in gathered],
     }
     if audit_requested():
         summary["cross_stage_collectives"] = sum(g["cross_stage_collectives"] for g in gathered)

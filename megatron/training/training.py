@@ -38,6 +38,7 @@ from .delay_mitigation import schedule_of_iteration, synchronous_phase_ends
 from .emulation import EmulatedStage
 from .errors import RunFailed
 from .lr_per_iteration import per_iteration
+from .main_params import model_dtype
 from .model import StageLayout, build_gpt_stage
 from .optimizer import StageOptimizerStep, build_lr_scheduler, build_optimizer
 from .reporting import (
@@ -134,7 +135,7 @@ def model_switches(args) -> dict:
 
 
 def transformer_config(args, device: torch.device) -> TransformerConfig:
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = model_dtype(args)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -151,6 +152,7 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=args.bf16,
+        fp16=getattr(args, "fp16", False),
         use_cpu_initialization=True,  # draws on CPU; our layout-independent init overwrites it
         perform_initialization=True,  # (it also tags tensor-parallel attributes on weights)
         gradient_accumulation_fusion=False,
@@ -182,7 +184,7 @@ def build_stage_model(args, vocab_size: int, device: torch.device) -> torch.nn.M
             noise_cv=args.emulated_noise_cv, seed=args.seed,
         )  # fmt: skip
     config = transformer_config(args, device)
-    return build_gpt_stage(
+    model = build_gpt_stage(
         config,
         stage_layout(args),
         vocab_size=vocab_size,
@@ -195,6 +197,8 @@ def build_stage_model(args, vocab_size: int, device: torch.device) -> torch.nn.M
         rotary_base=args.rotary_base,
         use_transformer_engine=args.transformer_impl == "transformer_engine",
     )
+    # As Megatron's Float16Module: every parameter (norms too) in the model's dtype.
+    return model.to(model_dtype(args))
 
 
 # ---------------------------------------------------------------------------- state
@@ -266,6 +270,7 @@ def _pretrain(args, forward_step_func, wall_start, requests) -> TrainingState:
             args.load, model=model, optimizer=optimizer, scheduler=scheduler, args=args
         )
     runtime = _build_stage_runtime(args, model, device)
+    runtime.loss_scaler = step_func.loss_scaler  # fp16: the stage's scale, on its messages
     train_iter, valid_iter = _build_train_valid_iterators(args, tokenizer, state)
     writer = tensorboard_writer(args)
     faults.register_peers()
@@ -307,7 +312,7 @@ def _build_checked_tokenizer(args):
 
 def _build_stage_runtime(args, model, device) -> StageRuntime:
     """The stage's pipeline runtime, attached to the model, with the schedule selected."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = model_dtype(args)
     runtime = StageRuntime(
         build_pipeline_context(device),
         model,
@@ -388,11 +393,9 @@ class MegatronStep:
 
     def __call__(self):
         for weight in self.tied_weights:
-            if weight.grad is None:
-                weight.grad = torch.zeros_like(weight)
-            dist.all_reduce(weight.grad, group=self.group)
+            dist.all_reduce(self.step_func.gradient_of(weight), group=self.group)
         if self.count_zeros:
-            self.num_zeros = _zeros_in_grad(self.step_func.params)
+            self.num_zeros = _zeros_in_grad(self.step_func)
         start = time.perf_counter()
         report = self.step_func()
         self.step_seconds += time.perf_counter() - start
@@ -415,10 +418,10 @@ def _counted_once(params):
             yield param
 
 
-def _zeros_in_grad(params) -> float:
+def _zeros_in_grad(step_func) -> float:
     zeros = 0
-    for param in _counted_once(params):
-        nonzero = 0 if param.grad is None else int(torch.count_nonzero(param.grad))
+    for param in _counted_once(step_func.params):
+        nonzero = int(torch.count_nonzero(step_func.gradient_of(param)))
         zeros += param.numel() - nonzero
     return float(zeros)
 

@@ -74,8 +74,8 @@ def test_pretrain_gpt_prints_one_error_line_and_exits_2(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     import pretrain_gpt
 
-    assert pretrain_gpt.main(BASE + ["--use-distributed-optimizer"]) == 2
-    assert capsys.readouterr().err == "error: --use-distributed-optimizer is not supported yet\n"
+    assert pretrain_gpt.main(BASE + ["--sequence-parallel"]) == 2
+    assert capsys.readouterr().err == "error: --sequence-parallel is not supported yet\n"
 
 
 def test_tied_embeddings_refused_under_paci_with_stages():

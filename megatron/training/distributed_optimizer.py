@@ -1,0 +1,164 @@
+"""`--use-distributed-optimizer`: fp32 main weights and optimizer state sharded over the
+stage's data-parallel group (Megatron's distributed optimizer, ZeRO stage 1 with fp32
+gradient accumulation).
+
+The stage's trainable parameters are laid end to end in one flat fp32 gradient buffer
+(main_params.GradBuffer), padded to a multiple of the data-parallel size D; rank r owns the
+contiguous range [r S, (r + 1) S), S = padded / D. Each parameter's piece of that range is an
+fp32 main weight of its own, and the optimizer steps only those pieces: element-wise
+optimizers (adam, sgd, lion, adan) then give exactly the unsharded update.
+
+One step:
+
+1. gradients: NCCL reduce-scatters the flat buffer (each rank receives its range, summed);
+   gloo has no reduce-scatter, so it all-reduces the buffer and each rank keeps its range;
+   then divide by D;
+2. gradient norm: the sum of squares of my range, all-reduced over the data-parallel group,
+   then over the schedule's reach (tensor parallel, plus pipeline under 1F1B-flush);
+3. the optimizer steps my pieces; each rank writes its updated range, in the model's dtype,
+   into a flat buffer, `all_gather`s it, and copies every parameter out of it.
+
+All collectives stay inside the stage's data-parallel group: PACI keeps no cross-stage
+collective. `state_dict()` gathers the shards into the unsharded optimizer's per-parameter
+format (the same dict `ReplicatedMainOptimizer` or a plain fp32 optimizer writes), and
+`load_state_dict()` takes this rank's slice of such a dict, so checkpoints do not depend on
+the data-parallel size or on whether the optimizer was sharded.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .main_params import MainParamsOptimizer
+from .optimizers import decay_groups
+
+
+@dataclass(eq=False)  # hashed by identity
+class Piece:
+    """The part of parameter `index` that this rank owns."""
+
+    index: int  # the parameter's position in the stage's trainable parameters
+    param: torch.nn.Parameter
+    start: int  # range in the flattened parameter
+    end: int
+    shard_offset: int  # where it starts in this rank's range of the flat buffer
+    main: torch.nn.Parameter  # fp32, 1-D, what the optimizer steps
+
+
+class ShardedMainOptimizer(MainParamsOptimizer):
+    def __init__(self, model: torch.nn.Module, group):
+        self.group = group
+        self.shards, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        super().__init__(model, shards=self.shards)
+        self.shard_numel = self.buffer.padded_numel // self.shards
+        self.low = self.rank * self.shard_numel
+        self.high = self.low + self.shard_numel
+        self.pieces = self._my_pieces()
+
+    @property
+    def norm_group(self):
+        return self.group  # each rank's squared norm covers its range only
+
+    def _my_pieces(self) -> list[Piece]:
+        pieces = []
+        for index, (param, offset) in enumerate(self.buffer.views()):
+            first, last = max(offset, self.low), min(offset + param.numel(), self.high)
+            if first >= last:
+                continue
+            start, end = first - offset, last - offset
+            main = torch.nn.Parameter(param.detach().reshape(-1)[start:end].float().clone())
+            main.model_ndim = param.ndim  # weight decay follows the parameter's shape
+            pieces.append(Piece(index, param, start, end, first - self.low, main))
+        return pieces
+
+    @property
+    def main_param_bytes(self) -> int:
+        return sum(p.main.numel() * p.main.element_size() for p in self.pieces)
+
+    def named_main(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(self.named[p.index][0], p.main) for p in self.pieces]
+
+    @torch.no_grad()
+    def refresh_from_model(self) -> None:
+        for piece in self.pieces:
+            piece.main.copy_(piece.param.detach().reshape(-1)[piece.start : piece.end])
+
+    # ------------------------------------------------------------------ gradients
+    def _my_range(self) -> torch.Tensor:
+        return self.buffer.flat[self.low : self.high]
+
+    def _piece_gradient(self, piece: Piece) -> torch.Tensor:
+        start = self.low + piece.shard_offset
+        return self.buffer.flat[start : start + piece.main.numel()]
+
+    def average_over(self, group) -> None:
+        flat = self.buffer.flat
+        if self.shards > 1 and dist.get_backend(group) == "nccl":
+            mine = torch.empty_like(self._my_range())
+            dist.reduce_scatter_tensor(mine, flat, group=group)
+            self._my_range().copy_(mine)
+        elif self.shards > 1:  # gloo: no reduce-scatter
+            dist.all_reduce(flat, group=group)
+        self._my_range().div_(self.shards)
+
+    def squared_norm(self, counted) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.buffer.flat.device)
+        for piece in self.pieces:
+            if counted(piece.param):
+                total += self._piece_gradient(piece).pow(2).sum()
+        return total
+
+    def scale(self, factor: float) -> None:
+        self._my_range().mul_(factor)
+
+    def first_gradient(self) -> torch.Tensor:
+        return self._my_range()
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self) -> None:
+        for piece in self.pieces:
+            piece.main.grad = self._piece_gradient(piece)
+        self.inner.step()
+        self._gather_params()
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        """Every rank's updated range, in the model's dtype, into every rank's parameters."""
+        flat = self.buffer.flat
+        mine = torch.zeros(self.shard_numel, dtype=self.dtype, device=flat.device)
+        for piece in self.pieces:
+            mine[piece.shard_offset : piece.shard_offset + piece.main.numel()] = piece.main
+        full = torch.empty(self.buffer.padded_numel, dtype=self.dtype, device=flat.device)
+        dist.all_gather_into_tensor(full, mine, group=self.group)
+        for param, offset in self.buffer.views():
+            param.copy_(full[offset : offset + param.numel()].view_as(param))
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Collective over the data-parallel group: the unsharded per-parameter format."""
+        from .sharded_state import gather_state_dict
+
+        state = gather_state_dict(self)
+        state.update(self._extra_state())
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        from .sharded_state import slice_state_dict
+
+        inner = self._load_extra_state(state_dict)
+        mains = inner.pop("main_params", None)
+        self.inner.load_state_dict(slice_state_dict(self, inner))
+        if mains is not None:
+            for piece in self.pieces:
+                piece.main.copy_(mains[piece.index].reshape(-1)[piece.start : piece.end])
+
+    def global_groups(self) -> list[tuple[float, list[int]]]:
+        """(weight-decay multiplier, parameter indices) of each optimizer group as the
+        unsharded optimizer builds them (its state numbers parameters in this order)."""
+        position = {id(p): i for i, p in enumerate(self.params)}
+        return [
+            (g["wd_mult"], [position[id(p)] for p in g["params"]]) for g in decay_groups(self.named)
+        ]

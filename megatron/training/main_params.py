@@ -1,0 +1,247 @@
+"""Where the optimizer's weights and gradients live: the model's own (fp32), or fp32 *main*
+copies owned by the optimizer (mixed precision, Megatron's `--bf16` / `--fp16`).
+
+* `ModelGradients`: fp32 runs without `--use-distributed-optimizer`. The optimizer steps the
+  model's parameters and reads `param.grad`; exactly the arithmetic of before main weights
+  existed, so fp32 numbers do not move.
+* `GradBuffer`: gradients accumulated in fp32 across microbatches. One flat fp32 buffer per
+  stage, padded to a multiple of the data-parallel size, each parameter's `main_grad` a view
+  into it. A post-accumulate-grad hook adds `param.grad` (bf16/fp16/fp32) to `main_grad`,
+  divided by the stage's fp16 loss scale when there is one, and frees `param.grad`; the
+  data-parallel average then runs on the fp32 buffer (Megatron's
+  `--accumulate-allreduce-grads-in-fp32`, which is what `--bf16` does here).
+* `MainParamsOptimizer` (`ReplicatedMainOptimizer` here, the sharded one in
+  distributed_optimizer.py): the optimizer steps fp32 copies and the result is copied back
+  into the (bf16/fp16) model parameters.
+
+Every class offers the gradient operations `StageOptimizerStep` needs: the gradient of a
+parameter, the data-parallel average, the squared norm, scaling (clipping) and the step.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+def model_dtype(args) -> torch.dtype:
+    """The dtype of the model's parameters and activations."""
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return torch.float32
+
+
+def needs_main_params(args) -> bool:
+    return model_dtype(args) != torch.float32 or getattr(args, "use_distributed_optimizer", False)
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+# ---------------------------------------------------------------------------- fp32, as before
+class ModelGradients:
+    """The optimizer steps the model's parameters; gradients are `param.grad`."""
+
+    norm_group = None  # the squared norm covers whole parameters: no extra reduction
+    main_param_bytes = 0
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+
+    @staticmethod
+    def gradient_of(param: torch.nn.Parameter) -> torch.Tensor:
+        if param.grad is None:  # unused this step: its gradient is zero, not missing
+            param.grad = torch.zeros_like(param)
+        return param.grad
+
+    def average_over(self, group) -> None:
+        grads = [self.gradient_of(p) for p in self.params]
+        if _group_size(group) == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat.div_(dist.get_world_size(group))
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def squared_norm(self, counted) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+        for param in self.params:
+            if counted(param):
+                total += self.gradient_of(param).detach().float().pow(2).sum()
+        return total
+
+    def scale(self, factor: float) -> None:
+        for param in self.params:
+            self.gradient_of(param).mul_(factor)
+
+    def first_gradient(self) -> torch.Tensor:
+        return self.gradient_of(self.params[0])
+
+
+# ---------------------------------------------------------------------------- fp32 accumulation
+class GradBuffer:
+    """fp32 `main_grad` for every parameter, views into one flat buffer."""
+
+    def __init__(self, params: list[torch.nn.Parameter], *, shards: int = 1):
+        self.params = params
+        self.offsets, total = [], 0
+        for param in params:
+            self.offsets.append(total)
+            total += param.numel()
+        self.numel = total
+        self.padded_numel = -(-total // shards) * shards
+        self.flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=params[0].device)
+        self.loss_scaler = None  # fp16: gradients arrive multiplied by its scale
+        for param, start in zip(params, self.offsets):
+            param.main_grad = self.flat[start : start + param.numel()].view_as(param)
+            param.register_post_accumulate_grad_hook(self._accumulate)
+
+    def _accumulate(self, param: torch.nn.Parameter) -> None:
+        """After each backward: add this microbatch's gradient in fp32, unscaled, and free it."""
+        grad = param.grad.float()
+        if self.loss_scaler is None:
+            param.main_grad.add_(grad)
+        else:
+            param.main_grad.add_(grad, alpha=1.0 / self.loss_scaler.scale)
+        param.grad = None
+
+    def views(self):
+        """(parameter, start in the flat buffer) pairs."""
+        return zip(self.params, self.offsets)
+
+    def zero(self) -> None:
+        self.flat.zero_()
+
+
+# ---------------------------------------------------------------------------- main weights
+class _NamedParams:
+    """What `build_suite_optimizer` reads from a model: named parameters and the config."""
+
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]], config):
+        self.named, self.config = named, config
+
+    def named_parameters(self):
+        return iter(self.named)
+
+
+class MainParamsOptimizer:
+    """An optimizer over fp32 main weights, seen by the scheduler, the step, checkpoints and
+    the memory report as one optimizer. Subclasses decide where the main weights live."""
+
+    def __init__(self, model: torch.nn.Module, *, shards: int = 1):
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named]
+        self.dtype = self.params[0].dtype
+        self.buffer = GradBuffer(self.params, shards=shards)
+        self.inner = None  # the suite's optimizer over the main weights (build_optimizer)
+        self.loss_scaler = None
+        # Loading a checkpoint into the model must reach the main weights too.
+        model.register_load_state_dict_post_hook(lambda module, keys: self.refresh_from_model())
+
+    def attach(self, inner, loss_scaler=None) -> None:
+        self.inner, self.loss_scaler = inner, loss_scaler
+        self.buffer.loss_scaler = loss_scaler
+
+    def main_view(self, config) -> _NamedParams:
+        return _NamedParams(self.named_main(), config)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.inner.state
+
+    @staticmethod
+    def gradient_of(param: torch.nn.Parameter) -> torch.Tensor:
+        return param.main_grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+        self.buffer.zero()
+
+    def _extra_state(self) -> dict:
+        """What a checkpoint needs besides the optimizer's own state."""
+        extra = {}
+        if self.loss_scaler is not None:
+            extra["loss_scaler"] = self.loss_scaler.state_dict()
+        return extra
+
+    def _load_extra_state(self, state_dict: dict) -> dict:
+        """The optimizer's own part of `state_dict`; restores the scaler."""
+        inner = dict(state_dict)
+        scaler = inner.pop("loss_scaler", None)
+        if scaler is not None and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(scaler)
+        return inner
+
+
+class ReplicatedMainOptimizer(MainParamsOptimizer):
+    """fp32 main weights, one full copy on every data-parallel rank (`--bf16` / `--fp16`
+    without the distributed optimizer)."""
+
+    norm_group = None
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model)
+        self.main = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+
+    @property
+    def main_param_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self.main)
+
+    def named_main(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(name, main) for (name, _), main in zip(self.named, self.main)]
+
+    @torch.no_grad()
+    def refresh_from_model(self) -> None:
+        for main, param in zip(self.main, self.params):
+            main.copy_(param)
+
+    def average_over(self, group) -> None:
+        if _group_size(group) > 1:
+            dist.all_reduce(self.buffer.flat, group=group)
+            self.buffer.flat.div_(dist.get_world_size(group))
+
+    def squared_norm(self, counted) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.buffer.flat.device)
+        for param in self.params:
+            if counted(param):
+                total += param.main_grad.pow(2).sum()
+        return total
+
+    def scale(self, factor: float) -> None:
+        self.buffer.flat.mul_(factor)
+
+    def first_gradient(self) -> torch.Tensor:
+        return self.params[0].main_grad
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for main, param in zip(self.main, self.params):
+            main.grad = param.main_grad
+        self.inner.step()
+        for main, param in zip(self.main, self.params):
+            param.copy_(main)  # rounded to the model's dtype
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's per-parameter state, plus the fp32 main weights by
+        parameter index (model order) and the loss scaler."""
+        state = self.inner.state_dict()
+        state["main_params"] = {i: main.detach().clone() for i, main in enumerate(self.main)}
+        state.update(self._extra_state())
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        inner = self._load_extra_state(state_dict)
+        mains = inner.pop("main_params", None)
+        self.inner.load_state_dict(inner)
+        if mains is not None:  # else the model's weights (refresh_from_model) stand
+            for index, main in enumerate(self.main):
+                main.copy_(mains[index])
