@@ -37,6 +37,7 @@ from .emulation import EmulatedStage
 from .errors import RunFailed
 from .model import StageLayout, build_gpt_stage
 from .optimizer import StageOptimizerStep, build_lr_scheduler, build_optimizer
+from .recompute import recompute_config_fields
 from .reporting import (
     is_logging_rank,
     log_iteration,
@@ -141,6 +142,7 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout,
         **model_switches(args),
+        **recompute_config_fields(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
@@ -255,6 +257,7 @@ def pretrain(args, forward_step_func) -> TrainingState:
     faults.register_peers()
     faults.apply_timeout_to_all_groups(args.distributed_timeout_minutes)
     dist.barrier()  # everyone built; from here on only the schedule's own traffic
+    runtime.stats.start_memory_tracking(device)  # real peak memory: training, not set-up
     print_rank_0(f"> setup done in {time.perf_counter() - wall_start:.1f} s, training ...")
 
     with _maybe_audit() as audit:
