@@ -9,8 +9,8 @@ recomputation (`tensor_parallel.checkpoint`, `CheckpointWithoutOutput`):
   in the backward; `uniform` cuts the stage's layers into chunks of `--recompute-num-layers`,
   `block` recomputes the first `--recompute-num-layers` layers one by one and keeps the rest;
 * `selective` (what `--recompute-activations` means): only the `--recompute-modules` inside
-  each layer are rerun (default `core_attn`: the attention's softmax/dropout part; `mlp`: the
-  whole MLP; `layernorm` is refused, see `NOT_SUPPORTED_MODULES`).
+  each layer are rerun: `core_attn`, the attention's softmax and dropout (the others are
+  refused, see `NOT_SUPPORTED_MODULES`).
 
 megatron-core's checkpoint saves the CPU generator, the CUDA generator and the model-parallel
 RNG tracker at the forward and restores them for the recomputation, so dropout draws the same
@@ -28,12 +28,15 @@ from .errors import UserError
 
 GRANULARITIES = ("full", "selective")
 METHODS = ("uniform", "block")
-# megatron-core's modules for a dense GPT; the MoE/MLA ones have nothing to act on here, and
-# megatron-core 0.16's `layernorm` recomputation (CheckpointWithoutOutput) takes itself for FP8
-# and calls Transformer Engine's FP8 state even without FP8, so it fails without TE.
-MODULES = ("core_attn", "mlp")
+# megatron-core 0.16's modules for a dense GPT. Refused: `layernorm` (its CheckpointWithoutOutput
+# takes itself for FP8 and calls Transformer Engine's FP8 state, failing without TE), `mlp`
+# (with biases the checkpointed MLP returns its bias parameter as an output, which gives the
+# parameter the checkpoint as its gradient function: the backward recurses without end), and
+# the MoE/MLA modules (nothing to act on here).
+MODULES = ("core_attn",)
 NOT_SUPPORTED_MODULES = {
     "layernorm": "megatron-core's needs Transformer Engine",
+    "mlp": "megatron-core's recursion on the MLP's bias",
     **{name: "no MoE or MLA" for name in ("moe_act", "mla_up_proj", "moe", "shared_experts")},
 }
 

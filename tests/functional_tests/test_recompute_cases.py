@@ -15,7 +15,7 @@ FLUSH_RECOMPUTED = [
     "gpt_pp2_1f1b_recompute_full_uniform1",
     "gpt_pp2_1f1b_recompute_full_uniform2",
     "gpt_pp2_1f1b_recompute_full_block1",
-    "gpt_pp2_1f1b_recompute_selective_all",
+    "gpt_pp2_1f1b_recompute_selective",
 ]
 LAYERS_PER_STAGE = 2  # 4 layers on 2 stages
 SEQ, MICRO_BATCH, HIDDEN = 32, 2, 64
@@ -87,3 +87,14 @@ def test_paci_with_full_recomputation(case_results):
     assert [s["max_drift"] for s in paci["stages"]] == [1, 0]
     difference = relative_difference(paci["loss"], case_results[PACI]["loss"])
     assert 0 < difference <= 1e-2
+
+
+def test_selective_drops_the_same_on_every_stage_and_schedule(case_results):
+    """Selective (core_attn) recomputes the same layers everywhere: the same bytes per layer
+    on both stages, and under PACI the same as under flush."""
+    plain = bytes_per_microbatch(case_results[FLUSH])
+    flush = bytes_per_microbatch(case_results["gpt_pp2_1f1b_recompute_selective"])
+    paci = bytes_per_microbatch(case_results["gpt_pp2_paci_recompute_selective"])
+    drops = {p - s for p, s in zip(plain, flush)}
+    assert len(drops) == 1 and drops.pop() > 0
+    assert paci == flush
