@@ -35,6 +35,7 @@ from .data import build_data_iterators, parse_data_path
 from .delay_mitigation import schedule_of_iteration, synchronous_phase_ends
 from .emulation import EmulatedStage
 from .errors import RunFailed
+from .host_memory import unmap_large_blocks_when_freed
 from .model import StageLayout, build_gpt_stage
 from .optimizer import StageOptimizerStep, build_lr_scheduler, build_optimizer
 from .recompute import recompute_config_fields
@@ -235,6 +236,7 @@ def pretrain(args, forward_step_func) -> TrainingState:
     wall_start = time.perf_counter()
     faults.watch_launcher()
     device = initialize_distributed(args)
+    unmap_large_blocks_when_freed(device)  # resident set follows live memory (host_memory.py)
     print_rank_0(
         f"> world size {args.world_size}: tensor {args.tensor_model_parallel_size} x pipeline "
         f"{args.pipeline_model_parallel_size} x data {args.data_parallel_size}, backend "

@@ -45,3 +45,22 @@ def test_meter_does_not_count_storages_freed_during_the_forward():
         z = torch.tanh(y)  # saves z
         z.untyped_storage().resize_(0)
     assert saved[0] == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_freed_tensors_leave_the_resident_set_on_cpu():
+    """With malloc's mmap threshold fixed, 8 MiB tensors (below glibc's dynamic 32 MiB limit,
+    so heap blocks by default once one was freed) go back to the system when freed."""
+    from megatron.training.host_memory import unmap_large_blocks_when_freed
+
+    assert not unmap_large_blocks_when_freed(torch.device("meta"))
+    assert unmap_large_blocks_when_freed(torch.device("cpu"))
+    memory = ProcessPeakMemory(torch.device("cpu"))
+    memory.reset()
+    blocks = [torch.ones(8 * MiB // 4) for _ in range(8)]
+    held = memory.report()["peak_rss_bytes"] - memory.baseline_rss
+    del blocks
+    from megatron.pipeline.accounting import _resident_bytes
+
+    assert held >= 60 * MiB
+    assert _resident_bytes() - memory.baseline_rss < 8 * MiB
