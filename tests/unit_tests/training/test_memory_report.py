@@ -37,3 +37,19 @@ def test_table_compares_each_stage_with_the_first_run():
     assert table[2].startswith("| 1f1b | 0 | 1.00 | 1.00 | 2.00 | 1.00 | 2 | 100.0 | +0.0% |")
     assert table[3].startswith("| paci | 0 |") and "| 101.0 | +1.0% |" in table[3]
     assert "| 50.0 | +0.0% |" in table[5]
+
+
+def test_probe_analysis_takes_each_stage_at_its_peak(tmp_path):
+    import json
+
+    from megatron.training.memory_probe import analyze
+
+    MiB = 2**20
+    for run, peaks in (("flush", [100, 120]), ("paci", [101, 130])):
+        (tmp_path / run).mkdir()
+        records = [{"action": "FORWARD", "in_flight": 1, "before": 90 * MiB, "peak": p * MiB,
+                    "in_use": 50 * MiB, "heap": 60 * MiB, "free": 10 * MiB} for p in peaks]  # fmt: skip
+        (tmp_path / run / "rank0.json").write_text(json.dumps(records))
+    table = analyze([str(tmp_path / "flush"), str(tmp_path / "paci")]).splitlines()
+    assert table[2] == "| flush | 0 | 120.0 | +0.00% | 50.0 | 60.0 |"
+    assert table[3] == "| paci | 0 | 130.0 | +8.33% | 50.0 | 60.0 |"
