@@ -39,6 +39,10 @@ def rows(summary: dict) -> dict[str, str]:
             ),
             "peak activations (max stage)": _mib(max(s["peak_activation_bytes"] for s in stages)),
             "params+grads+optimizer (max stage)": _mib(state),
+            "real peak by stage (MiB)": " ".join(
+                f"{s['real_peak_bytes'] / 2**20:.0f}" if s.get("real_peak_bytes") else "-"
+                for s in stages
+            ),
             "extra weight versions": str(max(s["extra_weight_versions"] for s in stages)),
             "training time": f"{summary['elapsed_s']:.1f} s",
             "tokens per second": f"{summary['tokens_per_second']:.0f}",

@@ -13,17 +13,22 @@ import torch
 
 
 class SavedTensorMeter:
-    """Counts bytes autograd saves for backward inside `measure()`, parameters excluded."""
+    """Counts bytes autograd saves for backward inside `measure()`, parameters excluded.
+
+    The storages are added up when the forward ends, not when they are saved: megatron-core's
+    selective `layernorm` recomputation saves a norm's output and then frees its storage
+    (`CheckpointWithoutOutput`), which must not be counted as held."""
 
     def __init__(self, parameters):
         self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
 
     @contextlib.contextmanager
     def measure(self, redirection=None):
-        """Count saved bytes inside the block. `redirection` (weight stashing, see
-        `weight_stash.SavedTensorRedirection`) may save a tensor that aliases a parameter as a
-        reference to its weight version instead: a weight, not an activation, so not counted."""
-        seen: set[int] = set()
+        """Count saved bytes inside the block, when it ends (a storage saved several times
+        counts once). `redirection` (weight stashing, see `weight_stash.SavedTensorRedirection`)
+        may save a tensor that aliases a parameter as a reference to its weight version
+        instead: a weight, not an activation, so not counted."""
+        storages: dict[int, torch.UntypedStorage] = {}
         total = [0]
 
         def pack(tensor: torch.Tensor):
@@ -31,14 +36,17 @@ class SavedTensorMeter:
                 return saved
             storage = tensor.untyped_storage()
             pointer = storage.data_ptr()
-            if pointer not in seen and pointer not in self._parameter_storages:
-                seen.add(pointer)
-                total[0] += storage.nbytes()
+            if pointer not in self._parameter_storages:
+                storages.setdefault(pointer, storage)
             return tensor
 
         unpack = (lambda saved: saved) if redirection is None else redirection.unpack
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield total
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                yield total
+        finally:
+            total[0] = sum(storage.nbytes() for storage in storages.values())
+            storages.clear()
 
 
 @dataclass
@@ -58,6 +66,12 @@ class StageStats:
     optimizer_steps: int = 0
     busy_s: float = 0.0
     wall_s: float = 0.0
+    process_memory: "ProcessPeakMemory | None" = None  # from `start_memory_tracking` on
+
+    def start_memory_tracking(self, device: torch.device) -> None:
+        """Real peak memory counts from here (call it when set-up is done)."""
+        self.process_memory = ProcessPeakMemory(device)
+        self.process_memory.reset()
 
     def record_drift(self, drift: int) -> None:
         self.drift_histogram[drift] += 1
@@ -99,6 +113,7 @@ class StageStats:
             "optimizer_steps": self.optimizer_steps,
             "busy_s": self.busy_s,
             "wall_s": self.wall_s,
+            **(self.process_memory.report() if self.process_memory is not None else {}),
         }
 
 
@@ -113,3 +128,78 @@ def preserve_versions(parameters):
     parameters = tuple(parameters)
     with torch.autograd.grad_mode._unsafe_preserve_version_counter(parameters):
         yield
+
+
+class ProcessPeakMemory:
+    """The process's real peak memory since `reset()` (called when set-up is done, so that the
+    import and build baseline is reported apart from what training adds).
+
+    * CPU: the kernel's resident-set high-water mark (`VmHWM` in /proc/self/status), reset by
+      writing 5 to /proc/self/clear_refs (Linux >= 4.0). Where that is not possible, the
+      process's lifetime maximum (`ru_maxrss`), which then includes set-up.
+    * CUDA: the caching allocator's `max_memory_allocated(device)`, reset with
+      `reset_peak_memory_stats(device)`; the host's resident figures are reported as well.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.baseline_rss = self.baseline_allocated = None
+        self.rss_reset = False
+
+    def reset(self) -> None:
+        self.rss_reset = _reset_rss_high_water_mark()
+        self.baseline_rss = _resident_bytes()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline_allocated = torch.cuda.memory_allocated(self.device)
+
+    def report(self) -> dict:
+        """Figures for summary.json, in bytes."""
+        lifetime_peak = _lifetime_peak_rss()
+        peak_rss = _status_bytes("VmHWM") if self.rss_reset else lifetime_peak
+        report = {
+            "real_peak_kind": "rss" if self.rss_reset else "rss_lifetime",
+            "peak_rss_bytes": peak_rss,
+            "baseline_rss_bytes": self.baseline_rss,
+            "lifetime_peak_rss_bytes": lifetime_peak,
+        }
+        if self.device.type == "cuda":
+            report["real_peak_kind"] = "cuda_max_allocated"
+            report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            report["baseline_allocated_bytes"] = self.baseline_allocated
+        key = "peak_allocated_bytes" if self.device.type == "cuda" else "peak_rss_bytes"
+        report["real_peak_bytes"] = report[key]
+        return report
+
+
+def _status_bytes(field: str) -> int | None:
+    """A `kB` field of /proc/self/status, in bytes (None where there is no /proc)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _resident_bytes() -> int | None:
+    return _status_bytes("VmRSS")
+
+
+def _reset_rss_high_water_mark() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _lifetime_peak_rss() -> int | None:
+    try:
+        import resource
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

@@ -14,6 +14,7 @@ from megatron.pipeline.simulation.costs import stage_values
 from .batch_schedule import validate_rampup
 from .errors import UserError
 from .megatron_flags import add_compatibility_flags, reject_unsupported_flags
+from .recompute import add_recompute_args, validate_recompute_args
 from .validation import add_reliability_args, validate_reliability
 
 TOKENIZER_CHOICES = [
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_group(parser)
     _add_optimizer_suite_args(parser)
     _add_precision_args(parser)
+    add_recompute_args(parser)
     add_reliability_args(parser)
     add_compatibility_flags(parser)
     return parser
@@ -241,6 +243,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_reliability(args)
     _validate_parallel_layout(args, world_size)
     _validate_model_shape(args)
+    validate_recompute_args(args, layers_by_stage(args))
     _validate_batch_and_run_length(args)
     if check_files:
         _validate_data_args(args)
@@ -426,6 +429,18 @@ def _validate_layer_split(args: argparse.Namespace, pp: int) -> None:
             f"--num-layers {args.num_layers} minus {sum(given.values())} on uneven stages leaves "
             f"{rest}, which does not split evenly over the other {middle} stages"
         )
+
+
+def layers_by_stage(args: argparse.Namespace) -> list[int]:
+    """Transformer layers on each pipeline stage (after `_validate_layer_split`)."""
+    pp = args.pipeline_model_parallel_size
+    layers = [None] * pp
+    if pp > 1:
+        layers[0] = args.decoder_first_pipeline_num_layers
+        layers[-1] = args.decoder_last_pipeline_num_layers
+    given = [n for n in layers if n is not None]
+    even = (args.num_layers - sum(given)) // (pp - len(given)) if pp > len(given) else 0
+    return [even if n is None else n for n in layers]
 
 
 def _validate_data_args(args: argparse.Namespace) -> None:

@@ -102,10 +102,6 @@ NOT_SUPPORTED = [
     Flag("--megatron-fsdp-grad-comm-dtype", str),
     Flag("--tp-comm-overlap-cfg", str),
     Flag("--wgrad-deferral-limit", int, 0),
-    # recomputation
-    Flag("--recompute-granularity", str),
-    Flag("--recompute-method", str),
-    Flag("--recompute-num-layers", int),
     # sequence, context, expert parallelism; virtual pipeline; other layouts
     Flag("--sequence-parallel"),
     Flag("--cp-comm-type", str),

@@ -30,6 +30,8 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from .recompute import use_host_rng_states
+
 
 class SDPACoreAttention(MegatronModule):
     """Causal core attention on `torch.nn.functional.scaled_dot_product_attention`.
@@ -240,6 +242,8 @@ def build_gpt_stage(
     use_transformer_engine: bool = True,
 ) -> GPTModel:
     """Build this rank's GPT stage on `device`, initialized independently of the layout."""
+    if config.recompute_granularity is not None:
+        use_host_rng_states()  # megatron-core's checkpoint reads the CUDA generator otherwise
     model = GPTStageModel(
         config=config,
         transformer_layer_spec=layer_spec_for(device, config, use_te=use_transformer_engine),

@@ -109,13 +109,27 @@ def decay_groups(named: list[tuple[str, torch.nn.Parameter]], **extra) -> list[d
     return [g for g in groups if g["params"]] or groups[:1]
 
 
+def steps_with_microbatches_in_flight(args) -> bool:
+    """An asynchronous schedule steps while activations are held (PACI); flush steps empty."""
+    from megatron.pipeline.schedules import get_schedule
+
+    name = getattr(args, "pipeline_schedule", "1f1b")
+    return not get_schedule(name).flushes_every_call
+
+
 def adamw(groups: list[dict], args) -> torch.optim.AdamW:
+    # torch's multi-tensor (foreach) step, its default on CUDA, allocates temporaries for all
+    # of the stage's parameters at once; where the step runs beside in-flight activations
+    # they would add to the activation peak, so the step goes parameter by parameter there
+    # (on CPU torch steps that way anyway). docs/memory.md.
+    foreach = False if steps_with_microbatches_in_flight(args) else None
     return torch.optim.AdamW(
         groups,
         lr=args.lr,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_eps,
         weight_decay=args.weight_decay,
+        foreach=foreach,
     )
 
 

@@ -39,8 +39,10 @@ from .emulation import EmulatedStage
 from .errors import RunFailed
 from .lr_per_iteration import per_iteration
 from .main_params import model_dtype
+from .host_memory import unmap_large_blocks_when_freed
 from .model import StageLayout, build_gpt_stage
 from .optimizer import StageOptimizerStep, build_lr_scheduler, build_optimizer
+from .recompute import recompute_config_fields
 from .reporting import (
     is_logging_rank,
     log_iteration,
@@ -145,6 +147,7 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout,
         **model_switches(args),
+        **recompute_config_fields(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
@@ -253,6 +256,7 @@ def pretrain(args, forward_step_func) -> TrainingState:
 def _pretrain(args, forward_step_func, wall_start, requests) -> TrainingState:
     faults.watch_launcher()
     device = initialize_distributed(args)
+    unmap_large_blocks_when_freed(device)  # resident set follows live memory (host_memory.py)
     print_rank_0(
         f"> world size {args.world_size}: tensor {args.tensor_model_parallel_size} x pipeline "
         f"{args.pipeline_model_parallel_size} x data {args.data_parallel_size}, backend "
@@ -276,6 +280,7 @@ def _pretrain(args, forward_step_func, wall_start, requests) -> TrainingState:
     faults.register_peers()
     faults.apply_timeout_to_all_groups(args.distributed_timeout_minutes)
     dist.barrier()  # everyone built; from here on only the schedule's own traffic
+    runtime.stats.start_memory_tracking(device)  # real peak memory: training, not set-up
     print_rank_0(f"> setup done in {time.perf_counter() - wall_start:.1f} s, training ...")
 
     flushes = get_schedule(args.pipeline_schedule).flushes_every_call

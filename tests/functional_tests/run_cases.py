@@ -34,13 +34,13 @@ def discover_cases() -> dict[str, dict]:
 
 
 def flags(model_args: dict, output: str) -> list[str]:
-    """Flags from a case's MODEL_ARGS; `{output}` in a value is the run's output directory,
+    """Flags from a case's MODEL_ARGS (a YAML list: several values); `{output}` in a value is the run's output directory,
     `{gpt2}` the GPT-2 BPE data that `prepare_gpt2_data` builds there."""
     result = []
     for flag, value in model_args.items():
         if value is True:
             result.append(flag)
-        elif isinstance(value, list):  # a flag of several values (--rampup-batch-size)
+        elif isinstance(value, list):  # a flag of several values (nargs)
             result.extend([flag, *(str(item) for item in value)])
         elif value is not False and value is not None:
             value = str(value).replace("{gpt2}", os.path.join(output, "gpt2"))

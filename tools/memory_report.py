@@ -1,0 +1,13 @@
+"""Per-stage memory of pretraining runs (flush vs PACI, recomputation off/selective/full).
+
+    python tools/memory_report.py --preset demo --iters 6 --output runs/memory
+
+Logic in megatron/training/memory_report.py.
+"""
+
+import sys
+
+from megatron.training.memory_report import main
+
+if __name__ == "__main__":
+    sys.exit(main())
