@@ -38,8 +38,8 @@ def main(argv=None) -> int:
         runs = tta.run_all(configs, seeds, options.iterations, options.eval_interval,
                            options.output)  # fmt: skip
     table = tta.iteration_table(runs, targets)
-    schedules = {c.name: c.schedule for c in configs}
-    speed = tta.projected_speed(tuple(dict.fromkeys(schedules.values())))
+    by_name = {c.name: c for c in configs}
+    speed = tta.projected_speed(tuple(dict.fromkeys(c.schedule for c in configs)))
     report = {
         "configurations": {c.name: {"schedule": c.schedule, "lr": c.lr, "flags": list(c.flags)}
                            for c in configs},  # fmt: skip
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         "iterations_to_target": table,
         "projected_speed_over_flush": speed,
         "projected_time_to_accuracy_over_best_flush": tta.projected_ratios(
-            table, schedules, targets, speed
+            table, by_name, targets, speed, options.iterations
         ),
     }
     print(json.dumps(report, indent=2))

@@ -177,25 +177,40 @@ def projected_speed(schedules=("1f1b", "paci"), global_batches=(128, 256)) -> di
     }  # fmt: skip
 
 
-def projected_ratios(table: dict, schedules: dict, targets: list[float], speed: dict) -> dict:
+def synchronous_iterations(config: Configuration, iterations: float, total: int) -> float:
+    """Of the first `iterations`, how many run synchronously (flush) under the configuration's
+    --async-sync-warmup-iters / --async-sync-cooldown-iters (the last ones of `total`)."""
+    flags = list(config.flags)
+
+    def value(flag: str) -> int:
+        return int(flags[flags.index(flag) + 1]) if flag in flags else 0
+
+    warmup, cooldown = value("--async-sync-warmup-iters"), value("--async-sync-cooldown-iters")
+    return min(iterations, warmup) + max(0.0, iterations - (total - cooldown))
+
+
+def projected_ratios(table: dict, configs: dict, targets: list[float], speed: dict,
+                     total: int) -> dict:  # fmt: skip
     """Time-to-accuracy speed-up over the best flush configuration, per target and global
-    batch: (best flush iterations / the configuration's iterations) x (the schedule's projected
-    speed over flush's). Medians over seeds; a configuration that did not reach a target in
-    every seed has no ratio there."""
+    batch: best flush iterations / the configuration's time in flush iterations, where an
+    iteration of schedule S takes 1 / speed[S] (the projection's best S over best flush) and
+    a synchronous warmup or cooldown iteration takes 1. Medians over seeds; a configuration
+    that did not reach a target in every seed has no ratio there."""
     ratios = {}
     for target in map(str, targets):
-        flush = [
-            t[target]["median"] for n, t in table.items() if schedules[n] == "1f1b" and t[target]
-        ]
+        flush = [t[target]["median"] for n, t in table.items()
+                 if configs[n].schedule == "1f1b" and t[target]]  # fmt: skip
         if not flush:
             continue
         best_flush = min(flush)
         for name, entry in table.items():
             if not entry[target]:
                 continue
-            iteration_ratio = best_flush / entry[target]["median"]
-            for gb, factor in speed[schedules[name]].items():
-                ratios.setdefault(name, {}).setdefault(target, {})[gb] = iteration_ratio * factor
+            iterations = entry[target]["median"]
+            synchronous = synchronous_iterations(configs[name], iterations, total)
+            for gb, factor in speed[configs[name].schedule].items():
+                time = synchronous + (iterations - synchronous) / factor
+                ratios.setdefault(name, {}).setdefault(target, {})[gb] = best_flush / time
     return ratios
 
 

@@ -27,13 +27,24 @@ def test_projected_ratio_multiplies_iteration_ratio_by_schedule_speed():
         "flush-a": {"5.0": {"median": 100.0}},
         "flush-b": {"5.0": {"median": 80.0}},  # the best flush
         "paci": {"5.0": {"median": 100.0}},
+        "paci-sync": {"5.0": {"median": 100.0}},
     }
-    schedules = {"flush-a": "1f1b", "flush-b": "1f1b", "paci": "paci"}
+    configs = {
+        "flush-a": tta.Configuration("flush-a", "1f1b", 1e-3),
+        "flush-b": tta.Configuration("flush-b", "1f1b", 1e-3),
+        "paci": tta.Configuration("paci", "paci", 1e-3),
+        "paci-sync": tta.parse_configuration(
+            "paci-sync=paci:1e-3:--async-sync-warmup-iters=20,--async-sync-cooldown-iters=20"
+        ),
+    }
     speed = {"1f1b": {128: 1.0}, "paci": {128: 1.5}}
-    ratios = tta.projected_ratios(table, schedules, [5.0], speed)
+    ratios = tta.projected_ratios(table, configs, [5.0], speed, total=200)
     assert ratios["flush-b"]["5.0"][128] == 1.0
     assert ratios["flush-a"]["5.0"][128] == pytest.approx(0.8)
     assert ratios["paci"]["5.0"][128] == pytest.approx(0.8 * 1.5)
+    # 20 warmup iterations at flush speed, 80 at PACI's; the cooldown (180-200) not reached
+    assert ratios["paci-sync"]["5.0"][128] == pytest.approx(80.0 / (20 + 80 / 1.5))
+    assert tta.synchronous_iterations(configs["paci-sync"], 190.0, 200) == 30.0
 
 
 def test_configuration_text():
