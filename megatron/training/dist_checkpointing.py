@@ -87,12 +87,22 @@ def sharded_parameters(model_sharded: dict) -> dict[int, ShardedTensor]:
 
 
 # ---------------------------------------------------------------------------- optimizer
-def _state_owners(optimizer, parameters: dict[int, ShardedTensor]) -> dict[int, tuple]:
+def _state_owners(optimizer, parameters: dict[int, ShardedTensor], state_dict: dict) -> dict:
     """id(state tensor) -> (the parameter's ShardedTensor, the state's name), for state of
-    model parameters. `optimizer.state` maps parameters to their state (torch optimizers and
-    our wrappers, which merge their inner optimizers' and their own buffers)."""
+    model parameters. A torch optimizer's `state` maps parameters to their state; an optimizer
+    over fp32 main weights (main_params.py) numbers its state entries instead and says which
+    model parameter each number is (`state_index_params`); its main weights (`main_params`, in
+    model order) are the parameters' state too."""
     owners = {}
-    for param, entries in getattr(optimizer, "state", {}).items():
+    index_params = getattr(optimizer, "state_index_params", None)
+    if index_params is None:
+        by_param = getattr(optimizer, "state", {}).items()
+    else:
+        numbered = index_params()
+        by_param = [(numbered[i], entries) for i, entries in state_dict.get("state", {}).items()]
+        mains = state_dict.get("main_params", {})
+        by_param += [(optimizer.params[i], {"main_param": m}) for i, m in mains.items()]
+    for param, entries in by_param:
         sharded = parameters.get(id(param))
         if sharded is None or not isinstance(entries, dict):
             continue
@@ -153,7 +163,7 @@ class OptimizerMapping:
     def __init__(self, optimizer, parameters: dict[int, ShardedTensor]):
         self.optimizer = optimizer
         self.state_dict = optimizer.state_dict()
-        self.owners = _state_owners(optimizer, parameters)
+        self.owners = _state_owners(optimizer, parameters, self.state_dict)
         self.parameters = parameters
         self.entries: dict[str, object] = {}  # sharded key -> ShardedTensor/ShardedObject
         self.slots: dict[str, list] = {}  # sharded key -> [(container, key)] to write back
@@ -242,8 +252,9 @@ class OptimizerMapping:
             for container, key in slots:
                 container[key] = value
         for name, value in loaded.get("local", {}).items():
-            container, key = self.local_slots[name]
-            container[key] = value
+            if name in self.local_slots:  # else saved by another optimizer kind: not ours
+                container, key = self.local_slots[name]
+                container[key] = value
         self.optimizer.load_state_dict(self.state_dict)
 
 

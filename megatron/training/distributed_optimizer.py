@@ -155,6 +155,15 @@ class ShardedMainOptimizer(MainParamsOptimizer):
             for piece in self.pieces:
                 piece.main.copy_(mains[piece.index].reshape(-1)[piece.start : piece.end])
 
+    def state_index_params(self) -> list[torch.nn.Parameter]:
+        """The model parameter of each entry number of `state_dict()["state"]` (the unsharded
+        optimizer's numbering)."""
+        from .sharded_state import _unsharded_numbering
+
+        numbering, _ = _unsharded_numbering(self)
+        by_number = {number: model_index for model_index, number in numbering.items()}
+        return [self.params[by_number[k]] for k in range(len(by_number))]
+
     def global_groups(self) -> list[tuple[float, list[int]]]:
         """(weight-decay multiplier, parameter indices) of each optimizer group as the
         unsharded optimizer builds them (its state numbers parameters in this order)."""

@@ -229,6 +229,11 @@ class ReplicatedMainOptimizer(MainParamsOptimizer):
         for main, param in zip(self.main, self.params):
             param.copy_(main)  # rounded to the model's dtype
 
+    def state_index_params(self) -> list[torch.nn.Parameter]:
+        """The model parameter of each entry number of `state_dict()["state"]`."""
+        model_param = {id(main): param for main, param in zip(self.main, self.params)}
+        return [model_param[id(m)] for group in self.inner.param_groups for m in group["params"]]
+
     def state_dict(self) -> dict:
         """The inner optimizer's per-parameter state, plus the fp32 main weights by
         parameter index (model order) and the loss scaler."""
