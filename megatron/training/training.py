@@ -37,9 +37,9 @@ from .data import build_data_iterators, parse_data_path
 from .delay_mitigation import schedule_of_iteration, synchronous_phase_ends
 from .emulation import EmulatedStage
 from .errors import RunFailed
+from .host_memory import unmap_large_blocks_when_freed
 from .lr_per_iteration import per_iteration
 from .main_params import model_dtype
-from .host_memory import unmap_large_blocks_when_freed
 from .model import StageLayout, build_gpt_stage
 from .optimizer import StageOptimizerStep, build_lr_scheduler, build_optimizer
 from .recompute import recompute_config_fields

@@ -62,5 +62,6 @@ def test_freed_tensors_leave_the_resident_set_on_cpu():
     del blocks
     from megatron.pipeline.accounting import _resident_bytes
 
-    assert held >= 60 * MiB
+    # 64 MiB touched; under memory pressure the kernel may page some out, hence the margin
+    assert held >= 32 * MiB
     assert _resident_bytes() - memory.baseline_rss < 8 * MiB
