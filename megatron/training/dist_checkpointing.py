@@ -285,7 +285,7 @@ class InProcessSaveStrategy(TorchDistSaveShardedStrategy):
     """megatron-core's torch_dist format written by torch's own synchronous
     `FileSystemWriter`, in this process. megatron-core 0.16's writer starts a spawned manager
     process and forked writer processes per save and calls CUDA (`torch.cuda.synchronize`,
-    a failure flag on `torch.cuda.current_device()`), which fails without CUDA. The files are
+    a failure flag on the current CUDA device), which fails without CUDA. The files are
     the same format: megatron-core's planner decides what each rank writes (main replicas
     only) and megatron-core's loader reads them."""
 
