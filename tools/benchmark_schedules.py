@@ -15,7 +15,7 @@ import json
 import sys
 
 from megatron.pipeline.schedules import get_schedule
-from megatron.pipeline.schedules.paci import with_arrival_rule
+from megatron.pipeline.schedules.paci import with_paci_options
 from megatron.pipeline.simulation.costs import stage_values
 from megatron.pipeline.simulation.emulation import benchmark, schedule_and_rule
 from megatron.pipeline.simulation.results import steady_state_window
@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for schedule in options.schedules:
         name, rule = schedule_and_rule(schedule)
         try:
-            with_arrival_rule(get_schedule(name), rule)
+            with_paci_options(get_schedule(name), rule)
         except ValueError as error:
             parser.error(str(error))
     return options

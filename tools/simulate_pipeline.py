@@ -12,6 +12,8 @@ Examples::
         --fwd 1 --bwd 1 --wgrad 1
     python tools/simulate_pipeline.py --schedule paci --stages 8 --microbatches 8 \\
         --calibration calib.json --micro-batch-size 4
+    python tools/simulate_pipeline.py --schedule paci --stages 4 --microbatches 2 \\
+        --paci-inflight-limit flush
 
 Costs are durations in seconds (any unit works; ``microbatches_per_second`` is then per that
 unit): ``--fwd`` per forward, ``--bwd`` per backward, ``--wgrad`` per weight-gradient pass,
@@ -35,7 +37,7 @@ import json
 import math
 import sys
 
-from megatron.pipeline.schedules import SIMULATED_SCHEDULES
+from megatron.pipeline.schedules import SIMULATED_SCHEDULES, paci
 from megatron.pipeline.simulation import StageCosts, simulate
 from megatron.pipeline.simulation.calibration import load_stage_costs
 from megatron.pipeline.simulation.costs import parse_stage_costs
@@ -71,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--p2p", type=float, help="point-to-point latency per transfer")
     parser.add_argument("--timeline", metavar="FILE", help="write a Chrome trace")
     parser.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart")
+    parser.add_argument("--paci-arrival-rule", choices=list(paci.ARRIVAL_RULES),
+                        help="PACI's arrival rule (as in training)")  # fmt: skip
+    parser.add_argument("--paci-inflight-limit", choices=list(paci.INFLIGHT_LIMITS),
+                        help="PACI's in-flight window: depth (N - s) or flush (min(N - s, m))")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -103,7 +109,12 @@ def check_counts(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     check_counts(args)
-    schedule = SIMULATED_SCHEDULES[args.schedule]
+    try:
+        schedule = paci.with_paci_options(
+            SIMULATED_SCHEDULES[args.schedule], args.paci_arrival_rule, args.paci_inflight_limit
+        )
+    except ValueError as error:
+        raise UserError(str(error)) from None
     costs = stage_costs(args)
     latency = args.p2p if args.p2p is not None else (costs.p2p_latency or 0.0)
     result = simulate(

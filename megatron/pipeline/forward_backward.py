@@ -38,7 +38,7 @@ import torch
 
 from .runtime import StageRuntime
 from .schedules import Schedule, get_schedule
-from .schedules.paci import with_arrival_rule
+from .schedules.paci import with_paci_options
 
 _RUNTIMES: "weakref.WeakKeyDictionary[torch.nn.Module, StageRuntime]" = weakref.WeakKeyDictionary()
 
@@ -227,14 +227,18 @@ def _run_registered(schedule: Schedule, **kwargs) -> list[dict]:
     return _run_schedule(schedule, **kwargs)
 
 
-_CONFIGURED = {"schedule": "1f1b", "arrival_rule": None}
+_CONFIGURED = {"schedule": "1f1b", "arrival_rule": None, "inflight_limit": None}
 
 
-def set_pipeline_schedule(pipeline_schedule: str, arrival_rule: str | None = None) -> None:
+def set_pipeline_schedule(
+    pipeline_schedule: str, arrival_rule: str | None = None, inflight_limit: str | None = None
+) -> None:
     """What `get_forward_backward_func()` returns from now on (the training loop sets it from
-    --pipeline-schedule and --paci-arrival-rule)."""
-    with_arrival_rule(get_schedule(pipeline_schedule), arrival_rule)  # clear errors early
-    _CONFIGURED.update(schedule=pipeline_schedule, arrival_rule=arrival_rule)
+    --pipeline-schedule, --paci-arrival-rule and --paci-inflight-limit)."""
+    with_paci_options(get_schedule(pipeline_schedule), arrival_rule, inflight_limit)  # errors
+    _CONFIGURED.update(
+        schedule=pipeline_schedule, arrival_rule=arrival_rule, inflight_limit=inflight_limit
+    )
 
 
 def get_forward_backward_func(
@@ -243,17 +247,20 @@ def get_forward_backward_func(
     *,
     pp_size=None,
     arrival_rule: str | None = None,
+    inflight_limit: str | None = None,
 ) -> Callable[..., list[dict]]:
     """The schedule function for `--pipeline-schedule` (the selector): any schedule of the
-    runtime's registry (`megatron.pipeline.schedules.SCHEDULES`); `arrival_rule` picks PACI's
-    (`--paci-arrival-rule`, None: the default). Called as Megatron calls it (no argument, or
-    `pp_size, vp_size`), it returns the configured schedule."""
+    runtime's registry (`megatron.pipeline.schedules.SCHEDULES`); `arrival_rule` and
+    `inflight_limit` pick PACI's (`--paci-arrival-rule`, `--paci-inflight-limit`; None: the
+    default). Called as Megatron calls it (no argument, or `pp_size, vp_size`), it returns the
+    configured schedule."""
     if vp_size is not None and vp_size > 1:
         raise NotImplementedError("interleaved (virtual pipeline) schedules are not supported")
     if pipeline_schedule is None or isinstance(pipeline_schedule, int):
         pipeline_schedule = _CONFIGURED["schedule"]
         arrival_rule = arrival_rule or _CONFIGURED["arrival_rule"]
-    schedule = with_arrival_rule(get_schedule(pipeline_schedule), arrival_rule)
+        inflight_limit = inflight_limit or _CONFIGURED["inflight_limit"]
+    schedule = with_paci_options(get_schedule(pipeline_schedule), arrival_rule, inflight_limit)
     return functools.partial(_run_registered, schedule)
 
 

@@ -8,7 +8,12 @@ import argparse
 import os
 
 from megatron.pipeline.schedules import SCHEDULES, get_schedule
-from megatron.pipeline.schedules.paci import ARRIVAL_RULES, DEFAULT_ARRIVAL_RULE
+from megatron.pipeline.schedules.paci import (
+    ARRIVAL_RULES,
+    DEFAULT_ARRIVAL_RULE,
+    DEFAULT_INFLIGHT_LIMIT,
+    INFLIGHT_LIMITS,
+)
 from megatron.pipeline.simulation.costs import stage_values
 
 from .batch_schedule import validate_rampup
@@ -216,6 +221,10 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         help="load the model only and start at iteration 0")  # fmt: skip
     add("--paci-arrival-rule", default=None, choices=list(ARRIVAL_RULES),
         help=f"what a PACI stage runs first when it may (default {DEFAULT_ARRIVAL_RULE})")  # fmt: skip
+    add("--paci-inflight-limit", default=None, choices=list(INFLIGHT_LIMITS),
+        help="most microbatches a PACI stage s holds: depth = N - s (default), flush = "
+        "min(N - s, microbatches per step), flush's activation memory also when there are fewer "
+        "microbatches per step than stages")  # fmt: skip
 
 
 def _add_benchmark_args(parser: argparse.ArgumentParser) -> None:
@@ -398,6 +407,11 @@ def _validate_emulation_and_rule(args: argparse.Namespace) -> None:
         and args.pipeline_schedule != "paci"
     ):
         raise UserError("--paci-arrival-rule applies to --pipeline-schedule paci only")
+    if (
+        args.paci_inflight_limit not in (None, DEFAULT_INFLIGHT_LIMIT)
+        and args.pipeline_schedule != "paci"
+    ):
+        raise UserError("--paci-inflight-limit applies to --pipeline-schedule paci only")
     for flag in ("emulated_forward_ms", "emulated_backward_ms", "emulated_noise_cv"):
         if isinstance(getattr(args, flag), list) and len(getattr(args, flag)) != pp:
             raise UserError(

@@ -7,7 +7,8 @@ with saved-tensor hooks) and the real peak of the process since set-up (resident
 the allocator's peak on CUDA; see megatron/pipeline/accounting.py).
 
 Rows: every schedule x every recomputation mode; `--variant LABEL=FLAGS` adds rows (e.g.
-`--variant "bf16=--bf16"`), `--extra-flags` goes to every run (e.g. a data-parallel layout).
+`--variant "bf16=--bf16"`), `--paci-variant LABEL=FLAGS` a PACI row with PACI-only flags,
+`--extra-flags` goes to every run (e.g. a data-parallel layout).
 
     python tools/memory_report.py --preset demo --iters 6 --output runs/memory
 """
@@ -69,6 +70,9 @@ def configurations(options) -> list[tuple[str, list[str]]]:
         for schedule in options.schedules:
             rows.append((f"{schedule} {label}", ["--pipeline-schedule", schedule,
                                                    *shlex.split(flags)]))  # fmt: skip
+    for variant in options.paci_variant:  # PACI's own flags: no flush row
+        label, _, flags = variant.partition("=")
+        rows.append((f"paci {label}", ["--pipeline-schedule", "paci", *shlex.split(flags)]))
     return rows
 
 
@@ -136,6 +140,9 @@ def parse_options(argv=None):
     add("--recompute", nargs="+", default=list(RECOMPUTE_MODES), choices=list(RECOMPUTE_MODES))
     add("--variant", action="append", default=[],
         help="LABEL=FLAGS: extra rows, one per schedule, with these flags (repeatable)")  # fmt: skip
+    add("--paci-variant", action="append", default=[],
+        help="LABEL=FLAGS: an extra PACI row with PACI-only flags, e.g. "
+        "'capped=--paci-inflight-limit flush' (repeatable)")  # fmt: skip
     add("--extra-flags", default="", help="flags for every run (quoted)")
     add("--nproc", type=int, default=4, help="processes per run")
     add("--output", default="runs/memory_report", help="run directories and memory.json")

@@ -30,6 +30,8 @@ from megatron.pipeline.forward_backward import (
 from megatron.pipeline.parallel import build_pipeline_context, ranks_of_my_stage
 from megatron.pipeline.runtime import StageRuntime
 from megatron.pipeline.schedules import get_schedule
+from megatron.pipeline.schedules.paci import DEFAULT_INFLIGHT_LIMIT
+from megatron.pipeline.schedules.paci import window as inflight_window
 
 from . import checkpointing, divergence, faults, run_control
 from .batch_schedule import BatchSchedule
@@ -242,6 +244,25 @@ def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
     return MegatronStep(step_func, model, args)
 
 
+def _note_inflight_window(args) -> None:
+    """PACI's window is N - s whatever the microbatches per step; with fewer than the stages,
+    that is more than flush holds, so more activation memory: say so, and how to cap it."""
+    n, m = args.pipeline_model_parallel_size, args.num_microbatches
+    if args.pipeline_schedule != "paci" or m >= n:
+        return
+    limit = args.paci_inflight_limit or DEFAULT_INFLIGHT_LIMIT
+    windows = " ".join(str(inflight_window(s, n, m, limit)) for s in range(n))
+    flush = " ".join(str(min(m, n - s)) for s in range(n))
+    if limit == "depth":
+        print_rank_0(
+            f"> note: {m} microbatches per step < {n} stages: PACI holds up to {windows} "
+            f"microbatches in flight per stage, flush at most {flush} (more activation memory); "
+            "--paci-inflight-limit flush keeps flush's"
+        )
+    else:
+        print_rank_0(f"> PACI in-flight limit flush: at most {windows} microbatches per stage")
+
+
 def pretrain(args, forward_step_func) -> TrainingState:
     wall_start = time.perf_counter()
     # Installed first, so that a SIGTERM during set-up is caught too (--exit-signal-handler).
@@ -263,6 +284,7 @@ def _pretrain(args, forward_step_func, wall_start, requests) -> TrainingState:
         f"{dist.get_backend()}, schedule {args.pipeline_schedule}, {args.num_microbatches} "
         f"microbatches per step"
     )
+    _note_inflight_window(args)
     tokenizer = _build_checked_tokenizer(args)
     model = build_stage_model(args, args.padded_vocab_size, device)
     optimizer = build_optimizer(model, args)
@@ -328,7 +350,7 @@ def _build_stage_runtime(args, model, device) -> StageRuntime:
         per_token_loss=args.calculate_per_token_loss,
     )
     attach_stage_runtime(model, runtime)
-    set_pipeline_schedule(args.pipeline_schedule, args.paci_arrival_rule)
+    set_pipeline_schedule(args.pipeline_schedule, args.paci_arrival_rule, args.paci_inflight_limit)
     return runtime
 
 
@@ -580,8 +602,12 @@ def _train_iteration(args, forward_step_func, model, train_iter, step_func, plan
     """One iteration of the schedule (flush during synchronous phases); the last stage's
     loss dicts."""
     name = schedule_of_iteration(args, iteration)
-    rule = args.paci_arrival_rule if name == "paci" else None
-    schedule_function = get_forward_backward_func(name, arrival_rule=rule)
+    paci = name == "paci"  # the other schedules of a run's phases take no PACI option
+    schedule_function = get_forward_backward_func(
+        name,
+        arrival_rule=args.paci_arrival_rule if paci else None,
+        inflight_limit=args.paci_inflight_limit if paci else None,
+    )
     if plan.ramp:  # Megatron's LR schedule of a ramp is in samples
         getattr(step_func, "step_func", step_func).scheduler_increment = plan.batch(iteration)
     return schedule_function(

@@ -38,6 +38,7 @@ def main(argv: list[str]) -> int:
 
     from megatron.pipeline.accounting import preserve_versions
     from megatron.pipeline.schedules import get_schedule
+    from megatron.pipeline.schedules.paci import with_paci_options
     from megatron.pipeline.simulation import simulate
     from megatron.training.data import build_data_iterators
     from megatron.training.model import build_gpt_stage
@@ -107,7 +108,9 @@ def main(argv: list[str]) -> int:
     stages[0]["data"] = data_iterator()
     stages[-1]["data"] = data_iterator() if num_stages > 1 else stages[0]["data"]
 
-    schedule = get_schedule(args.pipeline_schedule)
+    schedule = with_paci_options(
+        get_schedule(args.pipeline_schedule), args.paci_arrival_rule, args.paci_inflight_limit
+    )
     if args.deterministic_mode and schedule.fixed_order is not None:
         schedule = schedule.fixed_order
     a = args.num_microbatches

@@ -87,6 +87,24 @@ def test_paci_drift_shrinks_with_accumulation(case_results):
     assert drifts == [[3, 2, 1, 0], [2, 1, 1, 0], [1, 1, 1, 0]]
 
 
+def test_paci_inflight_limit_flush_holds_what_flush_holds(case_results):
+    """2 microbatches per step on 4 stages: 1F1B-flush holds at most min(2, 4 - s) in flight.
+    PACI's default window (4 - s) holds more; --paci-inflight-limit flush holds flush's count,
+    so its activation bytes are that many of flush's microbatches, and it drifts at most
+    ceil((window - 1) / a) = 1."""
+    depth = case_results["gpt_pp4_paci_a2"]["stages"]
+    capped = case_results["gpt_pp4_paci_a2_flushlimit"]["stages"]
+    flush = case_results["gpt_pp4_1f1b"]["stages"]  # same model, 4 microbatches per step
+    for d, c, f in zip(depth, capped, flush):
+        held_by_flush = min(2, 4 - c["stage"])
+        assert d["peak_inflight_microbatches"] == 4 - d["stage"]
+        assert c["peak_inflight_microbatches"] == held_by_flush
+        one_microbatch = f["peak_activation_bytes"] / f["peak_inflight_microbatches"]
+        assert c["peak_activation_bytes"] == pytest.approx(held_by_flush * one_microbatch, rel=1e-3)
+        assert c["max_drift"] <= math.ceil((held_by_flush - 1) / 2)
+    assert capped[0]["max_drift"] == 1  # the first stage overlaps steps
+
+
 def test_paci_keeps_flush_memory(case_results):
     flush, paci = case_results["gpt_pp4_1f1b"], case_results["gpt_pp4_paci_a4"]
     for f, p in zip(flush["stages"], paci["stages"]):

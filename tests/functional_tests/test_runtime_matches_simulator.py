@@ -31,7 +31,7 @@ import pytest
 
 from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.schedules.base import ActionKind
-from megatron.pipeline.schedules.paci import FIXED_ORDER, with_arrival_rule
+from megatron.pipeline.schedules.paci import FIXED_ORDER, with_paci_options
 from megatron.pipeline.simulation import emulation as bench
 from megatron.pipeline.simulation import results, simulate
 from megatron.pipeline.trace import action_order, read_chrome_trace
@@ -60,7 +60,7 @@ EXTRA_ARGS = {
 
 def schedule_of(name: str, schedule: str):
     rule = "backward-first" if EXTRA_ARGS.get(name) == REACTIVE else None
-    return with_arrival_rule(get_schedule(schedule), rule)
+    return with_paci_options(get_schedule(schedule), rule)
 
 
 def simulated_order(schedule, microbatches: int, **costs) -> dict[int, list[str]]:
@@ -147,7 +147,7 @@ def test_simulated_order_is_insensitive_to_latency_and_jitter(microbatches):
     """Reactive PACI's simulated order for nominal costs is the fixed 1F1B order without a
     flush, and it survives p2p latency and per-stage cost differences up to 10%: what a real
     run adds."""
-    paci = with_arrival_rule(get_schedule("paci"), "backward-first")
+    paci = with_paci_options(get_schedule("paci"), "backward-first")
     nominal = simulated_order(paci, microbatches)
     assert nominal == simulated_order(FIXED_ORDER, microbatches)
     f, b = FWD_MS / 1000.0, BWD_MS / 1000.0
@@ -191,7 +191,7 @@ def test_paci_contested_decisions_have_a_margin_of_one_forward(microbatches, lat
     depends on arrival order is F away from going the other way, whatever the latency."""
     f = FWD_MS / 1000.0
     result = simulate(
-        with_arrival_rule(get_schedule("paci"), "backward-first"),
+        with_paci_options(get_schedule("paci"), "backward-first"),
         num_stages=STAGES,
         microbatches_per_step=microbatches,
         steps=STEPS,

@@ -42,6 +42,10 @@ CASES = {
          "--paci-arrival-rule", "forward-first"],
         "--paci-arrival-rule applies to --pipeline-schedule paci only",
     ),
+    "flush_inflight_limit": (
+        ["--pipeline-schedule", "1f1b", "--paci-inflight-limit", "flush"],
+        "--paci-inflight-limit applies to --pipeline-schedule paci only",
+    ),
 }  # fmt: skip
 
 

@@ -60,7 +60,7 @@ import time
 
 from ..schedules import get_schedule
 from ..schedules.base import ActionKind
-from ..schedules.paci import with_arrival_rule
+from ..schedules.paci import with_paci_options
 from ..trace import read_chrome_trace
 from .costs import CostNoise
 from .engine import simulate
@@ -214,7 +214,7 @@ def simulated_steady_throughput(
 ) -> float:
     name, rule = schedule_and_rule(schedule)
     result = simulate(
-        with_arrival_rule(get_schedule(name, simulated=True), rule),
+        with_paci_options(get_schedule(name, simulated=True), rule),
         num_stages=num_stages,
         microbatches_per_step=microbatches,
         steps=steps,

@@ -12,7 +12,7 @@ from megatron.pipeline.schedules.paci import (
     ARRIVAL_RULES,
     DEFAULT_ARRIVAL_RULE,
     FIXED_ORDER,
-    with_arrival_rule,
+    with_paci_options,
 )
 from megatron.pipeline.simulation import simulate
 from megatron.pipeline.simulation.arrival_study import Case, grid, run_case, summarize
@@ -66,16 +66,30 @@ def test_noise_changes_a_simulation_reproducibly():
 
 
 def test_rule_selection():
-    assert with_arrival_rule(get_schedule("paci"), None) is get_schedule("paci")
+    assert with_paci_options(get_schedule("paci"), None) is get_schedule("paci")
     assert get_schedule("paci") is ARRIVAL_RULES[DEFAULT_ARRIVAL_RULE]
     for rule, schedule in ARRIVAL_RULES.items():
-        assert with_arrival_rule(get_schedule("paci"), rule) is schedule
+        assert with_paci_options(get_schedule("paci"), rule) is schedule
         assert schedule.fixed_order is FIXED_ORDER  # --deterministic-mode: the fixed order
-    assert with_arrival_rule(get_schedule("1f1b"), DEFAULT_ARRIVAL_RULE) is get_schedule("1f1b")
+    assert with_paci_options(get_schedule("1f1b"), DEFAULT_ARRIVAL_RULE) is get_schedule("1f1b")
     with pytest.raises(ValueError, match="paci schedule only"):
-        with_arrival_rule(get_schedule("1f1b"), "backward-first")
+        with_paci_options(get_schedule("1f1b"), "backward-first")
     with pytest.raises(ValueError, match="unknown PACI arrival rule"):
-        with_arrival_rule(get_schedule("paci"), "sideways")
+        with_paci_options(get_schedule("paci"), "sideways")
+
+
+def test_inflight_limit_selection():
+    paci = get_schedule("paci")
+    capped = with_paci_options(paci, None, "flush")
+    assert capped is with_paci_options(paci, DEFAULT_ARRIVAL_RULE, "flush")  # one per pair
+    assert capped is not paci and capped.fixed_order is not FIXED_ORDER
+    assert with_paci_options(paci, "backward-first", "flush").fixed_order is capped.fixed_order
+    assert with_paci_options(paci, None, "depth") is paci
+    assert with_paci_options(get_schedule("2bw"), None, "depth") is get_schedule("2bw")
+    with pytest.raises(ValueError, match="--paci-inflight-limit flush applies to the paci"):
+        with_paci_options(get_schedule("1f1b"), None, "flush")
+    with pytest.raises(ValueError, match="unknown PACI in-flight limit"):
+        with_paci_options(paci, None, "sideways")
 
 
 def test_stage_values_flag_type():

@@ -85,6 +85,35 @@ def test_paci_drift_and_in_flight(n, a):
 
 
 @pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("a", [1, 2, 3, 8])
+@pytest.mark.parametrize("backward_cost", [1.0, 2.0, 3.0])
+def test_paci_flush_inflight_limit_holds_what_flush_holds(n, a, backward_cost):
+    """--paci-inflight-limit flush: stage s holds min(N - s, a), 1F1B-flush's count with a
+    microbatches per step, also for a < N; drift stays within ceil((window - 1) / a). The
+    pipeline still never drains, so every rule beats flush once a > 1 (the first stage starts
+    the next step while the last backwards come back), the reactive rules by the most."""
+    kwargs = dict(num_stages=n, microbatches_per_step=a, steps=24, forward_cost=1.0,
+                  backward_cost=backward_cost, record_timeline=False)  # fmt: skip
+    flush = simulate(SIMULATED_SCHEDULES["1f1b"], **kwargs)
+    depth = simulate(paci.paci_schedule(), **kwargs)
+    windows = [min(n - s, a) for s in range(n)]
+    bounds = [paci.drift_bound(s, n, a, "flush") for s in range(n)]
+    assert bounds == [math.ceil((w - 1) / a) for w in windows]
+    capped = {r: simulate(paci.paci_schedule(r, "flush"), **kwargs) for r in paci.ARRIVAL_RULES}
+    for result in capped.values():
+        assert result.peak_inflight_per_stage == flush.peak_inflight_per_stage == windows
+        assert all(d <= b for d, b in zip(result.max_drift_per_stage, bounds))
+        assert result.max_drift_per_stage[0] == bounds[0]
+        assert depth.makespan <= result.makespan <= flush.makespan
+        if a > 1:
+            assert result.makespan < flush.makespan
+        if a >= n:  # the window is N - s either way
+            assert result.makespan == depth.makespan
+    assert capped["backward-first"].makespan <= capped["fixed"].makespan
+    assert depth.peak_inflight_per_stage == [n - s for s in range(n)]
+
+
+@pytest.mark.parametrize("n", [4, 8])
 @pytest.mark.parametrize("m", [8, 16])
 @pytest.mark.parametrize("fbw", [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 2.0, 1.0)])
 def test_zb_h1_bubble_per_step(n, m, fbw):
@@ -313,11 +342,14 @@ def test_cli_prints_one_json_object_and_writes_the_timeline_and_plot(tmp_path):
         str(timeline),
         "--plot",
         str(plot),
+        "--paci-inflight-limit",
+        "flush",
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)  # exactly one JSON document
     assert report["schedule"] == "paci" and report["costs"]["forward"] == [1, 1, 3, 1]
     assert len(report["max_drift_per_stage"]) == 4
+    assert report["peak_inflight_per_stage"] == [2, 2, 2, 1]  # capped at flush's min(N - s, 2)
     assert read_chrome_trace(str(timeline))
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -328,6 +360,7 @@ def test_cli_prints_one_json_object_and_writes_the_timeline_and_plot(tmp_path):
         (["--schedule", "nope"], "invalid choice"),
         (["--schedule", "1f1b", "--stages", "4", "--fwd", "1,2"], "--fwd: 2 values for 4 stages"),
         (["--schedule", "2bw", "--stages", "8", "--microbatches", "2"], "2bw needs at least 7"),
+        (["--schedule", "1f1b", "--paci-inflight-limit", "flush"], "applies to the paci schedule"),
     ],
 )
 def test_cli_bad_input_is_one_error_line(args, message):

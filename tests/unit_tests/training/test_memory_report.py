@@ -9,14 +9,18 @@ from megatron.training.memory_report import (
 
 
 def test_rows_are_schedules_by_recomputation_then_variants():
-    options = parse_options(["--variant", "bf16=--bf16 --seed 3"])
+    options = parse_options(["--variant", "bf16=--bf16 --seed 3",
+                             "--paci-variant", "capped=--paci-inflight-limit flush"])  # fmt: skip
     labels = [label for label, _ in configurations(options)]
     assert labels == ["1f1b", "paci", "1f1b selective", "paci selective", "1f1b full",
-                      "paci full", "1f1b bf16", "paci bf16"]  # fmt: skip
+                      "paci full", "1f1b bf16", "paci bf16", "paci capped"]  # fmt: skip
     flags = dict(configurations(options))
     assert flags["paci full"][:2] == ["--pipeline-schedule", "paci"]
     assert "--recompute-granularity" in flags["paci full"]
     assert flags["paci bf16"][-3:] == ["--bf16", "--seed", "3"]
+    assert flags["paci capped"] == [
+        "--pipeline-schedule", "paci", "--paci-inflight-limit", "flush"
+    ]  # fmt: skip
 
 
 def _summary(real_peaks, activations):
