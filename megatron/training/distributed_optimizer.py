@@ -10,9 +10,8 @@ optimizers (adam, sgd, lion, adan) then give exactly the unsharded update.
 
 One step:
 
-1. gradients: NCCL reduce-scatters the flat buffer (each rank receives its range, summed);
-   gloo has no reduce-scatter, so it all-reduces the buffer and each rank keeps its range;
-   then divide by D;
+1. gradients: the flat buffer is reduce-scattered (each rank receives its range, summed; NCCL
+   and, since torch 2.x, gloo), then divided by D;
 2. gradient norm: the sum of squares of my range, all-reduced over the data-parallel group,
    then over the schedule's reach (tensor parallel, plus pipeline under 1F1B-flush);
 3. the optimizer steps my pieces; each rank writes its updated range, in the model's dtype,
@@ -93,13 +92,10 @@ class ShardedMainOptimizer(MainParamsOptimizer):
         return self.buffer.flat[start : start + piece.main.numel()]
 
     def average_over(self, group) -> None:
-        flat = self.buffer.flat
-        if self.shards > 1 and dist.get_backend(group) == "nccl":
+        if self.shards > 1:
             mine = torch.empty_like(self._my_range())
-            dist.reduce_scatter_tensor(mine, flat, group=group)
+            dist.reduce_scatter_tensor(mine, self.buffer.flat, group=group)
             self._my_range().copy_(mine)
-        elif self.shards > 1:  # gloo: no reduce-scatter
-            dist.all_reduce(flat, group=group)
         self._my_range().div_(self.shards)
 
     def squared_norm(self, counted) -> torch.Tensor:
