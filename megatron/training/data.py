@@ -245,6 +245,37 @@ class MicrobatchIterator:
         return {key: torch.stack([sample[key] for sample in samples]) for key in BATCH_KEYS}
 
 
+def data_iterators_from_args(
+    args,
+    tokenizer,
+    *,
+    train_samples: int,
+    valid_samples: int,
+    data_parallel_rank: int = 0,
+    data_parallel_size: int = 1,
+    consumed_train_samples: int = 0,
+):
+    """`build_data_iterators` with the data flags of `args` (--data-path or --mock-data,
+    --split, --seq-length, --seed, --data-cache-path, --micro-batch-size); (train, valid)."""
+    train, valid, _ = build_data_iterators(
+        data_path=None if args.mock_data else args.data_path,
+        mock_data=args.mock_data,
+        split=args.split,
+        seq_length=args.seq_length,
+        seed=args.seed,
+        tokenizer=tokenizer,
+        data_cache_path=args.data_cache_path,
+        micro_batch_size=args.micro_batch_size,
+        data_parallel_rank=data_parallel_rank,
+        data_parallel_size=data_parallel_size,
+        train_samples=train_samples,
+        valid_samples=valid_samples,
+        test_samples=0,
+        consumed_train_samples=consumed_train_samples,
+    )
+    return train, valid
+
+
 def build_data_iterators(
     *,
     data_path: Optional[List[str]],

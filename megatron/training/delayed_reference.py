@@ -50,32 +50,21 @@ def ensure_single_process_groups() -> None:
         parallel_state.initialize_model_parallel(1, 1)
 
 
-def _build(args):
-    """Model, optimizer step and data iterators, as `pretrain` builds them on one stage."""
-    from megatron.training.data import build_data_iterators
+def build_local_stage(args, layout, device, vocab_size: int):
+    """One stage's model (`layout`) and its optimizer step with no process group, so that one
+    process can train it: what `pretrain` builds on a rank, less the groups."""
     from megatron.training.model import build_gpt_stage
     from megatron.training.optimizer import (
         StageOptimizerStep,
         build_lr_scheduler,
         build_optimizer,
     )
-    from megatron.training.tokenizer import build_tokenizer
-    from megatron.training.training import padded_vocab_size, stage_layout, transformer_config
+    from megatron.training.training import transformer_config
 
-    ensure_single_process_groups()
-    torch.manual_seed(args.seed)
-    device = torch.device("cpu")
-    tokenizer = build_tokenizer(
-        args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        vocab_size=args.vocab_size,
-    )
     model = build_gpt_stage(
         transformer_config(args, device),
-        stage_layout(args),
-        vocab_size=padded_vocab_size(tokenizer.vocab_size, args),
+        layout,
+        vocab_size=vocab_size,
         max_sequence_length=args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type,
         device=device,
@@ -91,20 +80,32 @@ def _build(args):
         tensor_parallel_rank=0,
         clip_grad=args.clip_grad,
     )
-    train, valid, _ = build_data_iterators(
-        data_path=None if args.mock_data else args.data_path,
-        mock_data=args.mock_data,
-        split=args.split,
-        seq_length=args.seq_length,
-        seed=args.seed,
-        tokenizer=tokenizer,
-        data_cache_path=args.data_cache_path,
-        micro_batch_size=args.micro_batch_size,
-        data_parallel_rank=0,
-        data_parallel_size=1,
+    return model, step
+
+
+def _build(args):
+    """Model, optimizer step and data iterators, as `pretrain` builds them on one stage."""
+    from megatron.training.data import data_iterators_from_args
+    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.training import padded_vocab_size, stage_layout
+
+    ensure_single_process_groups()
+    torch.manual_seed(args.seed)
+    device = torch.device("cpu")
+    tokenizer = build_tokenizer(
+        args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size,
+    )
+    vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    model, step = build_local_stage(args, stage_layout(args), device, vocab_size)
+    train, valid = data_iterators_from_args(
+        args,
+        tokenizer,
         train_samples=args.train_iters * args.global_batch_size,
         valid_samples=args.eval_iters * args.global_batch_size if args.eval_iters else 0,
-        test_samples=0,
     )
     return model, step, train, valid
 

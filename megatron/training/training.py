@@ -35,7 +35,7 @@ from megatron.pipeline.schedules.paci import window as inflight_window
 
 from . import checkpointing, divergence, faults, run_control
 from .batch_schedule import BatchSchedule
-from .data import build_data_iterators, parse_data_path
+from .data import data_iterators_from_args, parse_data_path
 from .delay_mitigation import schedule_of_iteration, synchronous_phase_ends
 from .emulation import EmulatedStage
 from .errors import RunFailed
@@ -356,23 +356,15 @@ def _build_stage_runtime(args, model, device) -> StageRuntime:
 
 def _build_train_valid_iterators(args, tokenizer, state: TrainingState):
     """The (train, valid) microbatch iterators of this data-parallel rank."""
-    train_iter, valid_iter, _ = build_data_iterators(
-        data_path=None if args.mock_data else args.data_path,
-        mock_data=args.mock_data,
-        split=args.split,
-        seq_length=args.seq_length,
-        seed=args.seed,
-        tokenizer=tokenizer,
-        data_cache_path=args.data_cache_path,
-        micro_batch_size=args.micro_batch_size,
-        data_parallel_rank=parallel_state.get_data_parallel_rank(),
-        data_parallel_size=args.data_parallel_size,
+    return data_iterators_from_args(
+        args,
+        tokenizer,
         train_samples=sum(BatchSchedule(args).batches(0, args.train_iters)),
         valid_samples=_eval_samples(args),
-        test_samples=0,
+        data_parallel_rank=parallel_state.get_data_parallel_rank(),
+        data_parallel_size=args.data_parallel_size,
         consumed_train_samples=state.consumed_train_samples,
     )
-    return train_iter, valid_iter
 
 
 def _finish_run(args, state, runtime, step_func, optimizer, writer, wall_start) -> None:

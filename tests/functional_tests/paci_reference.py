@@ -13,14 +13,7 @@ prints a JSON list: the lm loss of each iteration.
 """
 
 import json
-import socket
 import sys
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main(argv: list[str]) -> int:
@@ -34,28 +27,19 @@ def main(argv: list[str]) -> int:
 
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from megatron.pipeline.accounting import preserve_versions
     from megatron.pipeline.schedules import get_schedule
     from megatron.pipeline.schedules.paci import with_paci_options
     from megatron.pipeline.simulation import simulate
-    from megatron.training.data import build_data_iterators
-    from megatron.training.model import build_gpt_stage
-    from megatron.training.optimizer import (
-        StageOptimizerStep,
-        build_lr_scheduler,
-        build_optimizer,
-    )
+    from megatron.training.data import data_iterators_from_args
+    from megatron.training.delayed_reference import build_local_stage, ensure_single_process_groups
     from megatron.training.tokenizer import build_tokenizer
-    from megatron.training.training import padded_vocab_size, stage_layout, transformer_config
+    from megatron.training.training import padded_vocab_size, stage_layout
     from pretrain_gpt import forward_step
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    parallel_state.initialize_model_parallel(1, 1)
+    ensure_single_process_groups()
     torch.manual_seed(args.seed)
     device = torch.device("cpu")
     tokenizer = build_tokenizer(args.tokenizer_type, vocab_size=args.vocab_size)
@@ -65,45 +49,12 @@ def main(argv: list[str]) -> int:
     for stage in range(num_stages):
         layout = stage_layout(args)
         layout.pipeline_rank = stage
-        config = transformer_config(args, device)
-        model = build_gpt_stage(
-            config,
-            layout,
-            vocab_size=vocab,
-            max_sequence_length=args.max_position_embeddings,
-            position_embedding_type=args.position_embedding_type,
-            device=device,
-            seed=args.seed,
-        )
-        optimizer = build_optimizer(model, args)
-        step = StageOptimizerStep(
-            model,
-            optimizer,
-            build_lr_scheduler(optimizer, args),
-            data_parallel_group=None,
-            grad_norm_group=None,
-            tensor_parallel_rank=0,
-            clip_grad=args.clip_grad,
-        )
+        model, step = build_local_stage(args, layout, device, vocab)
         stages.append({"model": model, "step": step, "inputs": {}, "outputs": {}})
 
     def data_iterator():  # first and last stage read the same stream, as on separate ranks
-        train, _, _ = build_data_iterators(
-            data_path=None,
-            mock_data=True,
-            split=args.split,
-            seq_length=args.seq_length,
-            seed=args.seed,
-            tokenizer=tokenizer,
-            data_cache_path=None,
-            micro_batch_size=args.micro_batch_size,
-            data_parallel_rank=0,
-            data_parallel_size=1,
-            train_samples=args.train_iters * args.global_batch_size,
-            valid_samples=0,
-            test_samples=0,
-        )
-        return train
+        samples = args.train_iters * args.global_batch_size
+        return data_iterators_from_args(args, tokenizer, train_samples=samples, valid_samples=0)[0]
 
     stages[0]["data"] = data_iterator()
     stages[-1]["data"] = data_iterator() if num_stages > 1 else stages[0]["data"]
