@@ -79,6 +79,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     add("--apply-layernorm-1p", action="store_true",
         help="zero-centered norm weight (stores gamma - 1)")  # fmt: skip
     add("--qk-layernorm", action="store_true")
+    add("--cross-entropy-loss-fusion", action="store_true",
+        help="megatron-core's fused vocab-parallel cross entropy (its logit gradient is bf16)")  # fmt: skip
+    add("--cross-entropy-fusion-impl", default="native", choices=["native", "te"])
+    add("--test-mode", action="store_true",
+        help="megatron-core's realtime check: q/k layernorm weights equal on every TP and DP "
+        "rank, at every attention forward")  # fmt: skip
     add("--apply-residual-connection-post-layernorm", action="store_true")
     add("--swiglu", action="store_true")
     add("--squared-relu", action="store_true")
@@ -252,6 +258,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_reliability(args)
     _validate_parallel_layout(args, world_size)
     _validate_model_shape(args)
+    _validate_model_checks(args)
     validate_recompute_args(args, layers_by_stage(args))
     _validate_batch_and_run_length(args)
     if check_files:
@@ -359,6 +366,26 @@ def _validate_model_shape(args: argparse.Namespace) -> None:
         raise UserError("--seq-length exceeds --max-position-embeddings")
     if not 0.0 < args.rotary_percent <= 1.0:
         raise UserError("--rotary-percent must be in (0, 1]")
+
+
+def _validate_model_checks(args: argparse.Namespace) -> None:
+    """The fused cross entropy and megatron-core's realtime test (--test-mode)."""
+    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te":
+        raise UserError(  # Megatron refuses it the same way
+            "--cross-entropy-fusion-impl te is disabled (Transformer Engine's fused cross entropy "
+            "had stability issues): use --cross-entropy-fusion-impl native"
+        )
+    if not (args.test_mode and args.qk_layernorm):
+        return  # megatron-core's realtime test only checks the q/k layernorms
+    if args.normalization != "LayerNorm":
+        raise UserError("--test-mode compares the q/k layernorm biases: it needs LayerNorm")
+    reactive = args.paci_arrival_rule not in (None, DEFAULT_ARRIVAL_RULE)
+    if reactive and not args.deterministic_mode and args.data_parallel_size > 1:
+        raise UserError(
+            f"--test-mode with --paci-arrival-rule {args.paci_arrival_rule} and data parallelism "
+            "is not supported yet (its check gathers over the data-parallel group at every "
+            "forward, in an order that arrivals decide on each replica)"
+        )
 
 
 def _validate_batch_and_run_length(args: argparse.Namespace) -> None:
@@ -553,6 +580,9 @@ def _add_precision_args(parser: argparse.ArgumentParser) -> None:
         help="accepted; gradients are reduced once the accumulation ends (no overlap)")  # fmt: skip
     add("--overlap-param-gather", action="store_true",
         help="accepted with --use-distributed-optimizer; parameters are gathered after the step")  # fmt: skip
+    add("--ddp-average-in-collective", action="store_true",
+        help="average the data-parallel gradients in the collective (ReduceOp.AVG) instead of a "
+        "sum and a division")  # fmt: skip
 
 
 DISTRIBUTED_OPTIMIZER_REFUSES = ("muon", "soap", "mars")  # not element-wise (per matrix)

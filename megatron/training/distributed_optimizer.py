@@ -11,7 +11,8 @@ optimizers (adam, sgd, lion, adan) then give exactly the unsharded update.
 One step:
 
 1. gradients: the flat buffer is reduce-scattered (each rank receives its range, summed; NCCL
-   and, since torch 2.x, gloo), then divided by D;
+   and, since torch 2.x, gloo), then divided by D (or averaged by the collective itself with
+   --ddp-average-in-collective);
 2. gradient norm: the sum of squares of my range, all-reduced over the data-parallel group,
    then over the schedule's reach (tensor parallel, plus pipeline under 1F1B-flush);
 3. the optimizer steps my pieces; each rank writes its updated range, in the model's dtype,
@@ -91,12 +92,16 @@ class ShardedMainOptimizer(MainParamsOptimizer):
         start = self.low + piece.shard_offset
         return self.buffer.flat[start : start + piece.main.numel()]
 
-    def average_over(self, group) -> None:
+    def average_over(self, group, *, in_collective: bool = False) -> None:
+        """My range of the gradients, averaged: reduce-scattered (summed, or averaged by the
+        collective with --ddp-average-in-collective)."""
         if self.shards > 1:
             mine = torch.empty_like(self._my_range())
-            dist.reduce_scatter_tensor(mine, self.buffer.flat, group=group)
+            op = dist.ReduceOp.AVG if in_collective else dist.ReduceOp.SUM
+            dist.reduce_scatter_tensor(mine, self.buffer.flat, op=op, group=group)
             self._my_range().copy_(mine)
-        self._my_range().div_(self.shards)
+        if not in_collective:
+            self._my_range().div_(self.shards)
 
     def squared_norm(self, counted) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=self.buffer.flat.device)

@@ -39,6 +39,18 @@ def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def average_over_group(flat: torch.Tensor, group, *, in_collective: bool = False) -> None:
+    """`flat` becomes its mean over the data-parallel `group`: a sum then a division, or
+    the collective's own average (`--ddp-average-in-collective`, ReduceOp.AVG)."""
+    if _group_size(group) == 1:
+        return
+    if in_collective:
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)
+        return
+    dist.all_reduce(flat, group=group)
+    flat.div_(dist.get_world_size(group))
+
+
 # ---------------------------------------------------------------------------- fp32, as before
 class ModelGradients:
     """The optimizer steps the model's parameters; gradients are `param.grad`."""
@@ -55,13 +67,12 @@ class ModelGradients:
             param.grad = torch.zeros_like(param)
         return param.grad
 
-    def average_over(self, group) -> None:
+    def average_over(self, group, *, in_collective: bool = False) -> None:
         grads = [self.gradient_of(p) for p in self.params]
         if _group_size(group) == 1:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat.div_(dist.get_world_size(group))
+        average_over_group(flat, group, in_collective=in_collective)
         offset = 0
         for grad in grads:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
@@ -203,10 +214,8 @@ class ReplicatedMainOptimizer(MainParamsOptimizer):
         for main, param in zip(self.main, self.params):
             main.copy_(param)
 
-    def average_over(self, group) -> None:
-        if _group_size(group) > 1:
-            dist.all_reduce(self.buffer.flat, group=group)
-            self.buffer.flat.div_(dist.get_world_size(group))
+    def average_over(self, group, *, in_collective: bool = False) -> None:
+        average_over_group(self.buffer.flat, group, in_collective=in_collective)
 
     def squared_norm(self, counted) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=self.buffer.flat.device)

@@ -67,7 +67,6 @@ OUR_BEHAVIOUR = [
     Flag("--async-strategy", str, "nvrx", supported=None),
     Flag("--num-workers", int, 2, supported=None),
     Flag("--empty-unused-memory-level", int, 0, supported=(1, 2)),
-    Flag("--cross-entropy-fusion-impl", str, "native", supported=None),
     Flag("--rerun-mode", str, "disabled"),
     Flag("--timing-log-level", int, 0),
     Flag("--context-parallel-size", int, 1),
@@ -85,7 +84,6 @@ NOT_SUPPORTED = [
     # distributed optimizer, overlap, FSDP
     *_switches(
         "--overlap-param-gather-with-optimizer-step",
-        "--ddp-average-in-collective",
         "--use-torch-fsdp2",
         "--use-megatron-fsdp",
         "--tp-comm-overlap",
@@ -93,7 +91,6 @@ NOT_SUPPORTED = [
         "--disable-gloo-process-groups",
         "--use-tp-pp-dp-mapping",
         "--overlap-p2p-communication-warmup-flush",
-        "--cross-entropy-loss-fusion",
     ),
     Flag("--num-distributed-optimizer-instances", int, 1),
     Flag("--data-parallel-sharding-strategy", str),
@@ -157,7 +154,6 @@ NOT_SUPPORTED = [
     Flag("--verify-integrity"),
     Flag("--error-injection-rate", int, 0),
     Flag("--error-injection-type", str),
-    Flag("--test-mode"),
     Flag("--export-te-mcore-model"),
     Flag("--export-kd-teacher-load", str),
     Flag("--export-kd-cfg", str),

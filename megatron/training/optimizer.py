@@ -110,6 +110,19 @@ class StepReport:
     skipped: bool = False  # the gradient norm was not finite: no update
 
 
+def _summed_over_tensor_parallel(model: torch.nn.Module, group) -> list[torch.nn.Parameter]:
+    """Parameters replicated over the tensor-parallel ranks whose gradient each rank computes
+    from its own attention heads only: the q/k layernorms (--qk-layernorm) normalize each head,
+    so the full gradient is the sum over the ranks (as Megatron's finalize_model_grads does)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return []
+    return [
+        param
+        for name, param in model.named_parameters()
+        if param.requires_grad and ("q_layernorm" in name or "k_layernorm" in name)
+    ]
+
+
 class StageOptimizerStep:
     """The `optimizer_step_func` a schedule calls when this stage's step is due."""
 
@@ -123,13 +136,20 @@ class StageOptimizerStep:
         grad_norm_group,
         tensor_parallel_rank: int,
         clip_grad: float,
+        average_in_collective: bool = False,
+        tensor_parallel_group=None,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.data_parallel_group = data_parallel_group
         self.grad_norm_group = grad_norm_group
         self.tensor_parallel_rank = tensor_parallel_rank
         self.clip_grad = clip_grad
+        self.average_in_collective = average_in_collective  # --ddp-average-in-collective
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.tensor_parallel_group = tensor_parallel_group
+        self.summed_over_tensor_parallel = _summed_over_tensor_parallel(
+            model, tensor_parallel_group
+        )
         # The optimizer's own gradients (main weights), or the model's (fp32).
         self.gradients = optimizer if hasattr(optimizer, "average_over") else None
         self.gradients = self.gradients or ModelGradients(self.params)
@@ -151,7 +171,10 @@ class StageOptimizerStep:
 
     def __call__(self) -> StepReport:
         self.calls += 1
-        self.gradients.average_over(self.data_parallel_group)
+        self._sum_over_tensor_parallel()
+        self.gradients.average_over(
+            self.data_parallel_group, in_collective=self.average_in_collective
+        )
         self._maybe_inject_overflow()
         grad_norm = self._grad_norm()
         found_inf = not math.isfinite(grad_norm)
@@ -186,6 +209,18 @@ class StageOptimizerStep:
         learning_rate = self.optimizer.param_groups[0]["lr"]
         self.last = StepReport(grad_norm=grad_norm, learning_rate=learning_rate, skipped=True)
         return self.last
+
+    def _sum_over_tensor_parallel(self) -> None:
+        """Complete the gradients each tensor-parallel rank holds only its heads' part of."""
+        if not self.summed_over_tensor_parallel:
+            return
+        grads = [self.gradients.gradient_of(p) for p in self.summed_over_tensor_parallel]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.tensor_parallel_group)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
     def _maybe_inject_overflow(self) -> None:
         """Tests: MEGATRON_INJECT_GRAD_OVERFLOW names this stage and step (loss_scaling.py)."""

@@ -107,6 +107,9 @@ _MODEL_SWITCH_DEFAULTS = {
     "apply_query_key_layer_scaling": False,
     "apply_residual_connection_post_layernorm": False,
     "rotary_interleaved": False,
+    "cross_entropy_loss_fusion": False,
+    "cross_entropy_fusion_impl": "native",
+    "test_mode": False,
 }
 
 
@@ -135,6 +138,9 @@ def model_switches(args) -> dict:
         apply_query_key_layer_scaling=get["apply_query_key_layer_scaling"],
         apply_residual_connection_post_layernorm=get["apply_residual_connection_post_layernorm"],
         rotary_interleaved=get["rotary_interleaved"],
+        cross_entropy_loss_fusion=get["cross_entropy_loss_fusion"],
+        cross_entropy_fusion_impl=get["cross_entropy_fusion_impl"],
+        test_mode=get["test_mode"],
     )
 
 
@@ -240,6 +246,8 @@ def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
         ),
         tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
         clip_grad=args.clip_grad,
+        average_in_collective=args.ddp_average_in_collective,
+        tensor_parallel_group=parallel_state.get_tensor_model_parallel_group(),
     )
     return MegatronStep(step_func, model, args)
 

@@ -57,6 +57,25 @@ def test_uneven_split_matches_single_stage(case_results):
     assert max_relative_difference(uneven, reference) <= 1e-5
 
 
+def test_qk_layernorm_under_tensor_parallelism_matches_single_stage(case_results):
+    reference = case_results["gpt_pp1_1f1b_qkln"]["loss"]
+    assert max_relative_difference(case_results["gpt_tp2pp2_1f1b_qkln"]["loss"], reference) <= 1e-5
+
+
+def test_megatron_realtime_check_and_fused_cross_entropy_under_paci(case_results):
+    """--test-mode: megatron-core compares the q/k layernorm weights of the tensor-parallel
+    ranks at every attention forward and raises on any difference; the run completing means
+    the ranks' per-head gradients of those norms were summed (without the sum they drift
+    apart within two steps). --cross-entropy-loss-fusion: the same loss at the initial weights
+    as the unfused flush run (PACI's first iteration sees only those), then a bf16-rounded
+    logit gradient."""
+    checks = case_results["gpt_tp2pp2_paci_qkln_checks"]
+    flush = case_results["gpt_tp2pp2_1f1b_qkln"]["loss"]
+    assert abs(checks["loss"][0] - flush[0]) <= 1e-6 * flush[0]
+    assert max_relative_difference(checks["loss"], flush) <= 5e-3
+    assert checks["cross_stage_collectives"] == 0
+
+
 def test_paci_on_one_stage_is_flush(case_results):
     """With one stage no microbatch can cross a step: PACI is exactly flush."""
     assert case_results["gpt_pp1_paci"]["loss"] == case_results["gpt_pp1_1f1b"]["loss"]

@@ -183,6 +183,25 @@ def _compare_sharded_with_unsharded(rank: int, name: str, dtype: torch.dtype) ->
     assert _tensors_close(fresh.state_dict(), unsharded_state)
 
 
+def _compare_average_in_collective(rank: int, dtype: torch.dtype, sharded: bool) -> None:
+    """--ddp-average-in-collective (ReduceOp.AVG) steps as the sum and division do."""
+    overrides = dict(bf16=dtype == torch.bfloat16, use_distributed_optimizer=sharded)
+    models = [TinyGPT().to(dtype), TinyGPT().to(dtype)]
+    steps = []
+    for model, in_collective in zip(models, (False, True)):
+        optimizer = build_optimizer(model, optimizer_args("adam", **overrides))
+        step = _stage_step(model, optimizer, dist.group.WORLD)
+        step.average_in_collective = in_collective
+        steps.append(step)
+    for iteration in range(2):
+        for model in models:
+            _backward_with(model, 10 * iteration + rank)
+        norms = [step().grad_norm for step in steps]
+        assert abs(norms[0] - norms[1]) <= 1e-6 * norms[0]
+    for a, b in zip(*(model.parameters() for model in models)):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-7)
+
+
 def _worker(rank: int, port: int, cases: list) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -190,13 +209,18 @@ def _worker(rank: int, port: int, cases: list) -> None:
     try:
         for name, dtype in cases:
             _compare_sharded_with_unsharded(rank, name, dtype)
+        for dtype, sharded in ((torch.float32, False), (torch.bfloat16, False),
+                               (torch.float32, True)):  # fmt: skip
+            _compare_average_in_collective(rank, dtype, sharded)
     finally:
         dist.destroy_process_group()
 
 
 def test_distributed_optimizer_equals_the_unsharded_one_over_two_ranks():
     """Same gradient norm, weights and (gathered) state as the unsharded optimizer; half the
-    state per rank; its checkpoint format is the unsharded one, both ways."""
+    state per rank; its checkpoint format is the unsharded one, both ways. And
+    --ddp-average-in-collective gives the same steps as the sum and division (plain, bf16 main
+    weights, sharded)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
