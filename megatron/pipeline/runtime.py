@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .accounting import SavedTensorMeter, StageStats, preserve_versions
 from .p2p import Outbox, decode_scale, encode_scale, make_inbox, scale_elements
-from .schedules.base import Action, ActionKind, Schedule, StageView
+from .schedules.base import Action, ActionKind, Schedule, StagePosition, StageView
 from .stage_state import NO_LIMIT, StageState
 from .trace import TraceEvent
 from .weight_stash import WeightStash
@@ -36,7 +36,7 @@ _ACTION_CODES = list(ActionKind)
 
 
 @dataclass
-class PipelineContext:
+class PipelineContext(StagePosition):
     """How this rank is wired into the pipeline. Built once by `megatron.pipeline.parallel`."""
 
     stage: int
@@ -52,14 +52,6 @@ class PipelineContext:
     decision_group: object = None
     decision_leader: int = 0  # global rank of the deciding TP rank
     is_decision_leader: bool = True
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
 
 
 @dataclass

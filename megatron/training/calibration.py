@@ -46,16 +46,8 @@ a one-way transfer of one activation (seq x micro-batch x hidden elements) betwe
 process groups over TCP on this host, per micro-batch size: what the CPU runtime's gloo
 transport costs; on a GPU machine it does not measure NCCL, NVLink or PCIe.
 
-Examples::
-
-    python tools/calibrate_stage.py --num-layers 8 --hidden-size 256 --num-attention-heads 4 \\
-        --seq-length 256 --vocab-size 8192 --micro-batch-sizes 1,2,4,8 --device cpu \\
-        --threads 1 --output calib_cpu.json
-    python tools/calibrate_stage.py --num-layers 24 --hidden-size 1024 \\
-        --num-attention-heads 16 --seq-length 1024 --vocab-size 50304 \\
-        --micro-batch-sizes 1,2,4,8,16 --device cuda --bf16 --output calib_gpu.json
-    python tools/simulate_pipeline.py --schedule paci --stages 8 --microbatches 8 \\
-        --calibration calib_gpu.json --micro-batch-size 16
+Example command lines (CPU and GPU calibration, then a simulation that reads one): the
+docstring of `tools/calibrate_stage.py`.
 """
 
 import argparse

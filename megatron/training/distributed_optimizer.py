@@ -145,16 +145,15 @@ class ShardedMainOptimizer(MainParamsOptimizer):
         state.update(self._extra_state())
         return state
 
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict) -> None:
+    def _own_inner_state(self, inner: dict) -> dict:
+        """This rank's slice of the unsharded per-parameter state (`load_state_dict`)."""
         from .sharded_state import slice_state_dict
 
-        inner = self._load_extra_state(state_dict)
-        mains = inner.pop("main_params", None)
-        self.inner.load_state_dict(slice_state_dict(self, inner))
-        if mains is not None:
-            for piece in self.pieces:
-                piece.main.copy_(mains[piece.index].reshape(-1)[piece.start : piece.end])
+        return slice_state_dict(self, inner)
+
+    def _load_main_params(self, mains: dict[int, torch.Tensor]) -> None:
+        for piece in self.pieces:
+            piece.main.copy_(mains[piece.index].reshape(-1)[piece.start : piece.end])
 
     def state_index_params(self) -> list[torch.nn.Parameter]:
         """The model parameter of each entry number of `state_dict()["state"]` (the unsharded

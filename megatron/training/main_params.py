@@ -191,6 +191,21 @@ class MainParamsOptimizer:
             self.loss_scaler.load_state_dict(scaler)
         return inner
 
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The scaler, the inner optimizer's state and the fp32 main weights of a
+        `state_dict()`; without "main_params" the model's weights (refresh_from_model) stand.
+        Subclasses say which part is theirs: `_own_inner_state`, `_load_main_params`."""
+        inner = self._load_extra_state(state_dict)
+        mains = inner.pop("main_params", None)
+        self.inner.load_state_dict(self._own_inner_state(inner))
+        if mains is not None:
+            self._load_main_params(mains)
+
+    def _own_inner_state(self, inner: dict) -> dict:
+        """The part of the inner optimizer's checkpointed state this optimizer holds: all."""
+        return inner
+
 
 class ReplicatedMainOptimizer(MainParamsOptimizer):
     """fp32 main weights, one full copy on every data-parallel rank (`--bf16` / `--fp16`
@@ -251,11 +266,6 @@ class ReplicatedMainOptimizer(MainParamsOptimizer):
         state.update(self._extra_state())
         return state
 
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict) -> None:
-        inner = self._load_extra_state(state_dict)
-        mains = inner.pop("main_params", None)
-        self.inner.load_state_dict(inner)
-        if mains is not None:  # else the model's weights (refresh_from_model) stand
-            for index, main in enumerate(self.main):
-                main.copy_(mains[index])
+    def _load_main_params(self, mains: dict[int, torch.Tensor]) -> None:
+        for index, main in enumerate(self.main):
+            main.copy_(mains[index])

@@ -144,6 +144,12 @@ def golden_losses(name: str) -> list[float]:
     return [values[str(step)] for step in sorted(map(int, values))]
 
 
+def relative_difference(a: list[float], b: list[float]) -> float:
+    """The largest |a - b| / |b| over two equally long, non-empty loss curves."""
+    assert len(a) == len(b) > 0
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
 def write_golden(name: str, losses: list[float]) -> None:
     path = os.path.join(discover_cases()[name]["directory"], "golden_values.json")
     golden = {

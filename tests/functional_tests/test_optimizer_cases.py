@@ -6,23 +6,16 @@ Every optimizer of the suite updates each parameter on its own (Muon and SOAP pe
 4 pipeline stages under flush must give the single process's numbers.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
 
+import delayed_reference_runs
 import pytest
 import run_cases
+from run_cases import relative_difference
 
 OPTIMIZERS = ["adam", "sgd", "muon", "lion", "adan", "soap", "mars"]
 SCHEDULES = ["1f1b", "paci"]
 FLUSH_CASES = [f"gpt_pp4_1f1b_opt_{name}" for name in OPTIMIZERS] + ["gpt_pp4_1f1b_opt_muon_ef"]
-
-
-def relative_difference(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) > 0
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +27,7 @@ def single_process_losses(tmp_path_factory):
         {"name": n, "args": run_cases.flags(cases[n]["MODEL_ARGS"], "unused"), "delay": 0}
         for n in names
     ]
-    spec_file = tmp_path_factory.mktemp("reference") / "spec.json"
-    spec_file.write_text(json.dumps(spec))
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delayed_reference_runs.py")
-    completed = subprocess.run(
-        [sys.executable, script, str(spec_file)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    return delayed_reference_runs.run_in_subprocess(spec, tmp_path_factory.mktemp("reference"))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -12,13 +12,9 @@ import math
 import re
 
 import pytest
+from run_cases import relative_difference
 
 STAGES = 4
-
-
-def relative_difference(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) > 0
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "paci"])

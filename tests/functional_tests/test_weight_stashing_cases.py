@@ -7,14 +7,12 @@ run with --clip-grad 0: the runtime clips each stage on its own (no collective a
 as PACI), the single-process reference over the whole model.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
 
+import delayed_reference_runs
 import pytest
 import run_cases
+from run_cases import relative_difference
 
 from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.simulation import simulate
@@ -29,11 +27,6 @@ OPTIMIZERS = ["adam", "sgd", "muon", "lion", "adan", "soap", "mars"]
 STASHING = ["2bw", "pipedream"]
 
 
-def relative_difference(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) > 0
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 @pytest.fixture(scope="module")
 def single_process_losses(tmp_path_factory):
     """The 2BW cases' flags in one process, delayed by one step; PipeDream's at one stage."""
@@ -46,17 +39,8 @@ def single_process_losses(tmp_path_factory):
     # PipeDream on one stage: synchronous steps of one microbatch each (m = 4 per iteration)
     per_microbatch = args_of("gpt_pp1_pipedream", {"--global-batch-size": 2, "--train-iters": 12})
     spec.append({"name": "gpt_pp1_pipedream", "args": per_microbatch, "delay": 0})
-    spec_file = tmp_path_factory.mktemp("stash_reference") / "spec.json"
-    spec_file.write_text(json.dumps(spec))
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delayed_reference_runs.py")
-    completed = subprocess.run(
-        [sys.executable, script, str(spec_file)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    directory = tmp_path_factory.mktemp("stash_reference")
+    return delayed_reference_runs.run_in_subprocess(spec, directory)
 
 
 @pytest.mark.parametrize("name", TWO_BW_REFERENCE)

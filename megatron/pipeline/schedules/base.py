@@ -48,8 +48,21 @@ FORWARD, BACKWARD, STEP, WAIT, DONE = (ActionKind.FORWARD, ActionKind.BACKWARD, 
 WEIGHT_GRAD = ActionKind.WEIGHT_GRAD
 
 
+class StagePosition:
+    """`is_first` and `is_last` for a class with `stage` (0-indexed) and `num_stages` fields:
+    the schedules' `StageView` and the runtime's `PipelineContext`."""
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
 @dataclass(frozen=True)
-class StageView:
+class StageView(StagePosition):
     """Everything a schedule may base its decision on, for one stage at one instant."""
 
     stage: int
@@ -73,14 +86,6 @@ class StageView:
     def inflight(self) -> int:
         """Microbatches forwarded but not yet backwarded on this stage."""
         return self.forwards - self.backwards
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
 
 
 def forward(view: StageView) -> Action:

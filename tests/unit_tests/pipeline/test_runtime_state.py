@@ -116,9 +116,11 @@ def build_pipeline(num_stages: int, deterministic: bool = True) -> list[InProces
     return runtimes
 
 
-def train(runtime: StageRuntime, schedule: Schedule, m: int, steps: int) -> None:
-    """What the training loop does: one call per iteration, the last one drains."""
-    optimizer = torch.optim.SGD(runtime.model.parameters(), lr=0.01)
+def train(runtime: StageRuntime, schedule: Schedule, m: int, steps: int, lr: float = 0.01,
+          momentum: float = 0.0) -> None:  # fmt: skip
+    """What the training loop does: one call per iteration, the last one drains; SGD on each
+    stage (test_weight_stashing.py passes its own lr and momentum)."""
+    optimizer = torch.optim.SGD(runtime.model.parameters(), lr=lr, momentum=momentum)
     data = batches(runtime.context.stage)
 
     def step():

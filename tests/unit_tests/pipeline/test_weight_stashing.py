@@ -11,7 +11,8 @@ import copy
 
 import pytest
 import torch
-from test_runtime_state import TinyStage, batches, build_pipeline, forward_step, run_threads
+from test_runtime_state import TinyStage, batches, build_pipeline, run_threads
+from test_runtime_state import train as train_with_sgd
 
 from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.simulation import simulate
@@ -22,17 +23,7 @@ LR, MOMENTUM = 0.05, 0.9
 
 def train(runtime, schedule, m: int, steps: int) -> None:
     """One call per iteration, the last drains; SGD with momentum on each stage."""
-    optimizer = torch.optim.SGD(runtime.model.parameters(), lr=LR, momentum=MOMENTUM)
-    data = batches(runtime.context.stage)
-
-    def step():
-        optimizer.step()
-        optimizer.zero_grad()
-
-    for k in range(steps):
-        runtime.run_training(schedule, forward_step_func=forward_step, data_iterator=data,
-                             num_microbatches=m, optimizer_step_func=step,
-                             microbatches_before_drain=(steps - k) * m)  # fmt: skip
+    train_with_sgd(runtime, schedule, m, steps, lr=LR, momentum=MOMENTUM)
 
 
 def run_pipeline(name: str, num_stages: int, m: int, steps: int, deterministic=True):

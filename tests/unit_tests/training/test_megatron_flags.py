@@ -4,25 +4,13 @@ supported yet (one line); the model switches reach megatron-core's TransformerCo
 import os
 
 import pytest
+from small_run_flags import BASE, validated
 
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import NOT_SUPPORTED, OUR_BEHAVIOUR
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-BASE = [
-    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--train-iters", "4", "--lr", "1e-3", "--mock-data",
-    "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
-]  # fmt: skip
-
-
-def validated(extra: list[str], world_size: int = 1):
-    args = build_parser().parse_args(BASE + extra)
-    validate_args(args, world_size=world_size)
-    return args
 
 
 def error_of(extra: list[str], world_size: int = 1) -> str:

@@ -155,6 +155,25 @@ def _tensors_close(a, b) -> bool:
     return a == b
 
 
+def test_replicated_main_optimizer_checkpoint_restores_the_fp32_main_weights():
+    """A fresh bf16 optimizer loading a checkpoint gets the inner state and the saved fp32 main
+    weights, not the model's bf16-rounded ones that loading the model gives it."""
+    _, bf16 = _bf16_rounded_pair()
+    mixed = build_optimizer(bf16, optimizer_args("adam", bf16=True))
+    for step in range(2):
+        _backward_with(bf16, step)
+        mixed.step()
+        mixed.zero_grad()
+    saved = mixed.state_dict()
+    fresh_model = TinyGPT(seed=3).to(torch.bfloat16)
+    fresh = build_optimizer(fresh_model, optimizer_args("adam", bf16=True))
+    fresh_model.load_state_dict(bf16.state_dict())
+    assert not all(torch.equal(a, b) for a, b in zip(fresh.main, mixed.main))  # only rounded
+    fresh.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.main, mixed.main))
+    assert _tensors_close(fresh.state_dict(), saved)
+
+
 def _compare_sharded_with_unsharded(rank: int, name: str, dtype: torch.dtype) -> None:
     overrides = dict(weight_decay=0.1, bf16=dtype == torch.bfloat16)
     plain_model, sharded_model = TinyGPT().to(dtype), TinyGPT().to(dtype)

@@ -1,0 +1,18 @@
+"""The flags of a small valid one-process GPT run, for tests that parse and validate flags in
+process (no launch): `validated(extra)` is that run with `extra` added."""
+
+from megatron.training.arguments import build_parser, validate_args
+
+BASE = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--train-iters", "4", "--lr", "1e-3", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+]  # fmt: skip
+
+
+def validated(extra: list[str], world_size: int = 1):
+    """BASE + extra, parsed and checked as `world_size` processes would."""
+    args = build_parser().parse_args(BASE + extra)
+    validate_args(args, world_size=world_size)
+    return args
