@@ -70,8 +70,3 @@ def reference_case_flags(output: str) -> list[str]:
 def reference_environment() -> dict[str, str]:
     case = run_cases.discover_cases()[REFERENCE_CASE]
     return {key: str(value) for key, value in case.get("ENV_VARS", {}).items()}
-
-
-def max_relative_difference(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b), (len(a), len(b))
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))

@@ -9,7 +9,8 @@ stage steps only after `a` backwards), so the first resumed loss is an evaluatio
 model on the next batch: the same number whichever schedule saved and whichever resumes.
 """
 
-from test_gpt_cases import drift_bound, max_relative_difference
+import run_cases
+from test_gpt_cases import drift_bound
 
 SAVED = "gpt_reshard_1_pp4_1f1b_save"  # 4 stages, 1F1B-flush, tied embeddings, 4 of 8 iterations
 RESUMED_ON_OTHER_LAYOUTS = ["gpt_reshard_2_dp2pp2_1f1b_load", "gpt_reshard_3_tp2pp2_1f1b_load"]
@@ -29,7 +30,7 @@ def test_four_stage_checkpoint_resumes_on_other_layouts(case_results):
     for name in RESUMED_ON_OTHER_LAYOUTS:
         resumed = case_results[name]
         assert resumed["iterations"] == 8 and len(resumed["loss"]) == 4, name
-        assert max_relative_difference(resumed["loss"], reference[4:]) <= 1e-5, name
+        assert run_cases.relative_difference(resumed["loss"], reference[4:]) <= 1e-5, name
         assert "another layout: --pipeline-model-parallel-size 2 (checkpoint 4)" in resumed["log"]
 
 
@@ -38,7 +39,7 @@ def test_paci_checkpoint_resumes_under_flush(case_results):
     is the one PACI itself continues with (the saved model on batch 5)."""
     flush = case_results["gpt_reshard_4_paci_to_1f1b"]["loss"]
     paci_continued = case_results["gpt_pp4_paci_a4"]["loss"][4]
-    assert len(flush) == 4 and max_relative_difference(flush[:1], [paci_continued]) <= 1e-6
+    assert len(flush) == 4 and run_cases.relative_difference(flush[:1], [paci_continued]) <= 1e-6
     assert flush[-1] < flush[0]
     log = case_results["gpt_reshard_4_paci_to_1f1b"]["log"]
     assert "another schedule: --pipeline-schedule 1f1b (checkpoint paci)" in log
@@ -50,7 +51,7 @@ def test_flush_checkpoint_resumes_under_paci(case_results):
     summary = case_results["gpt_runcontrol_4_paci_resume"]
     flush_continued = case_results["gpt_pp4_1f1b"]["loss"][6]
     assert len(summary["loss"]) == 2
-    assert max_relative_difference(summary["loss"][:1], [flush_continued]) <= 1e-6
+    assert run_cases.relative_difference(summary["loss"][:1], [flush_continued]) <= 1e-6
     stages, accumulation = summary["pipeline_stages"], summary["num_microbatches"]
     for report in summary["stages"]:
         assert report["max_drift"] <= drift_bound(report["stage"], stages, accumulation)

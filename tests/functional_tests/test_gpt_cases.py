@@ -27,11 +27,6 @@ PACI_REACTIVE = ["gpt_pp4_paci_reactive", "gpt_tp2pp2_paci_reactive"]
 PACI_FOUR_RANKS = PACI_FIXED_ORDER + PACI_REACTIVE
 
 
-def max_relative_difference(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) > 0
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 def drift_bound(stage: int, num_stages: int, accumulation: int) -> int:
     return math.ceil((num_stages - 1 - stage) / accumulation)
 
@@ -39,7 +34,7 @@ def drift_bound(stage: int, num_stages: int, accumulation: int) -> int:
 @pytest.mark.parametrize("name", run_cases.cases_with_golden_values())
 def test_golden_values(case_results, name):
     golden = run_cases.golden_losses(name)
-    assert max_relative_difference(case_results[name]["loss"], golden) <= 1e-3
+    assert run_cases.relative_difference(case_results[name]["loss"], golden) <= 1e-3
 
 
 @pytest.mark.parametrize("name", PIPELINED_FLUSH)
@@ -47,19 +42,22 @@ def test_flush_matches_single_stage(case_results, name):
     """Same model, initial weights and data: pipelining must not change the numbers."""
     reference = case_results["gpt_pp1_1f1b"]["loss"]
     assert len(reference) >= 5
-    assert max_relative_difference(case_results[name]["loss"], reference) <= 1e-5
+    assert run_cases.relative_difference(case_results[name]["loss"], reference) <= 1e-5
 
 
 def test_uneven_split_matches_single_stage(case_results):
     """8 layers as 1 + 3 + 3 + 1 (first/last stage sizes given) against one process."""
     reference = case_results["gpt_pp1_8layers_1f1b"]["loss"]
     uneven = case_results["gpt_pp4_uneven_1f1b"]["loss"]
-    assert max_relative_difference(uneven, reference) <= 1e-5
+    assert run_cases.relative_difference(uneven, reference) <= 1e-5
 
 
 def test_qk_layernorm_under_tensor_parallelism_matches_single_stage(case_results):
     reference = case_results["gpt_pp1_1f1b_qkln"]["loss"]
-    assert max_relative_difference(case_results["gpt_tp2pp2_1f1b_qkln"]["loss"], reference) <= 1e-5
+    assert (
+        run_cases.relative_difference(case_results["gpt_tp2pp2_1f1b_qkln"]["loss"], reference)
+        <= 1e-5
+    )
 
 
 def test_megatron_realtime_check_and_fused_cross_entropy_under_paci(case_results):
@@ -72,7 +70,7 @@ def test_megatron_realtime_check_and_fused_cross_entropy_under_paci(case_results
     checks = case_results["gpt_tp2pp2_paci_qkln_checks"]
     flush = case_results["gpt_tp2pp2_1f1b_qkln"]["loss"]
     assert abs(checks["loss"][0] - flush[0]) <= 1e-6 * flush[0]
-    assert max_relative_difference(checks["loss"], flush) <= 5e-3
+    assert run_cases.relative_difference(checks["loss"], flush) <= 5e-3
     assert checks["cross_stage_collectives"] == 0
 
 
@@ -183,4 +181,4 @@ def test_paci_runtime_matches_single_process_replay(case_results):
     completed = subprocess.run(command, capture_output=True, text=True, env=environment)
     assert completed.returncode == 0, completed.stderr[-3000:]
     reference = json.loads(completed.stdout.strip().splitlines()[-1])
-    assert max_relative_difference(case_results[name]["loss"], reference) <= 1e-6
+    assert run_cases.relative_difference(case_results[name]["loss"], reference) <= 1e-6
