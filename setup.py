@@ -21,6 +21,7 @@ setup(
         "sentencepiece>=0.2",
         "tensorboard>=2.16",
         "pytorch_optimizer>=3.0",
+        "einops",  # megatron-core's partial data-parallel groups (distributed optimizer copies)
     ],
     extras_require={
         "dev": ["pytest>=8", "pyyaml", "black", "isort", "matplotlib", "tokenizers"],

@@ -580,12 +580,28 @@ def _add_precision_args(parser: argparse.ArgumentParser) -> None:
         help="accepted; gradients are reduced once the accumulation ends (no overlap)")  # fmt: skip
     add("--overlap-param-gather", action="store_true",
         help="accepted with --use-distributed-optimizer; parameters are gathered after the step")  # fmt: skip
+    add("--num-distributed-optimizer-instances", type=int, default=1,
+        help="copies of the distributed optimizer over the stage's data-parallel ranks: each "
+        "copy shards over data-parallel size / copies ranks")  # fmt: skip
     add("--ddp-average-in-collective", action="store_true",
         help="average the data-parallel gradients in the collective (ReduceOp.AVG) instead of a "
         "sum and a division")  # fmt: skip
 
 
 DISTRIBUTED_OPTIMIZER_REFUSES = ("muon", "soap", "mars")  # not element-wise (per matrix)
+
+
+def _validate_optimizer_instances(args: argparse.Namespace) -> None:
+    instances = args.num_distributed_optimizer_instances
+    if instances == 1:
+        return
+    if instances < 1 or args.data_parallel_size % instances != 0:
+        raise UserError(
+            f"--num-distributed-optimizer-instances {instances} must divide the data-parallel "
+            f"size {args.data_parallel_size}"
+        )
+    if not args.use_distributed_optimizer:
+        raise UserError("--num-distributed-optimizer-instances needs --use-distributed-optimizer")
 
 
 def _validate_precision_args(args: argparse.Namespace) -> None:
@@ -605,6 +621,7 @@ def _validate_precision_args(args: argparse.Namespace) -> None:
         raise UserError(
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
         )
+    _validate_optimizer_instances(args)
     if not args.use_distributed_optimizer:
         return
     if args.optimizer in DISTRIBUTED_OPTIMIZER_REFUSES:

@@ -18,6 +18,10 @@ One step:
 3. the optimizer steps my pieces; each rank writes its updated range, in the model's dtype,
    into a flat buffer, `all_gather`s it, and copies every parameter out of it.
 
+With --num-distributed-optimizer-instances I > 1 there are I copies, each sharded over D / I
+ranks (megatron-core's partial data-parallel groups); step 1 then adds an all-reduce of my
+range over the ranks that own it in the other copies.
+
 All collectives stay inside the stage's data-parallel group: PACI keeps no cross-stage
 collective. `state_dict()` gathers the shards into the unsharded optimizer's per-parameter
 format (the same dict `ReplicatedMainOptimizer` or a plain fp32 optimizer writes), and
@@ -47,9 +51,12 @@ class Piece:
 
 
 class ShardedMainOptimizer(MainParamsOptimizer):
-    def __init__(self, model: torch.nn.Module, group):
-        self.group = group
+    def __init__(self, model: torch.nn.Module, group, replica_group=None):
+        """Sharded over `group`; `replica_group` (--num-distributed-optimizer-instances > 1)
+        holds the ranks of the other optimizer copies that own the same range."""
+        self.group, self.replica_group = group, replica_group
         self.shards, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.replicas = 1 if replica_group is None else dist.get_world_size(replica_group)
         super().__init__(model, shards=self.shards)
         self.shard_numel = self.buffer.padded_numel // self.shards
         self.low = self.rank * self.shard_numel
@@ -93,15 +100,18 @@ class ShardedMainOptimizer(MainParamsOptimizer):
         return self.buffer.flat[start : start + piece.main.numel()]
 
     def average_over(self, group, *, in_collective: bool = False) -> None:
-        """My range of the gradients, averaged: reduce-scattered (summed, or averaged by the
-        collective with --ddp-average-in-collective)."""
+        """My range of the gradients averaged over the data-parallel `group`: reduce-scattered
+        over this copy's ranks, then all-reduced over the copies (summed, or averaged by the
+        collectives with --ddp-average-in-collective)."""
+        op = dist.ReduceOp.AVG if in_collective else dist.ReduceOp.SUM
         if self.shards > 1:
             mine = torch.empty_like(self._my_range())
-            op = dist.ReduceOp.AVG if in_collective else dist.ReduceOp.SUM
-            dist.reduce_scatter_tensor(mine, self.buffer.flat, op=op, group=group)
+            dist.reduce_scatter_tensor(mine, self.buffer.flat, op=op, group=self.group)
             self._my_range().copy_(mine)
+        if self.replicas > 1:
+            dist.all_reduce(self._my_range(), op=op, group=self.replica_group)
         if not in_collective:
-            self._my_range().div_(self.shards)
+            self._my_range().div_(self.shards * self.replicas)
 
     def squared_norm(self, counted) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=self.buffer.flat.device)

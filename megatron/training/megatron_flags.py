@@ -92,7 +92,6 @@ NOT_SUPPORTED = [
         "--use-tp-pp-dp-mapping",
         "--overlap-p2p-communication-warmup-flush",
     ),
-    Flag("--num-distributed-optimizer-instances", int, 1),
     Flag("--data-parallel-sharding-strategy", str),
     Flag("--megatron-fsdp-main-params-dtype", str),
     Flag("--megatron-fsdp-main-grads-dtype", str),

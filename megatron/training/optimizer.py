@@ -25,6 +25,24 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from .main_params import ModelGradients, ReplicatedMainOptimizer, needs_main_params
 
 
+def _optimizer_shard_groups(args):
+    """(the ranks one optimizer copy is sharded over, the ranks holding the same shard in the
+    other copies): the stage's data-parallel group and none, or with
+    --num-distributed-optimizer-instances megatron-core's partial data-parallel groups."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return dist.group.WORLD, None
+    if getattr(args, "num_distributed_optimizer_instances", 1) == 1:
+        return parallel_state.get_data_parallel_group(), None
+    return (
+        parallel_state.get_data_parallel_group(
+            with_context_parallel=True, partial_data_parallel=True
+        ),
+        parallel_state.get_inter_distributed_optimizer_instance_group(),
+    )
+
+
 def build_optimizer(model: torch.nn.Module, args):
     """`--optimizer`'s optimizer (optimizers.py), with the delay mitigations asked for; over
     fp32 main weights when the model is bf16/fp16 or the optimizer is distributed."""
@@ -38,17 +56,13 @@ def build_optimizer(model: torch.nn.Module, args):
 
 
 def build_main_params_optimizer(model: torch.nn.Module, args):
-    from megatron.core import parallel_state
-
     from .delay_mitigation import with_delay_mitigation
     from .distributed_optimizer import ShardedMainOptimizer
     from .loss_scaling import build_loss_scaler
     from .optimizers import build_suite_optimizer
 
     if getattr(args, "use_distributed_optimizer", False):
-        initialized = parallel_state.model_parallel_is_initialized()
-        group = parallel_state.get_data_parallel_group() if initialized else dist.group.WORLD
-        wrapper = ShardedMainOptimizer(model, group)
+        wrapper = ShardedMainOptimizer(model, *_optimizer_shard_groups(args))
     else:
         wrapper = ReplicatedMainOptimizer(model)
     inner = build_suite_optimizer(wrapper.main_view(getattr(model, "config", None)), args)

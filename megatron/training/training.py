@@ -75,6 +75,7 @@ def initialize_distributed(args) -> torch.device:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )
     torch.manual_seed(args.seed)
     if device.type == "cuda":

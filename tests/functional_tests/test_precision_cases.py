@@ -1,7 +1,8 @@
 """Mixed precision and the distributed optimizer on real multi-process runs (gloo, CPU).
 
 * the distributed optimizer (DP = 2 x PP = 2) gives the unsharded run's losses, holds half the
-  optimizer state per rank, and under PACI adds no cross-stage collective;
+  optimizer state per rank, and under PACI adds no cross-stage collective; two copies of it
+  over DP = 4 give the one-process run's losses with half the state per rank;
 * bf16 (fp32 main weights and gradient accumulation) tracks the fp32 run; its optimizer state
   is fp32 (as many bytes as the fp32 run's);
 * fp16 with an overflow injected into stage 1's third step: under PACI only stage 1 skips and
@@ -15,6 +16,16 @@ import pytest
 from run_cases import relative_difference
 
 STAGES = 4
+
+
+def test_distributed_optimizer_copies_match_the_single_process_run(case_results):
+    """DP = 4 with two copies of the distributed optimizer, each sharded over two ranks: the
+    one-process run's losses, and half its optimizer state per rank."""
+    reference = case_results["gpt_pp1_1f1b"]
+    copies = case_results["gpt_dp4_1f1b_distopt_instances2"]
+    assert relative_difference(copies["loss"], reference["loss"]) <= 1e-5
+    whole = reference["stages"][0]["optimizer_state_bytes"]
+    assert abs(copies["stages"][0]["optimizer_state_bytes"] - whole / 2) <= 64 * 4
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "paci"])

@@ -128,10 +128,23 @@ def test_train_samples_set_iterations_and_sample_schedule():
         (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
          "exclude each other"),
         (["--exit-interval", "0"], "--exit-interval must be >= 1"),
+        (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"],
+         "--cross-entropy-fusion-impl te is disabled"),
+        (["--test-mode", "--qk-layernorm", "--normalization", "RMSNorm"],
+         "--test-mode compares the q/k layernorm biases: it needs LayerNorm"),
     ],
 )  # fmt: skip
 def test_inconsistent_run_and_model_flags(extra, needle):
     assert needle in error_of(extra)
+
+
+def test_test_mode_refuses_a_reactive_rule_with_data_parallel_replicas():
+    extra = ["--test-mode", "--qk-layernorm", "--pipeline-schedule", "paci",
+             "--untie-embeddings-and-output-weights", "--paci-arrival-rule", "backward-first"]  # fmt: skip
+    message = error_of(extra, world_size=2)  # one stage, two data-parallel replicas
+    assert message.startswith("--test-mode with --paci-arrival-rule backward-first and data")
+    validated(extra + ["--deterministic-mode"], world_size=2)  # the fixed order: same order
+    validated(extra, world_size=1)
 
 
 def test_model_switches_reach_transformer_config():
@@ -143,8 +156,11 @@ def test_model_switches_reach_transformer_config():
                       "--num-query-groups", "2", "--disable-bias-linear", "--qk-layernorm",
                       "--apply-layernorm-1p", "--kv-channels", "32", "--norm-epsilon", "1e-6",
                       "--attention-softmax-in-fp32", "--rotary-interleaved",
-                      "--apply-residual-connection-post-layernorm"])  # fmt: skip
+                      "--apply-residual-connection-post-layernorm",
+                      "--cross-entropy-loss-fusion"])  # fmt: skip
     config = transformer_config(args, torch.device("cpu"))
+    assert config.cross_entropy_loss_fusion and config.cross_entropy_fusion_impl == "native"
+    assert transformer_config(validated(["--test-mode"]), torch.device("cpu")).test_mode
     assert config.normalization == "RMSNorm" and config.layernorm_epsilon == 1e-6
     assert config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
     assert config.num_query_groups == 2 and config.kv_channels == 32

@@ -305,6 +305,10 @@ def test_gradient_messages_carry_the_scale_exactly():
          "--use-distributed-optimizer with --optimizer soap is not supported yet"),
         (["--use-distributed-optimizer", "--async-error-feedback", "--pipeline-schedule", "paci"],
          "--use-distributed-optimizer with --async-error-feedback is not supported yet"),
+        (["--num-distributed-optimizer-instances", "2"],
+         "--num-distributed-optimizer-instances needs --use-distributed-optimizer"),
+        (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "3"],
+         "--num-distributed-optimizer-instances 3 must divide the data-parallel size 2"),
     ],
 )  # fmt: skip
 def test_precision_flags_are_checked(extra, message):
