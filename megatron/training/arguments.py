@@ -219,6 +219,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         choices=DIST_CKPT_STRICTNESS,
         help="torch_dist: what to do with keys the checkpoint and the model do not share",
     )
+    add("--verify-integrity", action="store_true",
+        help="torch_dist: hash the checkpoint's files on save, check them before load")  # fmt: skip
     add("--no-load-optim", action="store_true")
     add("--no-load-rng", action="store_true")
     add("--no-save-optim", action="store_true")
@@ -269,6 +271,8 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         raise UserError("--emulated-forward-ms and --emulated-backward-ms go together")
     if args.calculate_per_token_loss and args.emulated_forward_ms is not None:
         raise UserError("--calculate-per-token-loss needs the model's loss, not emulated compute")
+    if args.verify_integrity and args.ckpt_format != "torch_dist":
+        raise UserError("--verify-integrity is only supported with --ckpt-format torch_dist")
     if args.save_interval is not None and args.save is None:
         raise UserError("--save-interval needs --save DIR")
     if args.emulated_forward_ms is not None and (args.save or args.load):

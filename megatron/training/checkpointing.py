@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from . import dist_checkpointing
+from . import checkpoint_integrity, dist_checkpointing
 from .errors import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -267,17 +267,36 @@ def _read_iteration(root: str, iteration: int, wanted: str | None) -> tuple[dict
     return common, problem
 
 
+def _read_verified(root: str, iteration: int, wanted: str | None, device) -> tuple:
+    """`_read_iteration` of a checkpoint whose files match their manifest (collective: every
+    rank gets rank 0's verdict); a wrong format is named first."""
+    _checked_format(root, iteration, wanted)
+    directory = os.path.join(root, f"iter_{iteration:07d}")
+    problem = checkpoint_integrity.integrity_problem(directory, device)
+    if problem is not None:
+        return None, problem
+    return _read_iteration(root, iteration, wanted)
+
+
 def read_checkpoint(
-    root: str, device: torch.device, fallback: bool, ckpt_format: str | None = None
+    root: str,
+    device: torch.device,
+    fallback: bool,
+    ckpt_format: str | None = None,
+    verify_integrity: bool = False,
 ) -> dict:
     """The payload of the newest checkpoint every rank can read (collective); `ckpt_format`:
-    the format it must be in (None: whichever it is)."""
+    the format it must be in (None: whichever it is); `verify_integrity`: its files must match
+    their manifest (checkpoint_integrity.py), checked before anything is read."""
     newest = read_tracker(root, quiet=fallback)
     candidates = [newest] if newest is not None else []
     if fallback:
         candidates += [i for i in iterations_on_disk(root) if newest is None or i < newest]
     for iteration in candidates:
-        payload, problem = _read_iteration(root, iteration, ckpt_format)
+        if verify_integrity:
+            payload, problem = _read_verified(root, iteration, ckpt_format, device)
+        else:
+            payload, problem = _read_iteration(root, iteration, ckpt_format)
         if _every_rank_ok(problem is None, device):
             if iteration != newest and dist.get_rank() == 0:
                 print(f"> --load-fallback: loading the intact checkpoint of iteration "
@@ -403,7 +422,8 @@ def load(root: str, *, model, optimizer, scheduler, args=None) -> tuple[int, int
         return 0, 0
     device = next(model.parameters()).device
     wanted = None if getattr(args, "auto_detect_ckpt_format", True) else args.ckpt_format
-    payload = read_checkpoint(root, device, fallback=fallback, ckpt_format=wanted)
+    verify = getattr(args, "verify_integrity", False)
+    payload = read_checkpoint(root, device, fallback, wanted, verify_integrity=verify)
     check_recorded_args(payload, args, root)
     finetune = getattr(args, "finetune", False)
     if args is not None:

@@ -34,6 +34,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from torch.distributed import checkpoint
 from torch.distributed.checkpoint import CheckpointException
 
+from . import checkpoint_integrity
 from .errors import UserError
 
 FORMAT = "torch_dist"
@@ -303,16 +304,19 @@ class InProcessSaveStrategy(TorchDistSaveShardedStrategy):
         )
 
 
-def write(directory: str, sharded_state_dict: dict) -> None:
-    """Write into `directory` + STAGING_SUFFIX, then rename it to `directory` (collective)."""
+def write(directory: str, sharded_state_dict: dict, manifest: bool = False) -> None:
+    """Write into `directory` + STAGING_SUFFIX, then rename it to `directory` (collective);
+    `manifest`: hash the complete files into checkpoint_integrity.MANIFEST before the rename."""
     staging = directory + STAGING_SUFFIX
     if dist.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
         os.makedirs(staging)
     dist.barrier()
     dist_checkpointing.save(sharded_state_dict, staging, sharded_strategy=InProcessSaveStrategy())
-    dist.barrier()
+    dist.barrier()  # every rank's files are complete
     if dist.get_rank() == 0:
+        if manifest:
+            checkpoint_integrity.write_manifest(staging)
         _replace_directory(staging, directory)
     dist.barrier()
 
@@ -407,7 +411,7 @@ def save_checkpoint(directory: str, common: dict, *, model, optimizer, args) -> 
     if not getattr(args, "no_save_rng", False):
         sharded["rng_state"] = per_model_rank_object("rng_state", torch.get_rng_state())
         sharded["saved_parts"].append("rng_state")
-    write(directory, sharded)
+    write(directory, sharded, manifest=getattr(args, "verify_integrity", False))
 
 
 def saved_layout(payload: dict) -> tuple | None:

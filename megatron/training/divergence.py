@@ -81,7 +81,10 @@ def roll_back(args, state, model, step_func) -> int | None:
     if root is None:
         return None
     device = next(model.parameters()).device
-    payload = checkpointing.read_checkpoint(root, device, fallback=args.load_fallback)
+    verify = getattr(args, "verify_integrity", False)
+    payload = checkpointing.read_checkpoint(
+        root, device, fallback=args.load_fallback, verify_integrity=verify
+    )
     scheduler = step_func.scheduler
     steps_now = scheduler.num_steps
     scheduler.num_steps = 0  # load_state_dict adds the checkpoint's steps to it

@@ -150,7 +150,6 @@ NOT_SUPPORTED = [
     # checkpoints, fault tolerance, testing hooks
     Flag("--save-retain-interval", int),
     Flag("--check-weight-hash-across-dp-replicas-interval", int),
-    Flag("--verify-integrity"),
     Flag("--error-injection-rate", int, 0),
     Flag("--error-injection-type", str),
     Flag("--export-te-mcore-model"),

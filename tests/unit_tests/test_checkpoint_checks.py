@@ -258,23 +258,30 @@ def test_disk_full_keeps_the_previous_checkpoint(two_checkpoints, monkeypatch, c
     assert load(two_checkpoints)[0] == 4
 
 
-def test_round_trip_restores_model_optimizer_and_schedule(tmp_path):
-    args = make_args()
+def save_and_load_fresh(root, args) -> tuple:
+    """Save a run at iteration 3 (its schedule 3 steps on), load it into a new run with other
+    weights; (saved run, new run, what load returned), after checking the weights are equal."""
     model, optimizer, scheduler = make_run(args)
     scheduler.step(increment=3)
     state = SimpleNamespace(iteration=3, consumed_train_samples=24)
-    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, args=args)
+    checkpointing.save(str(root), state, model, optimizer, scheduler, args=args)
     fresh_model, fresh_optimizer, fresh_scheduler = make_run(args)
     with torch.no_grad():
         for param in fresh_model.parameters():
             param.add_(1.0)
     fresh_optimizer.state.clear()  # as a new run's optimizer: no state before its first step
-    loaded = checkpointing.load(str(tmp_path), model=fresh_model, optimizer=fresh_optimizer,
+    loaded = checkpointing.load(str(root), model=fresh_model, optimizer=fresh_optimizer,
                                 scheduler=fresh_scheduler, args=args)  # fmt: skip
-    assert loaded == (3, 24) and fresh_scheduler.num_steps == 3
     for name, value in model.state_dict().items():
         if torch.is_tensor(value):
             assert torch.equal(value, fresh_model.state_dict()[name]), name
+    return (model, optimizer, scheduler), (fresh_model, fresh_optimizer, fresh_scheduler), loaded
+
+
+def test_round_trip_restores_model_optimizer_and_schedule(tmp_path):
+    saved, fresh, loaded = save_and_load_fresh(tmp_path, make_args())
+    (_, optimizer, _), (_, fresh_optimizer, fresh_scheduler) = saved, fresh
+    assert loaded == (3, 24) and fresh_scheduler.num_steps == 3
     expected, got = optimizer.state_dict(), fresh_optimizer.state_dict()
     assert expected["state"].keys() == got["state"].keys()
     for index, entries in expected["state"].items():
@@ -396,3 +403,90 @@ def test_emulated_stages_are_checkpointed_in_the_torch_format_only():
     assert str(caught.value).endswith("checkpoint them with --ckpt-format torch")
     current["format"] = "torch"
     assert make_args(*emulated).ckpt_format == "torch"
+
+
+# ---------------------------------------------------------------------------- --verify-integrity
+@pytest.fixture
+def verified_checkpoints(tmp_path, saved_pairs):
+    """Checkpoints of iterations 2 and 4 saved with --verify-integrity (copied per test)."""
+    if "verified" not in saved_pairs:
+        original = tmp_path.parent / "pair_verified"
+        save_at(original, 2, make_args("--verify-integrity"))
+        save_at(original, 4, make_args("--verify-integrity"))
+        saved_pairs["verified"] = original
+    shutil.copytree(saved_pairs["verified"], tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist"], indirect=True)
+def test_integrity_manifest_hashes_every_file(verified_checkpoints):
+    """The manifest lists every file of the checkpoint with its SHA-256 and size (hashed here
+    again with hashlib, file by file)."""
+    import hashlib
+    import json
+
+    directory = verified_checkpoints / "iter_0000004"
+    manifest = json.loads((directory / "integrity.json").read_text())
+    on_disk = sorted(name for name in os.listdir(directory) if name != "integrity.json")
+    assert manifest["algorithm"] == "sha256" and "__0_0.distcp" in on_disk
+    assert sorted(manifest["files"]) == on_disk
+    for name in on_disk:
+        data = (directory / name).read_bytes()
+        expected = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        assert manifest["files"][name] == expected, name
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist"], indirect=True)
+def test_verified_checkpoint_loads_the_saved_state(tmp_path):
+    """Saved and checked with --verify-integrity: the weights come back (checked in
+    save_and_load_fresh) and the manifest was there to check."""
+    _, _, loaded = save_and_load_fresh(tmp_path, make_args("--verify-integrity"))
+    assert loaded == (3, 24)
+    assert (tmp_path / "iter_0000003" / "integrity.json").is_file()
+
+
+def flip_one_byte(path) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist"], indirect=True)
+def test_changed_byte_fails_the_integrity_check(verified_checkpoints):
+    """One flipped byte in the tensor data: the file keeps its size, so only the hash sees it;
+    --load-fallback loads the previous verified checkpoint."""
+    directory = verified_checkpoints / "iter_0000004"
+    flip_one_byte(directory / "__0_0.distcp")
+    message = load_error(verified_checkpoints, "--verify-integrity")
+    assert message.startswith(f"checkpoint {directory} failed its integrity check: "
+                              "__0_0.distcp changed (sha256 ")  # fmt: skip
+    assert "--load-fallback" in message
+    args = make_args("--verify-integrity", "--load-fallback")
+    assert load(verified_checkpoints, args)[0] == 2
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist"], indirect=True)
+@pytest.mark.parametrize(
+    "damage, needle",
+    [("no_manifest", "no integrity.json"), ("missing", "common.pt is missing"),
+     ("extra", "notes.txt is not in integrity.json (an extra file)")],
+)  # fmt: skip
+def test_manifest_and_files_must_agree(verified_checkpoints, damage, needle):
+    directory = verified_checkpoints / "iter_0000004"
+    if damage == "no_manifest":
+        os.remove(directory / "integrity.json")
+    elif damage == "missing":
+        os.remove(directory / "common.pt")
+    else:
+        (directory / "notes.txt").write_text("added after the save")
+    message = load_error(verified_checkpoints, "--verify-integrity")
+    assert message.startswith(f"checkpoint {directory} failed its integrity check: {needle}")
+    if damage == "extra":  # without the flag nothing is checked against the manifest
+        assert load(verified_checkpoints)[0] == 4
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch"], indirect=True)
+def test_verify_integrity_needs_torch_dist():
+    with pytest.raises(UserError) as caught:
+        make_args("--verify-integrity")
+    assert str(caught.value) == "--verify-integrity is only supported with --ckpt-format torch_dist"
