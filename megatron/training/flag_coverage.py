@@ -102,10 +102,12 @@ def command_line(flags: list) -> list[str]:
 
 
 def world_size_of(flags: list) -> int:
+    """TP x PP x the smallest data-parallel size the command line needs: 1, or the number of
+    distributed optimizer copies it asks for."""
     values = {entry[0]: entry[1] for entry in flags if len(entry) > 1}
     tp = int(values.get("--tensor-model-parallel-size", 1))
     pp = int(values.get("--pipeline-model-parallel-size", 1))
-    return tp * pp
+    return tp * pp * int(values.get("--num-distributed-optimizer-instances", 1))
 
 
 def classify(flags: list) -> tuple[str, list[str]]:
