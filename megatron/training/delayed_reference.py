@@ -86,19 +86,13 @@ def build_local_stage(args, layout, device, vocab_size: int):
 def _build(args):
     """Model, optimizer step and data iterators, as `pretrain` builds them on one stage."""
     from megatron.training.data import data_iterators_from_args
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.tokenizer import build_tokenizer_from_args
     from megatron.training.training import padded_vocab_size, stage_layout
 
     ensure_single_process_groups()
     torch.manual_seed(args.seed)
     device = torch.device("cpu")
-    tokenizer = build_tokenizer(
-        args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        vocab_size=args.vocab_size,
-    )
+    tokenizer = build_tokenizer_from_args(args)
     vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
     model, step = build_local_stage(args, stage_layout(args), device, vocab_size)
     train, valid = data_iterators_from_args(

@@ -70,6 +70,17 @@ def build_tokenizer(
     raise UserError(f"unknown --tokenizer-type {tokenizer_type!r} (known: {known})")
 
 
+def build_tokenizer_from_args(args):
+    """`build_tokenizer` with the tokenizer flags of parsed pretraining arguments."""
+    return build_tokenizer(
+        args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size,
+    )
+
+
 def _require(value, flag: str, tokenizer_type: str) -> None:
     if value is None or value == "":
         raise UserError(f"--tokenizer-type {tokenizer_type} needs {flag}")

@@ -54,7 +54,7 @@ from .reporting import (
     write_summary,
     write_timelines,
 )
-from .tokenizer import build_tokenizer
+from .tokenizer import build_tokenizer_from_args
 from .validation import check_token_ids
 
 
@@ -332,13 +332,7 @@ def _pretrain(args, forward_step_func, wall_start, requests) -> TrainingState:
 
 def _build_checked_tokenizer(args):
     """The tokenizer; sets ``args.padded_vocab_size`` and checks the data's token ids."""
-    tokenizer = build_tokenizer(
-        args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        vocab_size=args.vocab_size,
-    )
+    tokenizer = build_tokenizer_from_args(args)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
     if not args.mock_data:
         check_token_ids(parse_data_path(args.data_path)[0], tokenizer.vocab_size,
