@@ -104,6 +104,10 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     add("--distributed-backend", default=None, choices=["nccl", "gloo"],
         help="default: nccl when CUDA is available, else gloo")  # fmt: skip
     add("--distributed-timeout-minutes", type=int, default=10)
+    add("--cpu-mmap-threshold-kib", type=int, default=128,
+        help="CPU runs: glibc's mmap threshold, fixed so that the resident set follows live "
+        "memory (real_peak_bytes); 0 keeps glibc's dynamic threshold, faster (fewer page "
+        "faults) but the resident set then follows heap fragmentation")  # fmt: skip
     add("--decoder-first-pipeline-num-layers", type=int, default=None,
         help="layers on the first stage (the rest split evenly)")  # fmt: skip
     add("--decoder-last-pipeline-num-layers", type=int, default=None,
@@ -290,6 +294,8 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
 
 
 def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None:
+    if args.cpu_mmap_threshold_kib < 0:
+        raise UserError("--cpu-mmap-threshold-kib must be >= 0 (0: glibc's dynamic threshold)")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise UserError(

@@ -56,12 +56,11 @@ def _measured(execute, records: list):
 
 def probe(probe_dir: str, default_malloc: bool, pretrain_argv: list[str]) -> int:
     from megatron.pipeline import runtime
-    from megatron.training import training
 
     records: list = []
     runtime.StageRuntime._execute = _measured(runtime.StageRuntime._execute, records)
     if default_malloc:
-        training.unmap_large_blocks_when_freed = lambda device: False
+        pretrain_argv = [*pretrain_argv, "--cpu-mmap-threshold-kib", "0"]
     from pretrain_gpt import main
 
     status = main(pretrain_argv)

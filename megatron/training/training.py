@@ -286,7 +286,8 @@ def pretrain(args, forward_step_func) -> TrainingState:
 def _pretrain(args, forward_step_func, wall_start, requests) -> TrainingState:
     faults.watch_launcher()
     device = initialize_distributed(args)
-    unmap_large_blocks_when_freed(device)  # resident set follows live memory (host_memory.py)
+    # the resident set follows live memory (host_memory.py)
+    unmap_large_blocks_when_freed(device, args.cpu_mmap_threshold_kib)
     print_rank_0(
         f"> world size {args.world_size}: tensor {args.tensor_model_parallel_size} x pipeline "
         f"{args.pipeline_model_parallel_size} x data {args.data_parallel_size}, backend "

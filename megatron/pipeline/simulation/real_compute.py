@@ -46,6 +46,9 @@ def model_args(options) -> list[str]:
         "--eval-iters", "0",
         "--attention-dropout", "0", "--hidden-dropout", "0",
         "--untie-embeddings-and-output-weights",  # PACI with two stages refuses tying
+        # a speed benchmark: glibc's own malloc (the fixed mmap threshold that makes the
+        # resident set follow live memory costs a page fault per page, host_memory.py)
+        "--cpu-mmap-threshold-kib", "0",
     ]  # fmt: skip
 
 

@@ -54,6 +54,7 @@ def test_freed_tensors_leave_the_resident_set_on_cpu():
     from megatron.training.host_memory import unmap_large_blocks_when_freed
 
     assert not unmap_large_blocks_when_freed(torch.device("meta"))
+    assert not unmap_large_blocks_when_freed(torch.device("cpu"), threshold_kib=0)  # glibc's
     assert unmap_large_blocks_when_freed(torch.device("cpu"))
     memory = ProcessPeakMemory(torch.device("cpu"))
     memory.reset()

@@ -132,6 +132,7 @@ def test_train_samples_set_iterations_and_sample_schedule():
          "--cross-entropy-fusion-impl te is disabled"),
         (["--test-mode", "--qk-layernorm", "--normalization", "RMSNorm"],
          "--test-mode compares the q/k layernorm biases: it needs LayerNorm"),
+        (["--cpu-mmap-threshold-kib", "-1"], "--cpu-mmap-threshold-kib must be >= 0"),
     ],
 )  # fmt: skip
 def test_inconsistent_run_and_model_flags(extra, needle):
