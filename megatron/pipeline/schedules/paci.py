@@ -12,9 +12,9 @@ Each stage i of N (here 0-indexed: s = i - 1) follows three local rules and noth
    no global synchronization: the pipeline never drains between steps.
 
 Drift: a microbatch's backward runs on the stage's *current* weights. Between its forward and
-backward, stage s runs at most N - 1 - s other backwards (window - 1), so it crosses at most
-ceil((N - 1 - s) / a) optimizer steps; the last stage never drifts. Accumulation is the knob
-that slows weight versions down relative to the pipeline delay.
+backward, stage s runs at most window - 1 other backwards (N - 1 - s by depth), so it crosses
+at most ceil((window - 1) / a) optimizer steps (`drift_bound`); the last stage never drifts.
+Accumulation is the knob that slows weight versions down relative to the pipeline delay.
 
 What a stage does when both an input and a gradient could run is the *arrival rule*
 (`ARRIVAL_RULES`, `--paci-arrival-rule`); rules 1 and 3, so the memory and the drift bound,
