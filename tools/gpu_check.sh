@@ -13,7 +13,8 @@
 # Then a training pass (megatron/training/gpu_training_check.py): short pretrain_gpt.py runs
 # of a small GPT under --pipeline-schedule 1f1b and paci with --bf16, --fp16,
 # --use-distributed-optimizer, --recompute-activations and --recompute-granularity full
-# --recompute-method uniform --recompute-num-layers 1, each reported PASS, FAIL or SKIPPED
+# --recompute-method uniform --recompute-num-layers 1, --cross-entropy-loss-fusion, each
+# reported PASS, FAIL or SKIPPED
 # (not supported yet), with its final loss, time per iteration and peak memory per stage.
 # With one GPU every run is one process (NCCL refuses two ranks on one GPU); with more, two
 # pipeline stages (and two data-parallel ranks for the distributed optimizer with 4).

@@ -9,7 +9,9 @@ when it is installed, else the portable one), under `--pipeline-schedule 1f1b` a
 * `distributed-optimizer`: `--bf16 --use-distributed-optimizer`;
 * `recompute-selective`: `--bf16 --recompute-activations`;
 * `recompute-full`: `--bf16 --recompute-granularity full --recompute-method uniform
-  --recompute-num-layers 1`.
+  --recompute-num-layers 1`;
+* `fused-cross-entropy`: `--bf16 --cross-entropy-loss-fusion` (megatron-core's fused cross
+  entropy, compiled by `torch.compile` at the first step).
 
 Layouts follow the GPUs there are: NCCL refuses two ranks on one GPU ("Duplicate GPU
 detected"), so with one GPU every run is one process (PP = 1, where PACI runs its one stage);
@@ -51,6 +53,7 @@ FEATURES = {
     "recompute-selective": ["--bf16", "--recompute-activations"],
     "recompute-full": ["--bf16", "--recompute-granularity", "full", "--recompute-method",
                        "uniform", "--recompute-num-layers", "1"],
+    "fused-cross-entropy": ["--bf16", "--cross-entropy-loss-fusion"],
 }  # fmt: skip
 SCHEDULES = ("1f1b", "paci")
 NOT_SUPPORTED = re.compile(r"^error: (.*) is not supported yet", re.MULTILINE)

@@ -47,7 +47,8 @@ def test_dry_run_plans_each_feature_under_both_schedules(gpus, pipeline, optimiz
     assert proc.returncode == 0, proc.stderr
     assert "calibrate_stage.py" not in proc.stdout
     runs = planned_runs(proc.stdout)
-    features = ["bf16", "fp16", "distributed-optimizer", "recompute-selective", "recompute-full"]
+    features = ["bf16", "fp16", "distributed-optimizer", "recompute-selective", "recompute-full",
+                "fused-cross-entropy"]  # fmt: skip
     assert sorted(runs) == sorted(f"{f}/{s}" for f in features for s in ("1f1b", "paci"))
     expected_flags = {
         "bf16": "--bf16", "fp16": "--fp16",
@@ -55,6 +56,7 @@ def test_dry_run_plans_each_feature_under_both_schedules(gpus, pipeline, optimiz
         "recompute-selective": "--bf16 --recompute-activations",
         "recompute-full": "--bf16 --recompute-granularity full --recompute-method uniform "
         "--recompute-num-layers 1",
+        "fused-cross-entropy": "--bf16 --cross-entropy-loss-fusion",
     }  # fmt: skip
     for label, words in runs.items():
         feature, schedule = label.split("/")
