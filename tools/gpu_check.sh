@@ -14,8 +14,8 @@
 # of a small GPT under --pipeline-schedule 1f1b and paci with --bf16, --fp16,
 # --use-distributed-optimizer, --recompute-activations and --recompute-granularity full
 # --recompute-method uniform --recompute-num-layers 1, --cross-entropy-loss-fusion, each
-# reported PASS, FAIL or SKIPPED
-# (not supported yet), with its final loss, time per iteration and peak memory per stage.
+# reported PASS, FAIL or SKIPPED (not supported yet), with its final loss, time per iteration
+# and peak memory per stage.
 # With one GPU every run is one process (NCCL refuses two ranks on one GPU); with more, two
 # pipeline stages (and two data-parallel ranks for the distributed optimizer with 4).
 #
