@@ -15,20 +15,9 @@ A benchmark, not a test: 100 iterations of both runs take a few minutes on 2 cor
 import argparse
 import json
 import os
-import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def train(schedule: str, iterations: int, output: str, extra: list[str]) -> dict:
-    environment = {**os.environ, "ITERS": str(iterations), "OUT": output, "OMP_NUM_THREADS": "1"}
-    script = os.path.join(REPO, "examples", "paci", "demo_cpu.sh")
-    command = ["bash", script, "--only", schedule, *extra]
-    completed = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True)
-    if completed.returncode != 0:
-        raise RuntimeError(f"run {extra} failed:\n{(completed.stdout + completed.stderr)[-4000:]}")
-    return json.load(open(os.path.join(output, schedule, "summary.json")))
+from benchmark_convergence import run_schedule  # the demo's flags, one schedule, its summary
 
 
 def window_means(losses: list[float], window: int) -> list[float]:
@@ -73,7 +62,9 @@ def main(argv=None) -> int:
     runs = {}
     for name, flags in (("fp32", []), ("bf16", ["--bf16"])):
         output = os.path.join(options.output, name)
-        runs[name] = train(options.schedule, options.iterations, output, flags + options.extra)
+        runs[name] = run_schedule(
+            options.schedule, options.iterations, output, flags + options.extra
+        )
     result = {"schedule": options.schedule, "extra_flags": options.extra}
     result.update(compare(runs["fp32"], runs["bf16"], options.window))
     print(json.dumps(result, indent=2))
