@@ -439,16 +439,12 @@ def _validate_run_length(args: argparse.Namespace) -> None:
 
 def _validate_emulation_and_rule(args: argparse.Namespace) -> None:
     pp = args.pipeline_model_parallel_size
-    if (
-        args.paci_arrival_rule not in (None, DEFAULT_ARRIVAL_RULE)
-        and args.pipeline_schedule != "paci"
+    for flag, value, default in (
+        ("--paci-arrival-rule", args.paci_arrival_rule, DEFAULT_ARRIVAL_RULE),
+        ("--paci-inflight-limit", args.paci_inflight_limit, DEFAULT_INFLIGHT_LIMIT),
     ):
-        raise UserError("--paci-arrival-rule applies to --pipeline-schedule paci only")
-    if (
-        args.paci_inflight_limit not in (None, DEFAULT_INFLIGHT_LIMIT)
-        and args.pipeline_schedule != "paci"
-    ):
-        raise UserError("--paci-inflight-limit applies to --pipeline-schedule paci only")
+        if value not in (None, default) and args.pipeline_schedule != "paci":
+            raise UserError(f"{flag} applies to --pipeline-schedule paci only")
     for flag in ("emulated_forward_ms", "emulated_backward_ms", "emulated_noise_cv"):
         if isinstance(getattr(args, flag), list) and len(getattr(args, flag)) != pp:
             raise UserError(

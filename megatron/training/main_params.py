@@ -39,6 +39,17 @@ def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def reduce_as_one(tensors: list[torch.Tensor], reduce) -> None:
+    """`reduce` (in place) on the tensors laid end to end, copied back: one collective for
+    all of them instead of one each."""
+    flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+    reduce(flat)
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
 def average_over_group(flat: torch.Tensor, group, *, in_collective: bool = False) -> None:
     """`flat` becomes its mean over the data-parallel `group`: a sum then a division, or
     the collective's own average (`--ddp-average-in-collective`, ReduceOp.AVG)."""
@@ -69,14 +80,10 @@ class ModelGradients:
 
     def average_over(self, group, *, in_collective: bool = False) -> None:
         grads = [self.gradient_of(p) for p in self.params]
-        if _group_size(group) == 1:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        average_over_group(flat, group, in_collective=in_collective)
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        if _group_size(group) > 1:
+            reduce_as_one(
+                grads, lambda flat: average_over_group(flat, group, in_collective=in_collective)
+            )
 
     def squared_norm(self, counted) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=self.params[0].device)

@@ -22,7 +22,12 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from .main_params import ModelGradients, ReplicatedMainOptimizer, needs_main_params
+from .main_params import (
+    ModelGradients,
+    ReplicatedMainOptimizer,
+    needs_main_params,
+    reduce_as_one,
+)
 
 
 def _optimizer_shard_groups(args):
@@ -229,12 +234,7 @@ class StageOptimizerStep:
         if not self.summed_over_tensor_parallel:
             return
         grads = [self.gradients.gradient_of(p) for p in self.summed_over_tensor_parallel]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.tensor_parallel_group)
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        reduce_as_one(grads, lambda flat: dist.all_reduce(flat, group=self.tensor_parallel_group))
 
     def _maybe_inject_overflow(self) -> None:
         """Tests: MEGATRON_INJECT_GRAD_OVERFLOW names this stage and step (loss_scaling.py)."""
