@@ -72,7 +72,15 @@ def report_error(message: str) -> None:
         return
     rank = f"(rank {_rank()})"
     where = f" {rank}" if _world_size() > 1 and rank not in message else ""
-    print(f"error: {message}{where}", file=sys.stderr, flush=True)
+    print_line(f"error: {message}{where}")
+
+
+def print_line(text: str) -> None:
+    """`text` and its newline on stderr in one write. torchrun's workers run unbuffered
+    (`python -u`), where print() writes the text and the newline separately: another rank's
+    line could land between them, gluing two ranks' errors into one line."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 # ---------------------------------------------------------------------------- timeouts
@@ -137,6 +145,5 @@ def _watch(launcher: int, poll_s: float) -> None:
     while not stop.wait(poll_s):
         if os.getppid() != launcher:
             # No deduplication: the store lived in the launcher.
-            print(f"error: the launcher (pid {launcher}) is gone; rank {_rank()} stops",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print_line(f"error: the launcher (pid {launcher}) is gone; rank {_rank()} stops")
             os._exit(1)
