@@ -12,10 +12,13 @@ DATASET := $(DATA)/stdlib_text_document
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py
+# Every package at the exact version in constraints.txt (README.md, "Dependencies"); the build
+# uses the venv's pinned setuptools instead of an isolated, unpinned one.
+$(VENV)/.installed: setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev]" --config-settings editable_mode=compat
+	$(PY) -m pip install --quiet -c constraints.txt pip setuptools
+	$(PY) -m pip install --quiet -c constraints.txt --no-build-isolation -e ".[dev]" \
+		--config-settings editable_mode=compat
 	touch $@
 
 # The default corpus: the Python standard library's sources, present on every machine.

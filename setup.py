@@ -12,7 +12,9 @@ setup(
     description="Asynchronous pipeline-parallel schedules (PACI) for megatron-core GPT pretraining",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_namespace_packages(include=["megatron.training*", "megatron.pipeline*"]),
+    packages=find_namespace_packages(
+        include=["megatron.training*", "megatron.pipeline*", "megatron.studies*"]
+    ),
     py_modules=["pretrain_gpt"],
     install_requires=[
         "torch==2.13.0",

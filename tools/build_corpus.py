@@ -1,6 +1,6 @@
 """Write a jsonl text corpus from the Python standard library sources of this interpreter.
 
-A command line over ``megatron.training.corpus``, which documents the details.
+A command line over ``megatron.training.data.corpus``, which documents the details.
 
 Example::
 
@@ -9,7 +9,7 @@ Example::
 
 import sys
 
-from megatron.training.corpus import main
+from megatron.training.data.corpus import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
 """Measure per-microbatch forward/backward times of a real megatron-core GPT stage and write the
 calibration JSON that the pipeline simulator and the projection read.
 
-What is measured and how the costs are separated: `megatron.training.calibration`; the file
+What is measured and how the costs are separated: `megatron.studies.calibration`; the file
 format: `megatron.pipeline.simulation.calibration`. ``--help`` lists every flag.
 
 Examples::
@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from megatron.training import calibration
+from megatron.studies import calibration
 from megatron.training.errors import UserError
 
 

@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_options(argv):
-    from megatron.training.delay_study import BASE_LR
+    from megatron.studies.delay_study import BASE_LR
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default=os.path.join(REPO, "runs", "delay_study"))
@@ -43,7 +43,7 @@ def ordered_plan(options):
     """Most informative first, so a study cut short by its time budget still says something:
     every optimizer on one seed, the LR sweep's 3x point, the momentum sweep, a second seed,
     error feedback at 3x the LR, the 9x and 1/3x points, then the remaining seeds."""
-    from megatron.training.delay_study import BASE_LR, plan
+    from megatron.studies.delay_study import BASE_LR, plan
 
     seeds = options.seeds
     runs = plan(options.optimizers, seeds, sweep_seed=seeds[0])
@@ -68,13 +68,13 @@ def main(argv=None) -> int:
     os.makedirs(options.output, exist_ok=True)
     results_path = os.path.join(options.output, "results.jsonl")
     if options.report:
-        from megatron.training.delay_study_report import report
+        from megatron.studies.delay_study_report import report
 
         print(report(results_path, options.optimizers, options.seeds[0], options.plot))
         return 0
     import torch
 
-    from megatron.training.delay_study import reference_flags, run_plan
+    from megatron.studies.delay_study import reference_flags, run_plan
 
     torch.set_num_threads(1)
 

@@ -10,7 +10,7 @@
 # writes the calibration JSON the simulator reads, and runs tools/project_paper_scale.py on it:
 # the measured efficiency curve then replaces the assumed one of docs/projection.md.
 #
-# Then a training pass (megatron/training/gpu_training_check.py): short pretrain_gpt.py runs
+# Then a training pass (megatron/studies/gpu_training_check.py): short pretrain_gpt.py runs
 # of a small GPT under --pipeline-schedule 1f1b and paci with --bf16, --fp16,
 # --use-distributed-optimizer, --recompute-activations and --recompute-granularity full
 # --recompute-method uniform --recompute-num-layers 1, --cross-entropy-loss-fusion, each
@@ -117,7 +117,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 SITE="${TMPDIR:-/tmp}/gpu_check_site"
 INSTALL=("$PYTHON" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE")
 training_pass() {  # the training runs; extra arguments go to gpu_training_check.py
-  "$PYTHON" -m megatron.training.gpu_training_check --python "$PYTHON" --repo "$ROOT" \
+  "$PYTHON" -m megatron.studies.gpu_training_check --python "$PYTHON" --repo "$ROOT" \
     --output-dir "$TRAINING_OUTPUT" --train-iters "$TRAIN_ITERS" --gpus "${GPUS:-1}" "$@"
 }
 

@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from megatron.training.flag_coverage import decode, encode, extract_functional_configs, report
+from megatron.studies.flag_coverage import decode, encode, extract_functional_configs, report
 
 DATA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
                          "megatron_gpt_command_lines.json")  # fmt: skip

@@ -1,4 +1,4 @@
-"""Peak resident set per runtime action (investigation; logic in megatron/training/memory_probe.py).
+"""Peak resident set per runtime action (investigation; logic in megatron/studies/memory_probe.py).
 
 torchrun --nproc-per-node 4 tools/memory_probe.py --probe-dir DIR [--default-malloc] -- FLAGS
 python tools/memory_probe.py --analyze DIR [DIR ...]
@@ -6,7 +6,7 @@ python tools/memory_probe.py --analyze DIR [DIR ...]
 
 import sys
 
-from megatron.training.memory_probe import main
+from megatron.studies.memory_probe import main
 
 if __name__ == "__main__":
     sys.exit(main())

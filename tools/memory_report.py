@@ -2,12 +2,12 @@
 
     python tools/memory_report.py --preset demo --iters 6 --output runs/memory
 
-Logic in megatron/training/memory_report.py.
+Logic in megatron/studies/memory_report.py.
 """
 
 import sys
 
-from megatron.training.memory_report import main
+from megatron.studies.memory_report import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Tokenize a jsonl corpus into Megatron indexed datasets (``.bin``/``.idx``).
 
-A command line over ``megatron.training.preprocessing``, which documents the details.
+A command line over ``megatron.training.data.preprocessing``, which documents the details.
 
 Example::
 
@@ -13,7 +13,7 @@ writes ``data/stdlib_text_document.bin`` and ``data/stdlib_text_document.idx``.
 
 import sys
 
-from megatron.training.preprocessing import main
+from megatron.training.data.preprocessing import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Time to accuracy: iterations to target validation losses per schedule and optimizer on the
 default corpus (seeds, median and range), and the projected time-to-accuracy ratio at the
-paper's scale. The logic is in megatron/training/time_to_accuracy.py.
+paper's scale. The logic is in megatron/studies/time_to_accuracy.py.
 
     .venv/bin/python tools/time_to_accuracy.py --output runs/tta --seeds 1,2,3 \
         --config flush=1f1b:1e-3 --config paci=paci:1e-3 \
@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from megatron.training import time_to_accuracy as tta
+from megatron.studies import time_to_accuracy as tta
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """Train a GPT-2 style byte-level BPE (``vocab.json`` + ``merges.txt``) from a jsonl corpus.
 
-A command line over ``megatron.training.gpt2_bpe_training``, which documents the details.
+A command line over ``megatron.training.tokenizer.gpt2_bpe_training``, which documents the details.
 
     python tools/train_gpt2_bpe.py --input data/stdlib.jsonl --output-dir data/gpt2 \\
         --vocab-size 8192
@@ -8,7 +8,7 @@ A command line over ``megatron.training.gpt2_bpe_training``, which documents the
 
 import sys
 
-from megatron.training.gpt2_bpe_training import main
+from megatron.training.tokenizer.gpt2_bpe_training import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Train a SentencePiece BPE tokenizer model from a jsonl corpus.
 
-A command line over ``megatron.training.tokenizer_training``, which documents the details.
+A command line over ``megatron.training.tokenizer.sentencepiece_training``, which documents the details.
 
 Example::
 
@@ -13,7 +13,7 @@ writes ``data/tokenizer/stdlib.model`` (for ``--tokenizer-model``) and a readabl
 
 import sys
 
-from megatron.training.tokenizer_training import main
+from megatron.training.tokenizer.sentencepiece_training import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,1 @@
+"""The training library: the loop, its flags, the model stage, run control and reporting."""

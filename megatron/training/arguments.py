@@ -15,12 +15,11 @@ from megatron.pipeline.schedules.paci import (
     INFLIGHT_LIMITS,
 )
 from megatron.pipeline.simulation.costs import stage_values
-
-from .batch_schedule import validate_rampup
-from .errors import UserError
-from .megatron_flags import add_compatibility_flags, reject_unsupported_flags
-from .recompute import add_recompute_args, validate_recompute_args
-from .validation import add_reliability_args, validate_reliability
+from megatron.training.batch_schedule import validate_rampup
+from megatron.training.errors import UserError
+from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
+from megatron.training.recompute import add_recompute_args, validate_recompute_args
+from megatron.training.validation import add_reliability_args, validate_reliability
 
 TOKENIZER_CHOICES = [
     "GPT2BPETokenizer",
@@ -497,7 +496,7 @@ def _validate_data_args(args: argparse.Namespace) -> None:
         return
     if not args.data_path:
         raise UserError("no training data: pass --data-path PREFIX (or --mock-data)")
-    from .data import parse_data_path, validate_indexed_dataset
+    from megatron.training.data.datasets import parse_data_path, validate_indexed_dataset
 
     prefixes, _ = parse_data_path(args.data_path)
     for prefix in prefixes:

@@ -16,7 +16,7 @@ iterations; resuming from a checkpoint picks the ramp up from its consumed sampl
 import argparse
 from dataclasses import dataclass
 
-from .errors import UserError
+from megatron.training.errors import UserError
 
 
 @dataclass(frozen=True)

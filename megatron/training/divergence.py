@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import checkpointing
+from megatron.training.checkpointing import save_load as checkpointing
 
 
 @dataclass

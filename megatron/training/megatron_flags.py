@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from .errors import UserError
+from megatron.training.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .recompute import use_host_rng_states
+from megatron.training.recompute import use_host_rng_states
 
 
 class SDPACoreAttention(MegatronModule):

@@ -24,7 +24,7 @@ import argparse
 
 import torch
 
-from .errors import UserError
+from megatron.training.errors import UserError
 
 GRANULARITIES = ("full", "selective")
 METHODS = ("uniform", "block")

@@ -17,9 +17,8 @@ from megatron.core import parallel_state
 
 from megatron.pipeline.audit import audit_requested
 from megatron.pipeline.trace import write_chrome_trace
-
-from .checkpointing import atomic_write_text
-from .errors import UserError
+from megatron.training.checkpointing.save_load import atomic_write_text
+from megatron.training.errors import UserError
 
 
 def is_logging_rank() -> bool:

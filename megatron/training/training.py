@@ -32,20 +32,27 @@ from megatron.pipeline.runtime import StageRuntime
 from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.schedules.paci import DEFAULT_INFLIGHT_LIMIT
 from megatron.pipeline.schedules.paci import window as inflight_window
-
-from . import checkpointing, divergence, faults, run_control
-from .batch_schedule import BatchSchedule
-from .data import data_iterators_from_args, parse_data_path
-from .delay_mitigation import schedule_of_iteration, synchronous_phase_ends
-from .emulation import EmulatedStage
-from .errors import RunFailed
-from .host_memory import unmap_large_blocks_when_freed
-from .lr_per_iteration import per_iteration
-from .main_params import model_dtype
-from .model import StageLayout, build_gpt_stage
-from .optimizer import StageOptimizerStep, build_lr_scheduler, build_optimizer
-from .recompute import recompute_config_fields
-from .reporting import (
+from megatron.training import divergence, faults, run_control
+from megatron.training.batch_schedule import BatchSchedule
+from megatron.training.checkpointing import save_load as checkpointing
+from megatron.training.data.datasets import data_iterators_from_args, parse_data_path
+from megatron.training.emulation import EmulatedStage
+from megatron.training.errors import RunFailed
+from megatron.training.host_memory import unmap_large_blocks_when_freed
+from megatron.training.model import StageLayout, build_gpt_stage
+from megatron.training.optimizer.build import (
+    StageOptimizerStep,
+    build_lr_scheduler,
+    build_optimizer,
+)
+from megatron.training.optimizer.delay_mitigation import (
+    schedule_of_iteration,
+    synchronous_phase_ends,
+)
+from megatron.training.optimizer.lr_per_iteration import per_iteration
+from megatron.training.optimizer.main_params import model_dtype
+from megatron.training.recompute import recompute_config_fields
+from megatron.training.reporting import (
     is_logging_rank,
     log_iteration,
     print_rank_0,
@@ -54,8 +61,8 @@ from .reporting import (
     write_summary,
     write_timelines,
 )
-from .tokenizer import build_tokenizer_from_args
-from .validation import check_token_ids
+from megatron.training.tokenizer.tokenizer import build_tokenizer_from_args
+from megatron.training.validation import check_token_ids
 
 
 # ---------------------------------------------------------------------------- set-up

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy
 
-from .errors import UserError
+from megatron.training.errors import UserError
 
 # flag -> smallest accepted value (None: the flag may be absent)
 _AT_LEAST_ONE = (
@@ -122,7 +122,7 @@ def _check_validation_split(args) -> None:
     evaluations = args.train_iters // args.eval_interval if args.eval_interval > 0 else 0
     if args.mock_data or not args.eval_iters or not evaluations:
         return
-    from .data import parse_split
+    from megatron.training.data.datasets import parse_split
 
     weights = parse_split(args.split)
     if len(weights) < 2 or weights[1] <= 0:
@@ -187,7 +187,7 @@ def largest_token_id(prefix: str, dtype) -> tuple[int, int | None]:
 def check_token_ids(data_prefixes: list[str], vocab_size: int, padded_vocab_size: int) -> None:
     """Token ids at or above the vocabulary would index past the embedding (an IndexError on
     CPU, a device-side assert on GPU); data made with another tokenizer would train on noise."""
-    from .data import read_index_summary
+    from megatron.training.data.datasets import read_index_summary
 
     for prefix in data_prefixes:
         summary = read_index_summary(prefix)

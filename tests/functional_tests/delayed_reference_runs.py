@@ -1,4 +1,4 @@
-"""Run `megatron.training.delayed_reference` for several cases in one process.
+"""Run `megatron.studies.delayed_reference` for several cases in one process.
 
     python tests/functional_tests/delayed_reference_runs.py SPEC.json
 SPEC.json: [{"name": ..., "args": [...pretrain_gpt.py flags...], "delay": 0|1}, ...]
@@ -17,7 +17,7 @@ import sys
 def main(spec_file: str) -> int:
     import torch
 
-    from megatron.training.delayed_reference import parse_reference_args, run_delayed
+    from megatron.studies.delayed_reference import parse_reference_args, run_delayed
 
     torch.set_num_threads(1)
     losses = {}

@@ -32,9 +32,9 @@ def main(argv: list[str]) -> int:
     from megatron.pipeline.schedules import get_schedule
     from megatron.pipeline.schedules.paci import with_paci_options
     from megatron.pipeline.simulation import simulate
-    from megatron.training.data import data_iterators_from_args
-    from megatron.training.delayed_reference import build_local_stage, ensure_single_process_groups
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.studies.delayed_reference import build_local_stage, ensure_single_process_groups
+    from megatron.training.data.datasets import data_iterators_from_args
+    from megatron.training.tokenizer.tokenizer import build_tokenizer
     from megatron.training.training import padded_vocab_size, stage_layout
     from pretrain_gpt import forward_step
 

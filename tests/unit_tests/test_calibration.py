@@ -15,7 +15,7 @@ import pytest
 from megatron.pipeline.simulation import calibration as fmt
 from megatron.pipeline.simulation import projection as proj
 from megatron.pipeline.simulation.calibration import stage_costs_from_calibration
-from megatron.training import calibration as cal
+from megatron.studies import calibration as cal
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TOOLS = os.path.join(REPO, "tools")

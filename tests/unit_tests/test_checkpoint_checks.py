@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.training import checkpointing
 from megatron.training.arguments import build_parser, validate_args
+from megatron.training.checkpointing import save_load as checkpointing
 from megatron.training.errors import UserError
-from megatron.training.optimizer import build_lr_scheduler, build_optimizer
+from megatron.training.optimizer.build import build_lr_scheduler, build_optimizer
 from megatron.training.training import build_stage_model
 
 FLAGS = [
@@ -321,7 +321,7 @@ def test_optimizer_state_takes_its_parameters_keys_and_sharding():
     replica id (so they reshard like it); its step count one object per parameter."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron.training import dist_checkpointing as dc
+    from megatron.training.checkpointing import torch_dist as dc
 
     model, optimizer, _ = make_run(make_args("--num-layers", "2"))
     model_sharded = dc.model_sharded_state_dict(model)

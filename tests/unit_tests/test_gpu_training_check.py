@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron.training import gpu_training_check as gtc
+from megatron.studies import gpu_training_check as gtc
 from megatron.training.arguments import build_parser
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -4,7 +4,7 @@ import pytest
 from test_validation import validation_error, with_flags
 
 from megatron.training.arguments import build_parser, validate_args
-from megatron.training.lr_per_iteration import SchedulerPerIteration, per_iteration
+from megatron.training.optimizer.lr_per_iteration import SchedulerPerIteration, per_iteration
 
 CASES = {
     "2bw_tied": (

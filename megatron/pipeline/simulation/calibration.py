@@ -1,6 +1,6 @@
 """The calibration format: measured per-microbatch costs the event engine and the projection read.
 
-`tools/calibrate_stage.py` writes it (`megatron.training.calibration` measures a real stage;
+`tools/calibrate_stage.py` writes it (`megatron.studies.calibration` measures a real stage;
 `profile_entry` and `calibration_document` here build the object), `tools/simulate_pipeline.py`
 and `tools/project_paper_scale.py` read it (`stage_costs_from_calibration`).
 

@@ -13,7 +13,7 @@ from datatests_support import (
     write_indexed_dataset,
 )
 
-from megatron.training import tokenizer_training
+from megatron.training.tokenizer import sentencepiece_training
 
 
 @pytest.fixture(scope="session")
@@ -27,9 +27,9 @@ def tiny_corpus(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sp_model(tiny_corpus, tmp_path_factory):
-    """A sentencepiece model trained on the tiny corpus by megatron.training.tokenizer_training."""
+    """A sentencepiece model trained on the tiny corpus by megatron.training.tokenizer.sentencepiece_training."""
     prefix = str(tmp_path_factory.mktemp("tokenizer") / "tiny")
-    rc = tokenizer_training.main(
+    rc = sentencepiece_training.main(
         ["--input", tiny_corpus, "--output-prefix", prefix, "--vocab-size", str(TINY_VOCAB_SIZE)]
     )
     assert rc == 0

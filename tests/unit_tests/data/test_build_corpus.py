@@ -1,6 +1,6 @@
 import json
 
-from megatron.training import corpus
+from megatron.training.data import corpus
 
 
 def _tree(root):

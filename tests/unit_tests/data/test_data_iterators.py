@@ -5,9 +5,9 @@ import pytest
 import torch
 from datatests_support import random_documents, write_indexed_dataset
 
-from megatron.training.data import build_data_iterators
+from megatron.training.data.datasets import build_data_iterators
 from megatron.training.errors import UserError
-from megatron.training.tokenizer import build_tokenizer
+from megatron.training.tokenizer.tokenizer import build_tokenizer
 
 SEQ = 32
 KEYS = {"tokens", "labels", "loss_mask", "position_ids"}

@@ -7,7 +7,7 @@ import sys
 import pytest
 from datatests_support import REPO_ROOT
 
-from megatron.training.data import (
+from megatron.training.data.datasets import (
     main,
     parse_data_path,
     parse_split,
@@ -93,7 +93,7 @@ def test_cli_prints_one_error_line(dataset_copy, capsys):
     with open(prefix + ".idx", "r+b") as f:
         f.truncate(50)
     result = subprocess.run(
-        [sys.executable, "-m", "megatron.training.data", prefix],
+        [sys.executable, "-m", "megatron.training.data.datasets", prefix],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

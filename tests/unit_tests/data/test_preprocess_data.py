@@ -7,10 +7,10 @@ import numpy
 import pytest
 from datatests_support import REPO_ROOT, tiny_documents
 
-from megatron.training import preprocessing
-from megatron.training.data import validate_indexed_dataset
+from megatron.training.data import preprocessing
+from megatron.training.data.datasets import validate_indexed_dataset
 from megatron.training.errors import UserError
-from megatron.training.tokenizer import build_tokenizer
+from megatron.training.tokenizer.tokenizer import build_tokenizer
 
 SCRIPT = os.path.join(REPO_ROOT, "tools", "preprocess_data.py")
 

@@ -3,9 +3,9 @@ import json
 import pytest
 from datatests_support import TINY_VOCAB_SIZE, tiny_documents
 
-from megatron.training import tokenizer_training
 from megatron.training.errors import UserError
-from megatron.training.tokenizer import (
+from megatron.training.tokenizer import sentencepiece_training
+from megatron.training.tokenizer.tokenizer import (
     GPT2BPETokenizer,
     NullTokenizer,
     SentencePieceTokenizer,
@@ -37,18 +37,18 @@ def test_sentencepiece_round_trip(sp_model):
 def test_train_tokenizer_is_deterministic(tiny_corpus, sp_model, tmp_path):
     prefix = str(tmp_path / "again")
     args = ["--input", tiny_corpus, "--output-prefix", prefix, "--vocab-size"]
-    assert tokenizer_training.main(args + [str(TINY_VOCAB_SIZE)]) == 0
+    assert sentencepiece_training.main(args + [str(TINY_VOCAB_SIZE)]) == 0
     with open(prefix + ".model", "rb") as a, open(sp_model, "rb") as b:
         assert a.read() == b.read()
 
 
 def test_train_tokenizer_reports_user_errors(tiny_corpus, tmp_path, capsys):
     prefix = str(tmp_path / "x")
-    assert tokenizer_training.main(
+    assert sentencepiece_training.main(
         ["--input", tiny_corpus, "--output-prefix", prefix, "--vocab-size", "99999"]
     )
     assert (
-        tokenizer_training.main(
+        sentencepiece_training.main(
             ["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", prefix]
         )
         == 2

@@ -7,7 +7,7 @@ from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBat
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.batch_schedule import BatchSchedule, train_iterations
 from megatron.training.errors import UserError
-from megatron.training.optimizer import _schedule_lengths
+from megatron.training.optimizer.build import _schedule_lengths
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -13,9 +13,9 @@ import torch
 from conftest import TinyGPT, optimizer_args
 from test_optimizers import set_random_grads
 
-from megatron.training.delay_mitigation import DelayMitigatedOptimizer
-from megatron.training.optimizer import build_lr_scheduler, build_optimizer
-from megatron.training.optimizers import OPTIMIZERS
+from megatron.training.optimizer.build import build_lr_scheduler, build_optimizer
+from megatron.training.optimizer.delay_mitigation import DelayMitigatedOptimizer
+from megatron.training.optimizer.suite import OPTIMIZERS
 from megatron.training.reporting import _optimizer_state_bytes
 
 

@@ -8,7 +8,7 @@ rate 0 (frozen weights) for what the first steps of a delayed run see.
 import pytest
 import run_cases
 
-from megatron.training.delayed_reference import parse_reference_args, run_delayed
+from megatron.studies.delayed_reference import parse_reference_args, run_delayed
 
 SMALL = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "

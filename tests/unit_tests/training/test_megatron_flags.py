@@ -105,7 +105,7 @@ def test_swiglu_ffn_default_and_kv_channels():
 
 
 def test_train_samples_set_iterations_and_sample_schedule():
-    from megatron.training.optimizer import _schedule_lengths
+    from megatron.training.optimizer.build import _schedule_lengths
 
     at = BASE.index("--train-iters")
     args = build_parser().parse_args(
@@ -175,7 +175,7 @@ def test_flag_coverage_of_megatron_command_lines():
     features we lack (tools/megatron_flag_coverage.py, whose report is in the docs)."""
     import json
 
-    from megatron.training import flag_coverage as coverage
+    from megatron.studies import flag_coverage as coverage
 
     data_file = os.path.join(REPO, "tools", "data", "megatron_gpt_command_lines.json")
     with open(data_file) as handle:
@@ -190,7 +190,7 @@ def test_flag_coverage_of_megatron_command_lines():
 def _scheduler_for(extra: list[str]):
     import torch
 
-    from megatron.training.optimizer import build_lr_scheduler
+    from megatron.training.optimizer.build import build_lr_scheduler
 
     args = validated(extra)
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=args.lr)
@@ -204,7 +204,7 @@ def _scheduler_for(extra: list[str]):
 def test_scheduler_settings_are_checked_against_the_checkpoint(flag, loaded_lr):
     """Megatron's rule: a command line whose LR schedule differs from the checkpoint's fails
     (one line) unless one of the two flags says which one wins."""
-    from megatron.training import checkpointing
+    from megatron.training.checkpointing import save_load as checkpointing
 
     _, saved = _scheduler_for(["--lr", "2e-3"])
     optimizer, scheduler = _scheduler_for([flag] if flag else [])
@@ -230,7 +230,7 @@ def torch_module():
 
 
 def test_checkpoint_without_optimizer_state_says_how_to_load_it():
-    from megatron.training import checkpointing
+    from megatron.training.checkpointing import save_load as checkpointing
 
     optimizer, scheduler = _scheduler_for([])
     with pytest.raises(UserError, match="add --no-load-optim"):

@@ -1,6 +1,6 @@
 """The memory report's rows and table (the runs themselves are real launches: docs/memory.md)."""
 
-from megatron.training.memory_report import (
+from megatron.studies.memory_report import (
     configurations,
     markdown_table,
     parse_options,
@@ -46,7 +46,7 @@ def test_table_compares_each_stage_with_the_first_run():
 def test_probe_analysis_takes_each_stage_at_its_peak(tmp_path):
     import json
 
-    from megatron.training.memory_probe import analyze
+    from megatron.studies.memory_probe import analyze
 
     MiB = 2**20
     for run, peaks in (("flush", [100, 120]), ("paci", [101, 130])):

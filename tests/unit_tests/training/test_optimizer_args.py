@@ -67,7 +67,10 @@ def test_mitigations_are_accepted_where_they_apply():
 
 
 def test_schedule_of_each_iteration_with_synchronous_phases():
-    from megatron.training.delay_mitigation import schedule_of_iteration, synchronous_phase_ends
+    from megatron.training.optimizer.delay_mitigation import (
+        schedule_of_iteration,
+        synchronous_phase_ends,
+    )
 
     args = validated(["--pipeline-schedule", "paci", "--train-iters", "10",
                       "--async-sync-warmup-iters", "2", "--async-sync-cooldown-iters", "3"])  # fmt: skip

@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import TinyGPT, optimizer_args
 
-from megatron.training.optimizer import build_lr_scheduler, build_optimizer
-from megatron.training.optimizers import OPTIMIZERS, OptimizerChain
+from megatron.training.optimizer.build import build_lr_scheduler, build_optimizer
+from megatron.training.optimizer.suite import OPTIMIZERS, OptimizerChain
 
 NS = torch.optim._muon._zeropower_via_newtonschulz
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)

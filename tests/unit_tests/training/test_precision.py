@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 from conftest import TinyGPT, optimizer_args
 
-from megatron.training.distributed_optimizer import ShardedMainOptimizer
-from megatron.training.loss_scaling import DynamicLossScaler, StaticLossScaler
-from megatron.training.main_params import GradBuffer, ReplicatedMainOptimizer
-from megatron.training.optimizer import StageOptimizerStep, build_optimizer
+from megatron.training.optimizer.build import StageOptimizerStep, build_optimizer
+from megatron.training.optimizer.distributed_optimizer import ShardedMainOptimizer
+from megatron.training.optimizer.loss_scaling import DynamicLossScaler, StaticLossScaler
+from megatron.training.optimizer.main_params import GradBuffer, ReplicatedMainOptimizer
 from megatron.training.reporting import _optimizer_state_bytes
 
 

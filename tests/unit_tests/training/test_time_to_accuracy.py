@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron.training import time_to_accuracy as tta
+from megatron.studies import time_to_accuracy as tta
 
 
 def test_crossing_is_interpolated_between_the_evaluations_around_it():

@@ -6,7 +6,7 @@ and initial weights) before taking the median and range over seeds.
 
 import statistics
 
-from .delay_study import BASE_LR, MOMENTUM, VARIANTS, load_results
+from megatron.studies.delay_study import BASE_LR, MOMENTUM, VARIANTS, load_results
 
 
 def _rows(results: dict, **match) -> list[dict]:

@@ -16,9 +16,9 @@ import os
 import re
 import unittest.mock
 
-from .arguments import build_parser, validate_args
-from .errors import UserError
-from .megatron_flags import unsupported_flags
+from megatron.training.arguments import build_parser, validate_args
+from megatron.training.errors import UserError
+from megatron.training.megatron_flags import unsupported_flags
 
 PLACEHOLDERS = {  # what a placeholder stands for when the command line is parsed
     "<data-prefix>": "data/stdlib_text_document",

@@ -16,7 +16,7 @@ every `--optimizer`, `--async-error-feedback` and `--delay-compensation-lambda`)
 schedule and `StageOptimizerStep` (clipping over the whole model). The reported training
 loss of a step is the loss the step's gradient came from, i.e. at the stale weights.
 
-    from megatron.training.delayed_reference import run_delayed
+    from megatron.studies.delayed_reference import run_delayed
     result = run_delayed(args, delay=1)   # args: validated pretrain_gpt.py flags
 """
 
@@ -54,7 +54,7 @@ def build_local_stage(args, layout, device, vocab_size: int):
     """One stage's model (`layout`) and its optimizer step with no process group, so that one
     process can train it: what `pretrain` builds on a rank, less the groups."""
     from megatron.training.model import build_gpt_stage
-    from megatron.training.optimizer import (
+    from megatron.training.optimizer.build import (
         StageOptimizerStep,
         build_lr_scheduler,
         build_optimizer,
@@ -85,8 +85,8 @@ def build_local_stage(args, layout, device, vocab_size: int):
 
 def _build(args):
     """Model, optimizer step and data iterators, as `pretrain` builds them on one stage."""
-    from megatron.training.data import data_iterators_from_args
-    from megatron.training.tokenizer import build_tokenizer_from_args
+    from megatron.training.data.datasets import data_iterators_from_args
+    from megatron.training.tokenizer.tokenizer import build_tokenizer_from_args
     from megatron.training.training import padded_vocab_size, stage_layout
 
     ensure_single_process_groups()

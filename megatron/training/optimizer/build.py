@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from .main_params import (
+from megatron.training.optimizer.main_params import (
     ModelGradients,
     ReplicatedMainOptimizer,
     needs_main_params,
@@ -51,8 +51,8 @@ def _optimizer_shard_groups(args):
 def build_optimizer(model: torch.nn.Module, args):
     """`--optimizer`'s optimizer (optimizers.py), with the delay mitigations asked for; over
     fp32 main weights when the model is bf16/fp16 or the optimizer is distributed."""
-    from .delay_mitigation import with_delay_mitigation
-    from .optimizers import build_suite_optimizer
+    from megatron.training.optimizer.delay_mitigation import with_delay_mitigation
+    from megatron.training.optimizer.suite import build_suite_optimizer
 
     if needs_main_params(args):
         return build_main_params_optimizer(model, args)
@@ -61,10 +61,10 @@ def build_optimizer(model: torch.nn.Module, args):
 
 
 def build_main_params_optimizer(model: torch.nn.Module, args):
-    from .delay_mitigation import with_delay_mitigation
-    from .distributed_optimizer import ShardedMainOptimizer
-    from .loss_scaling import build_loss_scaler
-    from .optimizers import build_suite_optimizer
+    from megatron.training.optimizer.delay_mitigation import with_delay_mitigation
+    from megatron.training.optimizer.distributed_optimizer import ShardedMainOptimizer
+    from megatron.training.optimizer.loss_scaling import build_loss_scaler
+    from megatron.training.optimizer.suite import build_suite_optimizer
 
     if getattr(args, "use_distributed_optimizer", False):
         wrapper = ShardedMainOptimizer(model, *_optimizer_shard_groups(args))
@@ -238,7 +238,11 @@ class StageOptimizerStep:
 
     def _maybe_inject_overflow(self) -> None:
         """Tests: MEGATRON_INJECT_GRAD_OVERFLOW names this stage and step (loss_scaling.py)."""
-        from .loss_scaling import INJECT_ENV, inject_overflow, injected_overflow_steps
+        from megatron.training.optimizer.loss_scaling import (
+            INJECT_ENV,
+            inject_overflow,
+            injected_overflow_steps,
+        )
 
         if not os.environ.get(INJECT_ENV):
             return

@@ -19,7 +19,7 @@ import os
 import sys
 
 from megatron.training.errors import UserError
-from megatron.training.tokenizer import (
+from megatron.training.tokenizer.tokenizer import (
     GPT2BPETokenizer,
     _gpt2_pattern,
     bytes_to_unicode,

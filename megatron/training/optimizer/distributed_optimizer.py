@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .main_params import MainParamsOptimizer
-from .optimizers import decay_groups
+from megatron.training.optimizer.main_params import MainParamsOptimizer
+from megatron.training.optimizer.suite import decay_groups
 
 
 @dataclass(eq=False)  # hashed by identity
@@ -149,7 +149,7 @@ class ShardedMainOptimizer(MainParamsOptimizer):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Collective over the data-parallel group: the unsharded per-parameter format."""
-        from .sharded_state import gather_state_dict
+        from megatron.training.optimizer.sharded_state import gather_state_dict
 
         state = gather_state_dict(self)
         state.update(self._extra_state())
@@ -157,7 +157,7 @@ class ShardedMainOptimizer(MainParamsOptimizer):
 
     def _own_inner_state(self, inner: dict) -> dict:
         """This rank's slice of the unsharded per-parameter state (`load_state_dict`)."""
-        from .sharded_state import slice_state_dict
+        from megatron.training.optimizer.sharded_state import slice_state_dict
 
         return slice_state_dict(self, inner)
 
@@ -168,7 +168,7 @@ class ShardedMainOptimizer(MainParamsOptimizer):
     def state_index_params(self) -> list[torch.nn.Parameter]:
         """The model parameter of each entry number of `state_dict()["state"]` (the unsharded
         optimizer's numbering)."""
-        from .sharded_state import _unsharded_numbering
+        from megatron.training.optimizer.sharded_state import _unsharded_numbering
 
         numbering, _ = _unsharded_numbering(self)
         by_number = {number: model_index for model_index, number in numbering.items()}

@@ -102,7 +102,7 @@ def set_first_momentum(args, value: float) -> None:
 
 
 def execute(run: StudyRun, flags: list[str]) -> dict:
-    from .delayed_reference import parse_reference_args, run_delayed
+    from megatron.studies.delayed_reference import parse_reference_args, run_delayed
 
     args = parse_reference_args(flags)
     set_first_momentum(args, run.momentum)

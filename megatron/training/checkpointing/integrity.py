@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .errors import UserError
+from megatron.training.errors import UserError
 
 MANIFEST = "integrity.json"
 ALGORITHM = "sha256"

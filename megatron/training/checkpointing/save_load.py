@@ -2,7 +2,7 @@
 
 Two formats (`--ckpt-format`, Megatron's default `torch_dist`):
 
-    torch_dist: <dir>/iter_0000100/{metadata.json,common.pt,*.distcp}   (dist_checkpointing.py)
+    torch_dist: <dir>/iter_0000100/{metadata.json,common.pt,*.distcp}   (torch_dist.py)
     torch:      <dir>/iter_0000100/mp_rank_<tp>_<pp>/model_optim_rng.pt
                 <dir>/latest_checkpointed_iteration.txt                  (both)
 
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from . import checkpoint_integrity, dist_checkpointing
-from .errors import UserError
+from megatron.training.checkpointing import integrity, torch_dist
+from megatron.training.errors import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # What must be equal to load a checkpoint, by what it describes.
@@ -100,7 +100,7 @@ def recorded_args(args) -> dict:
 def save(root: str, state, model, optimizer, scheduler, args=None) -> None:
     """In `--ckpt-format` (torch without `args`); with `args`: Megatron's --no-save-optim /
     --no-save-rng leave those parts out."""
-    if getattr(args, "ckpt_format", "torch") == dist_checkpointing.FORMAT:
+    if getattr(args, "ckpt_format", "torch") == torch_dist.FORMAT:
         _save_dist(root, state, model, optimizer, scheduler, args)
     else:
         _save_torch(root, state, model, optimizer, scheduler, args)
@@ -142,15 +142,13 @@ def _save_dist(root: str, state, model, optimizer, scheduler, args) -> None:
     if not args.no_save_optim:
         common["opt_param_scheduler"] = scheduler.state_dict()
     try:
-        dist_checkpointing.save_checkpoint(
-            directory, common, model=model, optimizer=optimizer, args=args
-        )
-    except (OSError, RuntimeError, dist_checkpointing.CheckpointException) as error:
-        dist_checkpointing.remove_staging(directory)
+        torch_dist.save_checkpoint(directory, common, model=model, optimizer=optimizer, args=args)
+    except (OSError, RuntimeError, torch_dist.CheckpointException) as error:
+        torch_dist.remove_staging(directory)
         cause = error if isinstance(error, OSError) else _os_error_in(error)
         problem = _write_problem(directory, cause) if cause else f"cannot write {directory} ("
         if cause is None:
-            problem += f"{dist_checkpointing.first_line(error)})"
+            problem += f"{torch_dist.first_line(error)})"
         raise UserError(f"{problem}: checkpoint not saved{_kept_note(root)}") from None
 
 
@@ -236,10 +234,10 @@ def format_on_disk(directory: str) -> str | None:
     if not os.path.isdir(directory):
         return None
     names = os.listdir(directory)
-    if dist_checkpointing.is_dist_checkpoint(directory) or any(
+    if torch_dist.is_dist_checkpoint(directory) or any(
         name == "common.pt" or name.endswith(".distcp") for name in names
     ):
-        return dist_checkpointing.FORMAT
+        return torch_dist.FORMAT
     return "torch" if any(name.startswith("mp_rank_") for name in names) else None
 
 
@@ -261,9 +259,9 @@ def _read_iteration(root: str, iteration: int, wanted: str | None) -> tuple[dict
     if _checked_format(root, iteration, wanted) == "torch":
         return _read_rank_file(_rank_file(root, iteration))
     directory = os.path.join(root, f"iter_{iteration:07d}")
-    common, problem = dist_checkpointing.read_common(directory)
+    common, problem = torch_dist.read_common(directory)
     if common is not None:
-        common.update(format=dist_checkpointing.FORMAT, directory=directory)
+        common.update(format=torch_dist.FORMAT, directory=directory)
     return common, problem
 
 
@@ -272,7 +270,7 @@ def _read_verified(root: str, iteration: int, wanted: str | None, device) -> tup
     rank gets rank 0's verdict); a wrong format is named first."""
     _checked_format(root, iteration, wanted)
     directory = os.path.join(root, f"iter_{iteration:07d}")
-    problem = checkpoint_integrity.integrity_problem(directory, device)
+    problem = integrity.integrity_problem(directory, device)
     if problem is not None:
         return None, problem
     return _read_iteration(root, iteration, wanted)
@@ -287,7 +285,7 @@ def read_checkpoint(
 ) -> dict:
     """The payload of the newest checkpoint every rank can read (collective); `ckpt_format`:
     the format it must be in (None: whichever it is); `verify_integrity`: its files must match
-    their manifest (checkpoint_integrity.py), checked before anything is read."""
+    their manifest (integrity.py), checked before anything is read."""
     newest = read_tracker(root, quiet=fallback)
     candidates = [newest] if newest is not None else []
     if fallback:
@@ -328,7 +326,7 @@ def check_recorded_args(payload: dict, args, path: str) -> None:
     recorded = payload.get("args")
     if not recorded or args is None:
         return
-    resharding = payload.get("format") == dist_checkpointing.FORMAT
+    resharding = payload.get("format") == torch_dist.FORMAT
     for what, names in RECORDED_ARGS.items():
         differences = _differences(recorded, args, names)
         allowed = (what in RESHARDABLE and resharding) or (
@@ -380,8 +378,8 @@ def restore(payload: dict, *, model, optimizer, scheduler, path: str, args=None)
                                ("rng_state", load_rng, "--no-load-rng")):  # fmt: skip
         if wanted and part not in saved:
             raise UserError(f"--load {path}: the checkpoint has no {part} state: add {flag}")
-    if payload.get("format") == dist_checkpointing.FORMAT:
-        dist_checkpointing.restore_checkpoint(
+    if payload.get("format") == torch_dist.FORMAT:
+        torch_dist.restore_checkpoint(
             payload, model=model, optimizer=optimizer, load_optim=load_optim, load_rng=load_rng,
             strict=getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected"),
         )  # fmt: skip

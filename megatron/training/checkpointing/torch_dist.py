@@ -34,8 +34,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from torch.distributed import checkpoint
 from torch.distributed.checkpoint import CheckpointException
 
-from . import checkpoint_integrity
-from .errors import UserError
+from megatron.training.checkpointing import integrity
+from megatron.training.errors import UserError
 
 FORMAT = "torch_dist"
 METADATA_FILE = "metadata.json"  # megatron-core's marker of a distributed checkpoint
@@ -306,7 +306,7 @@ class InProcessSaveStrategy(TorchDistSaveShardedStrategy):
 
 def write(directory: str, sharded_state_dict: dict, manifest: bool = False) -> None:
     """Write into `directory` + STAGING_SUFFIX, then rename it to `directory` (collective);
-    `manifest`: hash the complete files into checkpoint_integrity.MANIFEST before the rename."""
+    `manifest`: hash the complete files into integrity.MANIFEST before the rename."""
     staging = directory + STAGING_SUFFIX
     if dist.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
@@ -316,7 +316,7 @@ def write(directory: str, sharded_state_dict: dict, manifest: bool = False) -> N
     dist.barrier()  # every rank's files are complete
     if dist.get_rank() == 0:
         if manifest:
-            checkpoint_integrity.write_manifest(staging)
+            integrity.write_manifest(staging)
         _replace_directory(staging, directory)
     dist.barrier()
 

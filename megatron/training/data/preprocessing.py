@@ -25,7 +25,7 @@ import time
 import numpy
 
 from megatron.training.errors import UserError
-from megatron.training.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from megatron.training.tokenizer.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from megatron.training.validation import STATS_SUFFIX
 
 _worker = {}  # per-process state: the tokenizer and what to encode

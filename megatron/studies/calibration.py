@@ -70,8 +70,7 @@ from megatron.pipeline.simulation.calibration import (
     predicted_whole_model,
     profile_entry,
 )
-
-from .errors import UserError
+from megatron.training.errors import UserError
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -189,7 +188,7 @@ def _free_port() -> int:
 def training_arguments(options: argparse.Namespace, device) -> argparse.Namespace:
     """The training code's own arguments for a one-process, TP = PP = 1 run of this model,
     built by its parser and validation (so every training setting has its default)."""
-    from .arguments import build_parser, validate_args
+    from megatron.training.arguments import build_parser, validate_args
 
     argv = [
         "--num-layers", str(options.num_layers),
@@ -218,7 +217,7 @@ def initialize_single_process(device, options: argparse.Namespace):
     training code's own `initialize_distributed`; returns (device, TransformerConfig)."""
     import torch.distributed as dist
 
-    from .training import initialize_distributed, transformer_config
+    from megatron.training.training import initialize_distributed, transformer_config
 
     if not dist.is_initialized():
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -233,7 +232,7 @@ def build_stage(config, kind: str, depth: int, args, device):
     or 'whole' (both ends, the one-stage model)."""
     import dataclasses
 
-    from .model import StageLayout, build_gpt_stage
+    from megatron.training.model import StageLayout, build_gpt_stage
 
     pre, post = {"first": (1, 0), "middle": (0, 0), "last": (0, 1), "whole": (1, 1)}[kind]
     # A layout that puts this chunk where `kind` says (rank, size only decide pre/post and
@@ -263,7 +262,7 @@ def build_stage(config, kind: str, depth: int, args, device):
 
 
 def layer_spec_name(device) -> str:
-    from .model import transformer_engine_available
+    from megatron.training.model import transformer_engine_available
 
     if device.type == "cuda" and transformer_engine_available():
         return "transformer_engine"

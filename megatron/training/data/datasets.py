@@ -6,7 +6,7 @@ hands out microbatches as dicts of CPU tensors, in the order of Megatron's pretr
 
 Run as a module to check dataset files from the shell::
 
-    python -m megatron.training.data data/stdlib_text_document
+    python -m megatron.training.data.datasets data/stdlib_text_document
 
 torch and megatron-core are imported only by ``build_data_iterators``, so the checks are cheap.
 """
@@ -460,7 +460,7 @@ def _build_datasets(blend, split, seq_length, seed, tokenizer, data_cache_path, 
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m megatron.training.data PREFIX...``: check datasets and print their sizes."""
+    """``python -m megatron.training.data.datasets PREFIX...``: check datasets and print their sizes."""
     import argparse
 
     parser = argparse.ArgumentParser(description="Check Megatron indexed datasets (.bin/.idx).")

@@ -1,0 +1,1 @@
+"""Checkpoints: atomic save and checked load, the torch_dist format, integrity manifests."""

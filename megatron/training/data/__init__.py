@@ -1,0 +1,1 @@
+"""Training data: indexed-dataset checks and iterators, jsonl preprocessing, the default corpus."""

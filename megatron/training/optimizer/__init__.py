@@ -1,0 +1,1 @@
+"""Optimizers: the --optimizer suite, main params, sharding, loss scaling, delay mitigation."""

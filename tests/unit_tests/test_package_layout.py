@@ -1,0 +1,75 @@
+"""The package layout: imports only go downward (tools -> studies -> training -> pipeline), and
+what pretrain_gpt.py imports holds no study or measurement module."""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAYERS = ["megatron.pipeline", "megatron.training", "megatron.studies"]  # bottom to top
+
+
+def module_path(module: str) -> str | None:
+    base = os.path.join(ROOT, *module.split("."))
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def imported_modules(path: str) -> set[str]:
+    """Our modules that `path` imports (megatron.pipeline/training/studies), at any depth."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(n for n in names if n.startswith(tuple(LAYERS)) and module_path(n))
+    return found
+
+
+def our_modules() -> list[str]:
+    modules = []
+    for layer in LAYERS:
+        for directory, _, files in os.walk(os.path.join(ROOT, *layer.split("."))):
+            package = os.path.relpath(directory, ROOT).replace(os.sep, ".")
+            modules += [f"{package}.{f[:-3]}" for f in files if f.endswith(".py")]
+    return sorted(modules)
+
+
+def layer_of(module: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if module.startswith(layer))
+
+
+@pytest.mark.parametrize("module", our_modules())
+def test_imports_only_go_downward(module):
+    upward = [m for m in imported_modules(module_path(module)) if layer_of(m) > layer_of(module)]
+    assert not upward, f"{module} imports {upward} from a layer above it"
+
+
+def test_pretrain_gpt_imports_no_study():
+    seen, todo = set(), [os.path.join(ROOT, "pretrain_gpt.py")]
+    while todo:
+        for module in imported_modules(todo.pop()) - seen:
+            seen.add(module)
+            todo.append(module_path(module))
+    assert "megatron.training.training" in seen  # the walk does follow the training loop
+    studies = sorted(m for m in seen if m.startswith("megatron.studies"))
+    assert not studies, f"pretrain_gpt.py's import graph holds {studies}"
+
+
+def test_training_top_level_stays_small():
+    top = [f for f in os.listdir(os.path.join(ROOT, "megatron", "training")) if f.endswith(".py")]
+    assert len(top) <= 15, sorted(top)
+
+
+def test_each_package_says_what_lives_there():
+    for layer in LAYERS:
+        for directory, _, files in os.walk(os.path.join(ROOT, *layer.split("."))):
+            if "__init__.py" in files and "__pycache__" not in directory:
+                tree = ast.parse(open(os.path.join(directory, "__init__.py")).read())
+                assert ast.get_docstring(tree), f"{directory}/__init__.py has no docstring"
