@@ -116,15 +116,16 @@ def _check_devices(args) -> None:
 
 
 def _check_validation_split(args) -> None:
-    """An evaluation the user asked for must have data to evaluate on."""
+    """--split is well formed whatever the data (mock data too), and an evaluation the user
+    asked for has data to evaluate on."""
+    from megatron.training.data.datasets import parse_split
+
+    weights = parse_split(args.split)
     if args.train_iters is None:  # --train-samples: the data builder reports an empty split
         return
     evaluations = args.train_iters // args.eval_interval if args.eval_interval > 0 else 0
     if args.mock_data or not args.eval_iters or not evaluations:
         return
-    from megatron.training.data.datasets import parse_split
-
-    weights = parse_split(args.split)
     if len(weights) < 2 or weights[1] <= 0:
         raise UserError(
             f"--split {args.split} leaves no validation data, but --eval-interval "

@@ -58,6 +58,8 @@ CASES = {
                     "mutually exclusive"),  # fmt: skip
     "decay_iters_zero": (["--lr-decay-iters", "0"], "--lr-decay-iters must be >= 1"),
     "save_interval_zero": (["--save", "/tmp/x", "--save-interval", "0"], "--save-interval must"),
+    "split_not_numbers_mock_data": (["--split", "abc"], "--split must be up to three non-negative"),
+    "split_zero_sum_mock_data": (["--split", "0,0,0"], "--split weights must have a positive sum"),
     "save_interval_negative": (["--save", "/tmp/x", "--save-interval", "-5"], "got -5"),
     "clip_grad_negative": (["--clip-grad", "-1"], "--clip-grad must be a number >= 0"),
     "weight_decay_negative": (["--weight-decay", "-0.1"], "--weight-decay must be"),
