@@ -59,6 +59,7 @@ def build_local_stage(args, layout, device, vocab_size: int):
         build_lr_scheduler,
         build_optimizer,
     )
+    from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
     from megatron.training.training import transformer_config
 
     model = build_gpt_stage(
@@ -70,11 +71,11 @@ def build_local_stage(args, layout, device, vocab_size: int):
         device=device,
         seed=args.seed,
     )
-    optimizer = build_optimizer(model, args)
+    optimizer = build_optimizer(model, OptimizerConfig.from_args(args))
     step = StageOptimizerStep(
         model,
         optimizer,
-        build_lr_scheduler(optimizer, args),
+        build_lr_scheduler(optimizer, LRScheduleConfig.from_args(args)),
         data_parallel_group=None,
         grad_norm_group=None,
         tensor_parallel_rank=0,

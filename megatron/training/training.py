@@ -45,12 +45,12 @@ from megatron.training.optimizer.build import (
     build_lr_scheduler,
     build_optimizer,
 )
+from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig, model_dtype
 from megatron.training.optimizer.delay_mitigation import (
     schedule_of_iteration,
     synchronous_phase_ends,
 )
 from megatron.training.optimizer.lr_per_iteration import per_iteration
-from megatron.training.optimizer.main_params import model_dtype
 from megatron.training.recompute import recompute_config_fields
 from megatron.training.reporting import (
     is_logging_rank,
@@ -305,8 +305,8 @@ def _pretrain(args, forward_step_func, wall_start, requests) -> TrainingState:
     _note_inflight_window(args)
     tokenizer = _build_checked_tokenizer(args)
     model = build_stage_model(args, args.padded_vocab_size, device)
-    optimizer = build_optimizer(model, args)
-    scheduler = build_lr_scheduler(optimizer, args)
+    optimizer = build_optimizer(model, OptimizerConfig.from_args(args))
+    scheduler = build_lr_scheduler(optimizer, LRScheduleConfig.from_args(args))
     step_func = build_step(args, model, optimizer, scheduler)
     state = TrainingState()
     if args.load:

@@ -16,6 +16,7 @@ from megatron.training.arguments import build_parser, validate_args
 from megatron.training.checkpointing import save_load as checkpointing
 from megatron.training.errors import UserError
 from megatron.training.optimizer.build import build_lr_scheduler, build_optimizer
+from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
 from megatron.training.training import build_stage_model
 
 FLAGS = [
@@ -64,12 +65,12 @@ def make_run(args, width: int = 8):
     if width != args.hidden_size:
         args = make_args("--hidden-size", str(width))
     model = build_stage_model(args, args.padded_vocab_size, torch.device("cpu"))
-    optimizer = build_optimizer(model, args)
+    optimizer = build_optimizer(model, OptimizerConfig.from_args(args))
     for param in model.parameters():
         param.grad = torch.full_like(param, 0.01)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return model, optimizer, build_lr_scheduler(optimizer, args)
+    return model, optimizer, build_lr_scheduler(optimizer, LRScheduleConfig.from_args(args))
 
 
 def save_at(root, iteration: int, args=None) -> None:
@@ -371,9 +372,9 @@ def test_every_optimizers_state_round_trips(tmp_path, flags):
     state = SimpleNamespace(iteration=2, consumed_train_samples=2)
     checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, args=args)
     fresh_model = build_stage_model(args, args.padded_vocab_size, torch.device("cpu"))
-    fresh_optimizer = build_optimizer(fresh_model, args)
+    fresh_optimizer = build_optimizer(fresh_model, OptimizerConfig.from_args(args))
     checkpointing.load(str(tmp_path), model=fresh_model, optimizer=fresh_optimizer,
-                       scheduler=build_lr_scheduler(fresh_optimizer, args), args=args)  # fmt: skip
+                       scheduler=build_lr_scheduler(fresh_optimizer, LRScheduleConfig.from_args(args)), args=args)  # fmt: skip
     expected = dict(state_leaves(optimizer.state_dict()))
     got = dict(state_leaves(fresh_optimizer.state_dict()))
     assert expected.keys() == got.keys() and len(expected) > 0

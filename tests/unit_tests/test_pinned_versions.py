@@ -40,7 +40,9 @@ def setup_requirements() -> list[Requirement]:
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.keywords)
     keywords = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in (
         "install_requires", "extras_require")}  # fmt: skip
-    return [Requirement(r) for r in keywords["install_requires"] + keywords["extras_require"]["dev"]]
+    return [
+        Requirement(r) for r in keywords["install_requires"] + keywords["extras_require"]["dev"]
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(pinned()))
@@ -63,6 +65,6 @@ def test_setup_ranges_admit_the_pins():
     for requirement in setup_requirements():
         name = canonicalize_name(requirement.name)
         assert name in pins, f"{name} is required by setup.py but not pinned in constraints.txt"
-        assert requirement.specifier.contains(pins[name], prereleases=True), (
-            f"setup.py asks for {requirement}, constraints.txt pins {name}=={pins[name]}"
-        )
+        assert requirement.specifier.contains(
+            pins[name], prereleases=True
+        ), f"setup.py asks for {requirement}, constraints.txt pins {name}=={pins[name]}"

@@ -22,15 +22,15 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
 from megatron.training.optimizer.main_params import (
     ModelGradients,
     ReplicatedMainOptimizer,
-    needs_main_params,
     reduce_as_one,
 )
 
 
-def _optimizer_shard_groups(args):
+def _optimizer_shard_groups(config: OptimizerConfig):
     """(the ranks one optimizer copy is sharded over, the ranks holding the same shard in the
     other copies): the stage's data-parallel group and none, or with
     --num-distributed-optimizer-instances megatron-core's partial data-parallel groups."""
@@ -38,7 +38,7 @@ def _optimizer_shard_groups(args):
 
     if not parallel_state.model_parallel_is_initialized():
         return dist.group.WORLD, None
-    if getattr(args, "num_distributed_optimizer_instances", 1) == 1:
+    if config.num_distributed_optimizer_instances == 1:
         return parallel_state.get_data_parallel_group(), None
     return (
         parallel_state.get_data_parallel_group(
@@ -48,77 +48,54 @@ def _optimizer_shard_groups(args):
     )
 
 
-def build_optimizer(model: torch.nn.Module, args):
+def build_optimizer(model: torch.nn.Module, config: OptimizerConfig):
     """`--optimizer`'s optimizer (optimizers.py), with the delay mitigations asked for; over
     fp32 main weights when the model is bf16/fp16 or the optimizer is distributed."""
     from megatron.training.optimizer.delay_mitigation import with_delay_mitigation
     from megatron.training.optimizer.suite import build_suite_optimizer
 
-    if needs_main_params(args):
-        return build_main_params_optimizer(model, args)
+    if config.needs_main_params:
+        return build_main_params_optimizer(model, config)
     params = [p for p in model.parameters() if p.requires_grad]
-    return with_delay_mitigation(build_suite_optimizer(model, args), params, args)
+    return with_delay_mitigation(build_suite_optimizer(model, config), params, config)
 
 
-def build_main_params_optimizer(model: torch.nn.Module, args):
+def build_main_params_optimizer(model: torch.nn.Module, config: OptimizerConfig):
     from megatron.training.optimizer.delay_mitigation import with_delay_mitigation
     from megatron.training.optimizer.distributed_optimizer import ShardedMainOptimizer
     from megatron.training.optimizer.loss_scaling import build_loss_scaler
     from megatron.training.optimizer.suite import build_suite_optimizer
 
-    if getattr(args, "use_distributed_optimizer", False):
-        wrapper = ShardedMainOptimizer(model, *_optimizer_shard_groups(args))
+    if config.use_distributed_optimizer:
+        wrapper = ShardedMainOptimizer(model, *_optimizer_shard_groups(config))
     else:
         wrapper = ReplicatedMainOptimizer(model)
-    inner = build_suite_optimizer(wrapper.main_view(getattr(model, "config", None)), args)
+    inner = build_suite_optimizer(wrapper.main_view(getattr(model, "config", None)), config)
     mains = [main for _, main in wrapper.named_main()]
-    wrapper.attach(with_delay_mitigation(inner, mains, args), build_loss_scaler(args))
+    wrapper.attach(with_delay_mitigation(inner, mains, config), build_loss_scaler(config))
     return wrapper
 
 
-def _schedule_lengths(args) -> tuple[float, float]:
-    """(warmup, decay) in iterations. A sample-based run (--train-samples) gives them in
-    samples; with a constant global batch, samples / batch is Megatron's sample schedule.
-    With --rampup-batch-size they stay in samples, and each step advances the schedule by
-    its iteration's global batch (the training loop sets `scheduler_increment`), as Megatron."""
-    if getattr(args, "rampup_batch_size", None) is not None:
-        decay = args.lr_decay_samples or args.train_samples
-        fraction = args.lr_warmup_fraction
-        return (fraction * decay if fraction is not None else args.lr_warmup_samples), decay
-    if getattr(args, "train_samples", None) is not None:
-        batch = args.global_batch_size
-        decay = (args.lr_decay_samples or args.train_samples) / batch
-        warmup = args.lr_warmup_samples / batch
-    else:
-        decay = args.lr_decay_iters or args.train_iters
-        warmup = args.lr_warmup_iters
-    if args.lr_warmup_fraction is not None:
-        warmup = args.lr_warmup_fraction * decay
-        warmup = warmup if getattr(args, "train_samples", None) is not None else int(warmup)
-    return warmup, decay
-
-
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, args) -> OptimizerParamScheduler:
-    warmup_iters, decay_iters = _schedule_lengths(args)
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, config: LRScheduleConfig
+) -> OptimizerParamScheduler:
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=warmup_iters,
-        lr_decay_steps=decay_iters,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
+        max_lr=config.max_lr,
+        min_lr=config.min_lr,
+        lr_warmup_steps=config.warmup_steps,
+        lr_decay_steps=config.decay_steps,
+        lr_decay_style=config.decay_style,
+        start_wd=config.weight_decay,
+        end_wd=config.weight_decay,
         # Weight decay is constant here, so its increment length has no effect; it is the LR
         # decay length rather than --train-iters so that the checkpoint check below does not
         # reject a resumed run with another --train-iters for a setting that changes nothing.
-        wd_incr_steps=decay_iters,
+        wd_incr_steps=config.decay_steps,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=getattr(
-            args, "use_checkpoint_opt_param_scheduler", False
-        ),
-        override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
+        use_checkpoint_opt_param_scheduler=config.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=config.override_opt_param_scheduler,
     )
 
 

@@ -126,10 +126,11 @@ class DelayMitigatedOptimizer:
         self.last_change = {params[i]: b.clone() for i, b in state_dict["dc_last_change"].items()}
 
 
-def with_delay_mitigation(optimizer, params, args):
-    """Wrap `optimizer` when `--async-error-feedback` or `--delay-compensation-lambda` ask."""
-    error_feedback = getattr(args, "async_error_feedback", False)
-    compensation = getattr(args, "delay_compensation_lambda", 0.0) or 0.0
+def with_delay_mitigation(optimizer, params, config):
+    """Wrap `optimizer` when `--async-error-feedback` or `--delay-compensation-lambda` ask
+    (an OptimizerConfig's `async_error_feedback`, `delay_compensation_lambda`)."""
+    error_feedback = config.async_error_feedback
+    compensation = config.delay_compensation_lambda
     if not error_feedback and not compensation:
         return optimizer
     return DelayMitigatedOptimizer(

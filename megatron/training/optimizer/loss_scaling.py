@@ -82,17 +82,18 @@ class DynamicLossScaler:
         self.hysteresis_left = int(state["hysteresis_left"])
 
 
-def build_loss_scaler(args):
-    """The stage's scaler under --fp16, else None (fp32 and bf16 runs do not scale)."""
-    if not getattr(args, "fp16", False):
+def build_loss_scaler(config):
+    """The stage's scaler for an fp16 model (an OptimizerConfig), else None (fp32 and bf16
+    runs do not scale)."""
+    if config.params_dtype != torch.float16:
         return None
-    if args.loss_scale is not None:
-        return StaticLossScaler(args.loss_scale)
+    if config.loss_scale is not None:
+        return StaticLossScaler(config.loss_scale)
     return DynamicLossScaler(
-        args.initial_loss_scale,
-        min_scale=args.min_loss_scale,
-        window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
+        config.initial_loss_scale,
+        min_scale=config.min_loss_scale,
+        window=config.loss_scale_window,
+        hysteresis=config.hysteresis,
     )
 
 

@@ -22,19 +22,6 @@ import torch
 import torch.distributed as dist
 
 
-def model_dtype(args) -> torch.dtype:
-    """The dtype of the model's parameters and activations."""
-    if getattr(args, "bf16", False):
-        return torch.bfloat16
-    if getattr(args, "fp16", False):
-        return torch.float16
-    return torch.float32
-
-
-def needs_main_params(args) -> bool:
-    return model_dtype(args) != torch.float32 or getattr(args, "use_distributed_optimizer", False)
-
-
 def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

@@ -36,6 +36,8 @@ from collections import defaultdict
 
 import torch
 
+from megatron.training.optimizer.config import OptimizerConfig
+
 OPTIMIZERS = ("adam", "sgd", "muon", "lion", "adan", "soap", "mars")
 MATRIX_OPTIMIZERS = ("muon", "soap")
 
@@ -109,41 +111,33 @@ def decay_groups(named: list[tuple[str, torch.nn.Parameter]], **extra) -> list[d
     return [g for g in groups if g["params"]] or groups[:1]
 
 
-def steps_with_microbatches_in_flight(args) -> bool:
-    """An asynchronous schedule steps while activations are held (PACI); flush steps empty."""
-    from megatron.pipeline.schedules import get_schedule
-
-    name = getattr(args, "pipeline_schedule", "1f1b")
-    return not get_schedule(name).flushes_every_call
-
-
-def adamw(groups: list[dict], args) -> torch.optim.AdamW:
+def adamw(groups: list[dict], config: OptimizerConfig) -> torch.optim.AdamW:
     # torch's multi-tensor (foreach) step, its default on CUDA, allocates temporaries for all
     # of the stage's parameters at once; where the step runs beside in-flight activations
     # they would add to the activation peak, so the step goes parameter by parameter there
     # (on CPU torch steps that way anyway). docs/memory.md.
-    foreach = False if steps_with_microbatches_in_flight(args) else None
+    foreach = False if config.steps_with_microbatches_in_flight else None
     return torch.optim.AdamW(
         groups,
-        lr=args.lr,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_eps,
-        weight_decay=args.weight_decay,
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
         foreach=foreach,
     )
 
 
-def elementwise_optimizer(named, args) -> torch.optim.Optimizer:
+def elementwise_optimizer(named, config: OptimizerConfig) -> torch.optim.Optimizer:
     """adam, sgd, lion, adan, mars over every parameter."""
     import pytorch_optimizer
 
     groups = decay_groups(named)
-    name, lr, wd = args.optimizer, args.lr, args.weight_decay
-    beta1 = getattr(args, "optimizer_beta1", None)  # set by the delay study's momentum sweep
+    name, lr, wd = config.optimizer, config.lr, config.weight_decay
+    beta1 = config.optimizer_beta1  # set by the delay study's momentum sweep
     if name == "adam":
-        return adamw(groups, args)
+        return adamw(groups, config)
     if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=args.sgd_momentum, weight_decay=wd)
+        return torch.optim.SGD(groups, lr=lr, momentum=config.sgd_momentum, weight_decay=wd)
     if name == "lion":
         betas = (0.9 if beta1 is None else beta1, 0.99)
         return pytorch_optimizer.Lion(groups, lr=lr, betas=betas, weight_decay=wd)
@@ -171,10 +165,10 @@ def muon_scale(mode: str, rows: int, cols: int) -> float:
     raise ValueError(f"unknown Muon scale mode {mode!r}")
 
 
-def muon_lr_multiplier(args, shape: torch.Size) -> float:
+def muon_lr_multiplier(config: OptimizerConfig, shape: torch.Size) -> float:
     """Turns torch's built-in sqrt(max(1, rows/cols)) into Megatron's scale mode."""
     rows, cols = shape
-    wanted = muon_scale(args.muon_scale_mode, rows, cols) * args.muon_extra_scale_factor
+    wanted = muon_scale(config.muon_scale_mode, rows, cols) * config.muon_extra_scale_factor
     return wanted / math.sqrt(max(1.0, rows / cols))
 
 
@@ -206,7 +200,7 @@ class QKVSplit:
         self.weight.data.copy_(torch.cat(grouped, dim=1).view_as(self.weight))
 
 
-def muon_groups(matrices, args, qkv_splits) -> list[dict]:
+def muon_groups(matrices, config: OptimizerConfig, qkv_splits) -> list[dict]:
     """One group per Megatron scale multiplier (they depend on the shape only)."""
     by_shape = defaultdict(list)
     for name, param in matrices:
@@ -217,58 +211,60 @@ def muon_groups(matrices, args, qkv_splits) -> list[dict]:
             by_shape[tuple(param.shape)].append(param)
     groups = []
     for shape, params in sorted(by_shape.items()):
-        multiplier = muon_lr_multiplier(args, torch.Size(shape))
+        multiplier = muon_lr_multiplier(config, torch.Size(shape))
         groups.append(
             {
                 "params": params,
-                "max_lr": args.lr * multiplier,
-                "min_lr": args.min_lr * multiplier,
+                "max_lr": config.lr * multiplier,
+                "min_lr": config.min_lr * multiplier,
                 "wd_mult": 1.0 / multiplier,  # decoupled decay uses the group's LR: undo it
             }
         )
     return groups
 
 
-def build_muon(matrices, args, query_groups: tuple[int, int]):
+def build_muon(matrices, config: OptimizerConfig, query_groups: tuple[int, int]):
     """query_groups: (local query groups, query heads per group) of the attention layers."""
     qkv_splits = {}
-    if args.muon_split_qkv:
+    if config.muon_split_qkv:
         for name, param in matrices:
             if is_fused_qkv(name):
                 qkv_splits[name] = QKVSplit(param, *query_groups)
     muon = torch.optim.Muon(
-        muon_groups(matrices, args, qkv_splits),
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        momentum=args.muon_momentum,
-        nesterov=args.muon_use_nesterov,
-        ns_steps=args.muon_num_ns_steps,
+        muon_groups(matrices, config, qkv_splits),
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        momentum=config.muon_momentum,
+        nesterov=config.muon_use_nesterov,
+        ns_steps=config.muon_num_ns_steps,
         adjust_lr_fn="original",
     )
     return muon, list(qkv_splits.values())
 
 
-def build_soap(matrices, args):
+def build_soap(matrices, config: OptimizerConfig):
     import pytorch_optimizer
 
-    beta1 = getattr(args, "optimizer_beta1", None)
+    beta1 = config.optimizer_beta1
     return pytorch_optimizer.SOAP(
         [{"params": [p for _, p in matrices], "wd_mult": 1.0}],
-        lr=args.lr,
+        lr=config.lr,
         betas=(0.95 if beta1 is None else beta1, 0.95),
-        weight_decay=args.weight_decay,
+        weight_decay=config.weight_decay,
     )
 
 
-def matrix_optimizer(named, args, query_groups: tuple[int, int]) -> OptimizerChain:
+def matrix_optimizer(
+    named, config: OptimizerConfig, query_groups: tuple[int, int]
+) -> OptimizerChain:
     """muon or soap for hidden matrices, AdamW (listed first) for everything else."""
     matrices = [(n, p) for n, p in named if is_hidden_matrix(n, p)]
     rest = [(n, p) for n, p in named if not is_hidden_matrix(n, p)]
-    optimizers = {"adamw": adamw(decay_groups(rest), args)}
-    if args.optimizer == "soap":
-        optimizers["soap"] = build_soap(matrices, args)
+    optimizers = {"adamw": adamw(decay_groups(rest), config)}
+    if config.optimizer == "soap":
+        optimizers["soap"] = build_soap(matrices, config)
         return OptimizerChain(optimizers)
-    optimizers["muon"], splits = build_muon(matrices, args, query_groups)
+    optimizers["muon"], splits = build_muon(matrices, config, query_groups)
     chain = OptimizerChain(optimizers)
     if splits:
         chain.stand_ins = {split.weight: split.blocks[0] for split in splits}
@@ -277,17 +273,17 @@ def matrix_optimizer(named, args, query_groups: tuple[int, int]) -> OptimizerCha
     return chain
 
 
-def query_groups_of(model: torch.nn.Module, args) -> tuple[int, int]:
+def query_groups_of(model: torch.nn.Module, config: OptimizerConfig) -> tuple[int, int]:
     """(query groups on this tensor-parallel rank, query heads per group)."""
-    config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None) or args.num_attention_heads
-    groups = getattr(config, "num_query_groups", None) or heads
-    return groups // args.tensor_model_parallel_size, heads // groups
+    model_config = getattr(model, "config", None)
+    heads = getattr(model_config, "num_attention_heads", None) or config.num_attention_heads
+    groups = getattr(model_config, "num_query_groups", None) or heads
+    return groups // config.tensor_model_parallel_size, heads // groups
 
 
-def build_suite_optimizer(model: torch.nn.Module, args):
+def build_suite_optimizer(model: torch.nn.Module, config: OptimizerConfig):
     """The optimizer `--optimizer` names, over the model's trainable parameters."""
     named = named_trainable(model)
-    if args.optimizer in MATRIX_OPTIMIZERS:
-        return matrix_optimizer(named, args, query_groups_of(model, args))
-    return elementwise_optimizer(named, args)
+    if config.optimizer in MATRIX_OPTIMIZERS:
+        return matrix_optimizer(named, config, query_groups_of(model, config))
+    return elementwise_optimizer(named, config)

@@ -6,6 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 HIDDEN, HEADS, VOCAB = 8, 2, 16
 
@@ -33,18 +35,26 @@ class TinyGPT(torch.nn.Module):
         self.config = SimpleNamespace(num_attention_heads=HEADS, num_query_groups=HEADS)
 
 
-def optimizer_args(name: str, **overrides) -> SimpleNamespace:
-    args = dict(
+def optimizer_config(name: str, *, bf16: bool = False, fp16: bool = False, **overrides):
+    """An OptimizerConfig for the tiny model (bf16/fp16: the model's dtype, as the flags)."""
+    fields = dict(
         optimizer=name, lr=1e-2, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.95, adam_eps=1e-8, sgd_momentum=0.9, muon_momentum=0.9,
         muon_use_nesterov=False, muon_split_qkv=True, muon_scale_mode="spectral",
         muon_num_ns_steps=5, muon_extra_scale_factor=1.0, tensor_model_parallel_size=1,
         num_attention_heads=HEADS, async_error_feedback=False, delay_compensation_lambda=0.0,
-        train_iters=10, lr_decay_iters=None, lr_warmup_fraction=None, lr_warmup_iters=0,
-        lr_decay_style="constant",
+        params_dtype=torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32,
     )  # fmt: skip
-    args.update(overrides)
-    return SimpleNamespace(**args)
+    fields.update(overrides)
+    return OptimizerConfig(**fields)
+
+
+def schedule_config(config) -> LRScheduleConfig:
+    """A constant learning rate at the config's LR (10 steps, no warmup)."""
+    return LRScheduleConfig(
+        max_lr=config.lr, min_lr=config.min_lr, warmup_steps=0, decay_steps=10,
+        decay_style="constant", weight_decay=config.weight_decay,
+    )  # fmt: skip
 
 
 @pytest.fixture

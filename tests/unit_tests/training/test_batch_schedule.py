@@ -7,7 +7,7 @@ from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBat
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.batch_schedule import BatchSchedule, train_iterations
 from megatron.training.errors import UserError
-from megatron.training.optimizer.build import _schedule_lengths
+from megatron.training.optimizer.config import LRScheduleConfig
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -76,7 +76,7 @@ def test_batches_of_a_run_and_resume_from_consumed_samples():
 def test_learning_rate_schedule_is_in_samples_with_a_ramp():
     args = ramp_args(4, 4, 24, 16, 2, 1, train_samples=100)
     args.lr_warmup_samples, args.lr_decay_samples = 20, 80
-    assert _schedule_lengths(args) == (20, 80)
+    assert schedule_lengths(args) == (20, 80)
 
 
 @pytest.mark.parametrize(
@@ -100,3 +100,8 @@ def test_bad_ramp_is_one_error_line(extra, message):
     with pytest.raises(UserError) as caught:
         validated(extra)
     assert str(caught.value) == message
+
+
+def schedule_lengths(args) -> tuple[float, float]:
+    config = LRScheduleConfig.from_args(args)
+    return config.warmup_steps, config.decay_steps

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from conftest import TinyGPT, optimizer_args
+from conftest import TinyGPT, optimizer_config, schedule_config
 from test_optimizers import set_random_grads
 
 from megatron.training.optimizer.build import build_lr_scheduler, build_optimizer
@@ -23,17 +23,19 @@ def flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def built(model, args):
-    optimizer = build_optimizer(model, args)
-    build_lr_scheduler(optimizer, args)  # sets each group's LR (Muon's scale multipliers)
+def built(model, config):
+    optimizer = build_optimizer(model, config)
+    build_lr_scheduler(
+        optimizer, schedule_config(config)
+    )  # sets each group's LR (Muon's scale multipliers)
     return optimizer
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_error_feedback_extrapolates_the_plain_trajectory_by_one_update(name):
     plain, corrected = TinyGPT(), TinyGPT()
-    plain_opt = built(plain, optimizer_args(name))
-    corrected_opt = built(corrected, optimizer_args(name, async_error_feedback=True))
+    plain_opt = built(plain, optimizer_config(name))
+    corrected_opt = built(corrected, optimizer_config(name, async_error_feedback=True))
     assert isinstance(corrected_opt, DelayMitigatedOptimizer)
     history = [flat(plain)]
     for step in range(4):
@@ -50,8 +52,8 @@ def test_error_feedback_keeps_weight_decay_outside_the_update(name):
     """x(t+1) = x(t) - lr wd x(t) - 2u(t) + u(t-1), with u from a run without decay."""
     lr, wd = 1e-2, 0.1
     plain, corrected = TinyGPT(), TinyGPT()
-    plain_opt = built(plain, optimizer_args(name, lr=lr))
-    corrected_opt = built(corrected, optimizer_args(name, lr=lr, weight_decay=wd,
+    plain_opt = built(plain, optimizer_config(name, lr=lr))
+    corrected_opt = built(corrected, optimizer_config(name, lr=lr, weight_decay=wd,
                                                     async_error_feedback=True))  # fmt: skip
     decayed = torch.cat(
         [torch.full((p.numel(),), float(p.ndim >= 2)) for p in corrected.parameters()]
@@ -71,8 +73,8 @@ def test_delay_compensation_adds_the_diagonal_hessian_term():
     """SGD without momentum: x2 = x1 - lr (g1 + L g1 * g1 * (x1 - x0))."""
     lr, lam = 0.1, 0.5
     model = TinyGPT()
-    args = optimizer_args("sgd", lr=lr, sgd_momentum=0.0, delay_compensation_lambda=lam)
-    optimizer = built(model, args)
+    config = optimizer_config("sgd", lr=lr, sgd_momentum=0.0, delay_compensation_lambda=lam)
+    optimizer = built(model, config)
     x0 = flat(model)
     set_random_grads(model, 0)
     optimizer.step()
@@ -84,9 +86,9 @@ def test_delay_compensation_adds_the_diagonal_hessian_term():
 
 @pytest.mark.parametrize("name", ["adam", "muon"])
 def test_mitigation_state_survives_a_checkpoint(name):
-    args = optimizer_args(name, async_error_feedback=True, delay_compensation_lambda=0.1)
+    config = optimizer_config(name, async_error_feedback=True, delay_compensation_lambda=0.1)
     model = TinyGPT()
-    optimizer = built(model, args)
+    optimizer = built(model, config)
     for step in range(2):
         set_random_grads(model, step)
         optimizer.step()
@@ -95,7 +97,7 @@ def test_mitigation_state_survives_a_checkpoint(name):
     )
     resumed = TinyGPT(seed=1)
     resumed.load_state_dict(saved_model)
-    resumed_optimizer = built(resumed, args)
+    resumed_optimizer = built(resumed, config)
     resumed_optimizer.load_state_dict(saved_state)
     for step in range(2, 4):
         set_random_grads(model, step), set_random_grads(resumed, step)
@@ -104,10 +106,10 @@ def test_mitigation_state_survives_a_checkpoint(name):
 
 
 def test_mitigation_buffers_count_as_optimizer_state():
-    args = optimizer_args("adam")
+    config = optimizer_config("adam")
     plain, corrected = TinyGPT(), TinyGPT()
-    plain_opt = built(plain, args)
-    corrected_opt = built(corrected, optimizer_args("adam", async_error_feedback=True))
+    plain_opt = built(plain, config)
+    corrected_opt = built(corrected, optimizer_config("adam", async_error_feedback=True))
     set_random_grads(plain, 0), set_random_grads(corrected, 0)
     plain_opt.step(), corrected_opt.step()
     param_bytes = sum(p.numel() * 4 for p in corrected.parameters())

@@ -9,6 +9,7 @@ from small_run_flags import BASE, validated
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import NOT_SUPPORTED, OUR_BEHAVIOUR
+from megatron.training.optimizer.config import LRScheduleConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -105,8 +106,6 @@ def test_swiglu_ffn_default_and_kv_channels():
 
 
 def test_train_samples_set_iterations_and_sample_schedule():
-    from megatron.training.optimizer.build import _schedule_lengths
-
     at = BASE.index("--train-iters")
     args = build_parser().parse_args(
         BASE[:at]
@@ -115,7 +114,7 @@ def test_train_samples_set_iterations_and_sample_schedule():
     )
     validate_args(args, world_size=1)
     assert args.train_iters == 5  # 40 samples / global batch 8
-    assert _schedule_lengths(args) == (1.5, 4.5)  # samples / global batch
+    assert schedule_lengths(args) == (1.5, 4.5)  # samples / global batch
 
 
 @pytest.mark.parametrize(
@@ -194,7 +193,7 @@ def _scheduler_for(extra: list[str]):
 
     args = validated(extra)
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=args.lr)
-    return optimizer, build_lr_scheduler(optimizer, args)
+    return optimizer, build_lr_scheduler(optimizer, LRScheduleConfig.from_args(args))
 
 
 @pytest.mark.parametrize(
@@ -250,3 +249,8 @@ def test_throughput_flops_match_the_published_gpt_formula():
     b, s, layers, h, v = 8, 1024, 12, 768, 50304
     published = 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
     assert floating_point_operations(args) == pytest.approx(published, rel=1e-12)
+
+
+def schedule_lengths(args) -> tuple[float, float]:
+    config = LRScheduleConfig.from_args(args)
+    return config.warmup_steps, config.decay_steps

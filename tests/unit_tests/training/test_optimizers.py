@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import TinyGPT, optimizer_args
+from conftest import TinyGPT, optimizer_config, schedule_config
 
 from megatron.training.optimizer.build import build_lr_scheduler, build_optimizer
 from megatron.training.optimizer.suite import OPTIMIZERS, OptimizerChain
@@ -29,9 +29,9 @@ def set_random_grads(model: torch.nn.Module, seed: int) -> dict:
     return grads
 
 
-def built(model, args):
-    optimizer = build_optimizer(model, args)
-    return optimizer, build_lr_scheduler(optimizer, args)
+def built(model, config):
+    optimizer = build_optimizer(model, config)
+    return optimizer, build_lr_scheduler(optimizer, schedule_config(config))
 
 
 def test_argument_names_match_the_suite():
@@ -44,7 +44,7 @@ def test_argument_names_match_the_suite():
 def test_every_optimizer_updates_every_parameter(name):
     model = TinyGPT()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optimizer, _ = built(model, optimizer_args(name, weight_decay=0.1))
+    optimizer, _ = built(model, optimizer_config(name, weight_decay=0.1))
     for step in range(2):  # SOAP's first step only sets up its preconditioner
         set_random_grads(model, step)
         optimizer.step()
@@ -56,7 +56,7 @@ def test_every_optimizer_updates_every_parameter(name):
 @pytest.mark.parametrize("name", ["muon", "soap"])
 def test_matrix_optimizers_take_hidden_matrices_only(name):
     model = TinyGPT()
-    optimizer, _ = built(model, optimizer_args(name))
+    optimizer, _ = built(model, optimizer_config(name))
     assert isinstance(optimizer, OptimizerChain)
     adamw_params = {id(p) for g in optimizer.optimizers["adamw"].param_groups for p in g["params"]}
     matrix_params = {id(p) for g in optimizer.optimizers[name].param_groups for p in g["params"]}
@@ -71,16 +71,16 @@ def test_matrix_optimizers_take_hidden_matrices_only(name):
 @pytest.mark.parametrize("name", ["adam", "sgd"])
 def test_adam_and_sgd_are_the_torch_optimizers_with_decay_groups(name):
     ours, theirs = TinyGPT(), TinyGPT()
-    args = optimizer_args(name, weight_decay=0.1)
-    optimizer, _ = built(ours, args)
+    config = optimizer_config(name, weight_decay=0.1)
+    optimizer, _ = built(ours, config)
     decay = [p for n, p in theirs.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in theirs.named_parameters() if p.ndim < 2]
     groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
     if name == "adam":
-        reference = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        reference = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8,
                                       weight_decay=0.1)  # fmt: skip
     else:
-        reference = torch.optim.SGD(groups, lr=args.lr, momentum=0.9, weight_decay=0.1)
+        reference = torch.optim.SGD(groups, lr=config.lr, momentum=0.9, weight_decay=0.1)
     for step in range(3):
         set_random_grads(ours, step), set_random_grads(theirs, step)
         optimizer.step(), reference.step()
@@ -97,12 +97,12 @@ def test_muon_update_is_scaled_newton_schulz_of_the_momentum(mode, scale):
     model = TinyGPT()
     weight = model.decoder.layers[0].self_attention.linear_qkv.weight  # 24 x 8
     before = weight.detach().clone()
-    args = optimizer_args("muon", muon_split_qkv=False, muon_scale_mode=mode,
+    config = optimizer_config("muon", muon_split_qkv=False, muon_scale_mode=mode,
                           muon_extra_scale_factor=0.5)  # fmt: skip
-    optimizer, _ = built(model, args)
+    optimizer, _ = built(model, config)
     grads = set_random_grads(model, 0)
     optimizer.step()
-    expected = before - args.lr * scale * 0.5 * orthogonalized(
+    expected = before - config.lr * scale * 0.5 * orthogonalized(
         grads["decoder.layers.0.self_attention.linear_qkv.weight"]
     )
     torch.testing.assert_close(weight.detach(), expected, rtol=1e-5, atol=1e-7)
@@ -112,7 +112,7 @@ def test_muon_orthogonalizes_query_key_value_apart():
     model, fused = TinyGPT(), TinyGPT()
     name = "decoder.layers.0.self_attention.linear_qkv.weight"
     before = dict(model.named_parameters())[name].detach().clone()
-    optimizer, _ = built(model, optimizer_args("muon"))
+    optimizer, _ = built(model, optimizer_config("muon"))
     grad = set_random_grads(model, 0)[name]
     optimizer.step()
     # Megatron's layout: per query group (2 here), that group's query rows, key rows, value rows.
@@ -121,7 +121,7 @@ def test_muon_orthogonalizes_query_key_value_apart():
     expected = before - 1e-2 * torch.cat(updates, dim=1).view(24, 8)
     actual = dict(model.named_parameters())[name].detach()
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-7)
-    fused_optimizer, _ = built(fused, optimizer_args("muon", muon_split_qkv=False))
+    fused_optimizer, _ = built(fused, optimizer_config("muon", muon_split_qkv=False))
     set_random_grads(fused, 0)
     fused_optimizer.step()
     assert not torch.allclose(dict(fused.named_parameters())[name], actual, atol=1e-4)
@@ -150,8 +150,8 @@ def test_muon_under_tensor_parallelism_orthogonalizes_the_local_shard():
     for rank in range(2):
         shard = slice(8 * rank, 8 * (rank + 1))
         model = ColumnParallelStandIn(full[shard])
-        args = optimizer_args("muon", tensor_model_parallel_size=2)
-        optimizer, _ = built(model, args)
+        config = optimizer_config("muon", tensor_model_parallel_size=2)
+        optimizer, _ = built(model, config)
         model.decoder.linear_fc1.weight.grad = grad[shard].clone()
         optimizer.step()
         local = full[shard] - lr * math.sqrt(8) * orthogonalized(grad[shard])
@@ -165,7 +165,7 @@ def test_muon_weight_decay_is_not_scaled_by_the_muon_lr_multiplier():
     model = TinyGPT()
     weight = model.decoder.layers[0].self_attention.linear_proj.weight
     before = weight.detach().clone()
-    optimizer, _ = built(model, optimizer_args("muon", weight_decay=0.1))
+    optimizer, _ = built(model, optimizer_config("muon", weight_decay=0.1))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()

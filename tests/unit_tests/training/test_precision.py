@@ -7,7 +7,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TinyGPT, optimizer_args
+from conftest import TinyGPT, optimizer_config
 
 from megatron.training.optimizer.build import StageOptimizerStep, build_optimizer
 from megatron.training.optimizer.distributed_optimizer import ShardedMainOptimizer
@@ -105,8 +105,8 @@ def _backward_with(model, seed: int) -> None:
 
 def test_bf16_steps_fp32_main_weights_like_an_fp32_model():
     fp32, bf16 = _bf16_rounded_pair()
-    reference = build_optimizer(fp32, optimizer_args("adam", weight_decay=0.1))
-    mixed = build_optimizer(bf16, optimizer_args("adam", weight_decay=0.1, bf16=True))
+    reference = build_optimizer(fp32, optimizer_config("adam", weight_decay=0.1))
+    mixed = build_optimizer(bf16, optimizer_config("adam", weight_decay=0.1, bf16=True))
     assert isinstance(mixed, ReplicatedMainOptimizer)
     for step in range(3):
         _backward_with(fp32, step)
@@ -127,7 +127,7 @@ def test_bf16_steps_fp32_main_weights_like_an_fp32_model():
 
 def test_loading_the_model_refreshes_the_main_weights():
     _, bf16 = _bf16_rounded_pair()
-    mixed = build_optimizer(bf16, optimizer_args("adam", bf16=True))
+    mixed = build_optimizer(bf16, optimizer_config("adam", bf16=True))
     other = TinyGPT(seed=5).to(torch.bfloat16)
     bf16.load_state_dict(other.state_dict())
     for main, param in zip(mixed.main, other.parameters()):
@@ -159,14 +159,14 @@ def test_replicated_main_optimizer_checkpoint_restores_the_fp32_main_weights():
     """A fresh bf16 optimizer loading a checkpoint gets the inner state and the saved fp32 main
     weights, not the model's bf16-rounded ones that loading the model gives it."""
     _, bf16 = _bf16_rounded_pair()
-    mixed = build_optimizer(bf16, optimizer_args("adam", bf16=True))
+    mixed = build_optimizer(bf16, optimizer_config("adam", bf16=True))
     for step in range(2):
         _backward_with(bf16, step)
         mixed.step()
         mixed.zero_grad()
     saved = mixed.state_dict()
     fresh_model = TinyGPT(seed=3).to(torch.bfloat16)
-    fresh = build_optimizer(fresh_model, optimizer_args("adam", bf16=True))
+    fresh = build_optimizer(fresh_model, optimizer_config("adam", bf16=True))
     fresh_model.load_state_dict(bf16.state_dict())
     assert not all(torch.equal(a, b) for a, b in zip(fresh.main, mixed.main))  # only rounded
     fresh.load_state_dict(saved)
@@ -177,8 +177,8 @@ def test_replicated_main_optimizer_checkpoint_restores_the_fp32_main_weights():
 def _compare_sharded_with_unsharded(rank: int, name: str, dtype: torch.dtype) -> None:
     overrides = dict(weight_decay=0.1, bf16=dtype == torch.bfloat16)
     plain_model, sharded_model = TinyGPT().to(dtype), TinyGPT().to(dtype)
-    plain = build_optimizer(plain_model, optimizer_args(name, **overrides))
-    sharded = build_optimizer(sharded_model, optimizer_args(name, use_distributed_optimizer=True,
+    plain = build_optimizer(plain_model, optimizer_config(name, **overrides))
+    sharded = build_optimizer(sharded_model, optimizer_config(name, use_distributed_optimizer=True,
                                                            **overrides))  # fmt: skip
     assert isinstance(sharded, ShardedMainOptimizer)
     steps = [_stage_step(m, o, dist.group.WORLD) for m, o in
@@ -196,7 +196,7 @@ def _compare_sharded_with_unsharded(rank: int, name: str, dtype: torch.dtype) ->
     assert abs(mine - whole / 2) <= 64 * 4  # half, give or take the padding and boundaries
     fresh_model = TinyGPT(seed=3).to(dtype)
     fresh_model.load_state_dict(plain_model.state_dict())
-    fresh = build_optimizer(fresh_model, optimizer_args(name, use_distributed_optimizer=True,
+    fresh = build_optimizer(fresh_model, optimizer_config(name, use_distributed_optimizer=True,
                                                         **overrides))  # fmt: skip
     fresh.load_state_dict(unsharded_state)
     assert _tensors_close(fresh.state_dict(), unsharded_state)
@@ -208,7 +208,7 @@ def _compare_average_in_collective(rank: int, dtype: torch.dtype, sharded: bool)
     models = [TinyGPT().to(dtype), TinyGPT().to(dtype)]
     steps = []
     for model, in_collective in zip(models, (False, True)):
-        optimizer = build_optimizer(model, optimizer_args("adam", **overrides))
+        optimizer = build_optimizer(model, optimizer_config("adam", **overrides))
         step = _stage_step(model, optimizer, dist.group.WORLD)
         step.average_in_collective = in_collective
         steps.append(step)
@@ -268,7 +268,7 @@ def test_distributed_optimizer_refuses_matrix_optimizers():
 # ---------------------------------------------------------------------------- step and flags
 def test_overflow_skips_the_step_halves_the_scale_and_is_not_divergence():
     model = TinyGPT().to(torch.float16)
-    optimizer = build_optimizer(model, optimizer_args("adam", fp16=True, loss_scale=None,
+    optimizer = build_optimizer(model, optimizer_config("adam", fp16=True, loss_scale=None,
                                                       initial_loss_scale=4.0, min_loss_scale=2.0,
                                                       loss_scale_window=1000, hysteresis=1))  # fmt: skip
     step = _stage_step(model, optimizer, None)
