@@ -18,7 +18,7 @@ import unittest.mock
 
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.errors import UserError
-from megatron.training.megatron_flags import unsupported_flags
+from megatron.training.megatron_flags import apply_megatron_fallbacks, unsupported_flags
 
 PLACEHOLDERS = {  # what a placeholder stands for when the command line is parsed
     "<data-prefix>": "data/stdlib_text_document",
@@ -118,6 +118,7 @@ def classify(flags: list) -> tuple[str, list[str]]:
             args = build_parser().parse_args(command_line(flags))
     except SystemExit:
         return "parse error", [stderr.getvalue().strip().splitlines()[-1]]
+    apply_megatron_fallbacks(args)
     missing = unsupported_flags(args)
     if missing:
         return "not supported yet", missing
@@ -136,14 +137,34 @@ def _checkpoint_format(flags: list) -> str:
     return given[-1] if given else "torch_dist"  # Megatron's default
 
 
-def report(command_lines: dict) -> str:
+def with_schedule(flags: list, schedule: str) -> list:
+    """The command line with `--pipeline-schedule SCHEDULE` added (or replacing one given)."""
+    return [f for f in flags if f[0] != "--pipeline-schedule"] + [["--pipeline-schedule", schedule]]
+
+
+def report(command_lines: dict, schedule: str = "paci") -> str:
+    """The outcomes of the command lines as they are, then with `--pipeline-schedule
+    SCHEDULE` added (what a Megatron user who switches to it gets)."""
+    total = len(command_lines)
+    lines = [
+        f"Command lines: {total} ({total - 2} functional-test configs, 2 examples)",
+        "",
+        "### As they are (Megatron's default schedule, 1F1B-flush)",
+        "",
+    ]
+    lines += _outcome_report(command_lines)
+    changed = {name: with_schedule(flags, schedule) for name, flags in command_lines.items()}
+    lines += ["", f"### With `--pipeline-schedule {schedule}` added", ""]
+    lines += _outcome_report(changed)
+    return "\n".join(lines)
+
+
+def _outcome_report(command_lines: dict) -> list[str]:
     outcomes = {name: classify(flags) for name, flags in command_lines.items()}
     total = len(outcomes)
     counts = collections.Counter(outcome for outcome, _ in outcomes.values())
     parsed = total - counts["parse error"]
     lines = [
-        f"Command lines: {total} ({len(command_lines) - 2} functional-test configs, 2 examples)",
-        "",
         "| outcome | command lines | share |",
         "|---|---|---|",
     ]
@@ -158,7 +179,7 @@ def report(command_lines: dict) -> str:
               f"{dist_format}.", ""]  # fmt: skip
     lines += _blocking_table(outcomes)
     lines += _error_list(outcomes)
-    return "\n".join(lines)
+    return lines
 
 
 def _blocking_table(outcomes: dict) -> list[str]:

@@ -313,10 +313,12 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
     _validate_layer_split(args, pp)
     tied = not args.untie_embeddings_and_output_weights
     if tied and pp > 1 and not get_schedule(args.pipeline_schedule).flushes_every_call:
-        raise UserError(
-            "tied embeddings need a first/last-stage all-reduce every step, which "
-            f"{args.pipeline_schedule} does not have: add --untie-embeddings-and-output-weights"
-        )
+        for flag in ("async_sync_warmup_iters", "async_sync_cooldown_iters"):
+            if getattr(args, flag, 0):
+                raise UserError(
+                    f"--{flag.replace('_', '-')} with tied embeddings is not supported yet "
+                    "(add --untie-embeddings-and-output-weights)"
+                )
 
 
 def _validate_weight_stashing(args: argparse.Namespace) -> None:

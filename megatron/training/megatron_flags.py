@@ -14,6 +14,7 @@ Two tables, both listed in docs/megatron_flags.md:
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from megatron.training.errors import UserError
@@ -208,7 +209,21 @@ def unsupported_flags(args: argparse.Namespace) -> list[str]:
     return found
 
 
+def apply_megatron_fallbacks(args: argparse.Namespace) -> None:
+    """What Megatron turns off rather than refuses: --sequence-parallel without tensor
+    parallelism (the sequence is then not split: nothing changes), with Megatron's warning."""
+    if getattr(args, "sequence_parallel", False) and args.tensor_model_parallel_size == 1:
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                "WARNING: Disabling sequence parallelism because tensor model parallelism is "
+                "disabled",
+                flush=True,
+            )
+        args.sequence_parallel = False
+
+
 def reject_unsupported_flags(args: argparse.Namespace) -> None:
+    apply_megatron_fallbacks(args)
     found = unsupported_flags(args)
     if found:
         raise UserError(f"{found[0]} is not supported yet")

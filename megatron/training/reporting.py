@@ -5,6 +5,7 @@ data-parallel rank logs. Per-stage figures (drift, memory, time) are gathered on
 run ends and the pipeline is drained, for `summary.json`.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -172,7 +173,18 @@ def _stage_report(args, runtime, step_func, optimizer) -> dict:
         skipped_steps=step_func.skipped_steps,
         runtime_overhead_us_per_action=runtime.overhead_per_action_us(),
     )
+    tied = [p for p in params if getattr(p, "shared_embedding", False)]
+    if tied:  # this stage's copy of the tied embedding: equal on both stages at a drain
+        report["tied_weight_sha256"] = _digest(tied[0])
+    exchange = getattr(step_func, "tied_exchange", None)  # tied embeddings, asynchronous
+    if exchange is not None:
+        report["tied_embedding"] = exchange.report()
     return report
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()
 
 
 def _optimizer_state_bytes(optimizer) -> int:

@@ -51,6 +51,7 @@ from megatron.training.optimizer.delay_mitigation import (
     synchronous_phase_ends,
 )
 from megatron.training.optimizer.lr_per_iteration import per_iteration
+from megatron.training.optimizer.tied_embeddings import TiedEmbeddingExchange, lag_bound
 from megatron.training.recompute import recompute_config_fields
 from megatron.training.reporting import (
     is_logging_rank,
@@ -216,6 +217,9 @@ def build_stage_model(args, vocab_size: int, device: torch.device) -> torch.nn.M
         rotary_base=args.rotary_base,
         use_transformer_engine=args.transformer_impl == "transformer_engine",
     )
+    if not get_schedule(args.pipeline_schedule).flushes_every_call:
+        for param in model.parameters():  # the last stage's copy of a tied embedding
+            param.follows_first_stage = getattr(param, "shared", False)
     # As Megatron's Float16Module: every parameter (norms too) in the model's dtype.
     return model.to(model_dtype(args))
 
@@ -424,7 +428,8 @@ class MegatronStep:
     * Tied embeddings under 1F1B-flush: before the step, the first stage's input embedding and
       the last stage's output layer (two copies of one weight) sum their gradients over
       megatron-core's embedding group, so both copies take the same update and the model equals
-      a non-pipelined tied one. (PACI with several stages refuses tying, see arguments.py.)
+      a non-pipelined tied one. Under the asynchronous schedules the two stages exchange the
+      gradient and the weight point to point instead (optimizer/tied_embeddings.py).
     * --log-num-zeros-in-grad: zeros in the stage's gradient before the step (before the
       data-parallel average); --log-params-norm: the stage's squared parameter norm after it.
     * --log-timers-to-tensorboard: time spent in the step.
@@ -436,23 +441,56 @@ class MegatronStep:
         shared = [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
         self.tied_weights = shared if sync_tied else []
         self.group = parallel_state.get_embedding_group() if self.tied_weights else None
+        self.tied_exchange = None if sync_tied or not shared else _tied_exchange(
+            shared[0], step_func, args
+        )  # fmt: skip
         self.count_zeros, self.norm = args.log_num_zeros_in_grad, args.log_params_norm
         self.num_zeros, self.params_norm_squared, self.step_seconds = 0.0, 0.0, 0.0
 
     def __call__(self):
         for weight in self.tied_weights:
             dist.all_reduce(self.step_func.gradient_of(weight), group=self.group)
+        if self.tied_exchange is not None:
+            self.tied_exchange.before_step()
         if self.count_zeros:
             self.num_zeros = _zeros_in_grad(self.step_func)
         start = time.perf_counter()
         report = self.step_func()
         self.step_seconds += time.perf_counter() - start
+        if self.tied_exchange is not None:
+            self.tied_exchange.after_step()
         if self.norm:
             self.params_norm_squared = _squared_norm(self.step_func.params)
         return report
 
+    def at_drain(self) -> None:
+        """The pipeline is empty: the last stage's tied copy catches up with the first's."""
+        if self.tied_exchange is not None:
+            self.tied_exchange.catch_up()
+
     def __getattr__(self, name):  # optimizer, scheduler, last: the wrapped step's
         return getattr(self.step_func, name)
+
+
+def _tied_exchange(weight, step_func: StageOptimizerStep, args) -> TiedEmbeddingExchange:
+    """This rank's side of the tied-embedding exchange with its embedding-group peer. The lag
+    is set for the fewest microbatches per step of the run (a batch ramp's first)."""
+    group = parallel_state.get_embedding_group()
+    peer = next(r for r in dist.get_process_group_ranks(group) if r != dist.get_rank())
+    microbatches = args.num_microbatches
+    if args.rampup_batch_size is not None:
+        start = int(args.rampup_batch_size[0])
+        microbatches = start // (args.micro_batch_size * args.data_parallel_size)
+    per_update = get_schedule(args.pipeline_schedule).microbatches_per_update(microbatches)
+    return TiedEmbeddingExchange(
+        weight,
+        is_first=parallel_state.is_pipeline_first_stage(),
+        peer=peer,
+        group=group,
+        lag=lag_bound(args.pipeline_model_parallel_size, per_update),
+        gradient_of=step_func.gradient_of,
+        refresh_main=getattr(step_func.optimizer, "refresh_from_model", None),
+    )
 
 
 def _counted_once(params):
@@ -589,6 +627,7 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
             interval_start, interval_losses = time.perf_counter(), []
         stopping = control is not None and control.stop_after(iteration)
         if iteration == plan.next_drain(iteration) or stopping:
+            step_func.at_drain()
             with audit.paused():  # the pipeline is drained here: not a training step
                 if not _check_health(args, state, model, step_func):
                     break

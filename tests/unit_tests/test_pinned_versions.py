@@ -3,6 +3,7 @@
 import ast
 import importlib.metadata
 import os
+import sysconfig
 
 import pytest
 from packaging.requirements import Requirement
@@ -24,8 +25,11 @@ def pinned() -> dict[str, Version]:
 
 
 def installed() -> dict[str, Version]:
+    """The environment's packages: its site-packages only (setuptools puts the packages it
+    vendors on sys.path once imported, and those are not installed ones)."""
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     found = {}
-    for dist in importlib.metadata.distributions():
+    for dist in importlib.metadata.distributions(path=site):
         found[canonicalize_name(dist.metadata["Name"])] = Version(dist.version)
     return found
 

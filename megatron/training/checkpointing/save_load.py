@@ -334,9 +334,23 @@ def check_recorded_args(payload: dict, args, path: str) -> None:
         )
         if differences and not allowed:
             raise UserError(f"--load {path}: the {what} differs: {', '.join(differences)}")
+        if differences and what == "schedule" and not resharding and _tied_over_stages(args):
+            # the last stage's copy sits in an optimizer group of its own under PACI
+            raise UserError(
+                f"--load {path}: a --ckpt-format torch checkpoint of tied embeddings resumes "
+                f"under its own schedule only ({', '.join(differences)}); torch_dist (the "
+                "default) checkpoints change schedules"
+            )
         if differences and dist.get_rank() == 0:
             print(f"> loading a checkpoint of another {what}: {', '.join(differences)}",
                   flush=True)  # fmt: skip
+
+
+def _tied_over_stages(args) -> bool:
+    return (
+        not getattr(args, "untie_embeddings_and_output_weights", True)
+        and getattr(args, "pipeline_model_parallel_size", 1) > 1
+    )
 
 
 def _drained(saved_schedule, args) -> bool:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.training.optimizer.main_params import MainParamsOptimizer
+from megatron.training.optimizer.main_params import MainParamsOptimizer, main_copy
 from megatron.training.optimizer.suite import decay_groups
 
 
@@ -74,8 +74,7 @@ class ShardedMainOptimizer(MainParamsOptimizer):
             if first >= last:
                 continue
             start, end = first - offset, last - offset
-            main = torch.nn.Parameter(param.detach().reshape(-1)[start:end].float().clone())
-            main.model_ndim = param.ndim  # weight decay follows the parameter's shape
+            main = main_copy(param, param.detach().reshape(-1)[start:end].float().clone())
             pieces.append(Piece(index, param, start, end, first - self.low, main))
         return pieces
 
@@ -87,9 +86,11 @@ class ShardedMainOptimizer(MainParamsOptimizer):
         return [(self.named[p.index][0], p.main) for p in self.pieces]
 
     @torch.no_grad()
-    def refresh_from_model(self) -> None:
+    def refresh_from_model(self, only: torch.nn.Parameter | None = None) -> None:
+        """My main pieces from the model's weights (after a load; `only`: one parameter's)."""
         for piece in self.pieces:
-            piece.main.copy_(piece.param.detach().reshape(-1)[piece.start : piece.end])
+            if only is None or piece.param is only:
+                piece.main.copy_(piece.param.detach().reshape(-1)[piece.start : piece.end])
 
     # ------------------------------------------------------------------ gradients
     def _my_range(self) -> torch.Tensor:

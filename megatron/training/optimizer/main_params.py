@@ -123,6 +123,14 @@ class GradBuffer:
 
 
 # ---------------------------------------------------------------------------- main weights
+def main_copy(param: torch.nn.Parameter, values: torch.Tensor) -> torch.nn.Parameter:
+    """An fp32 main weight for `param`, with the marks the optimizer groups read."""
+    main = torch.nn.Parameter(values)
+    main.model_ndim = param.ndim  # weight decay follows the parameter's shape
+    main.follows_first_stage = getattr(param, "follows_first_stage", False)
+    return main
+
+
 class _NamedParams:
     """What `build_suite_optimizer` reads from a model: named parameters and the config."""
 
@@ -209,7 +217,7 @@ class ReplicatedMainOptimizer(MainParamsOptimizer):
 
     def __init__(self, model: torch.nn.Module):
         super().__init__(model)
-        self.main = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        self.main = [main_copy(p, p.detach().float().clone()) for p in self.params]
 
     @property
     def main_param_bytes(self) -> int:
@@ -219,9 +227,11 @@ class ReplicatedMainOptimizer(MainParamsOptimizer):
         return [(name, main) for (name, _), main in zip(self.named, self.main)]
 
     @torch.no_grad()
-    def refresh_from_model(self) -> None:
+    def refresh_from_model(self, only: torch.nn.Parameter | None = None) -> None:
+        """The main weights from the model's (after a load; `only`: of one parameter)."""
         for main, param in zip(self.main, self.params):
-            main.copy_(param)
+            if only is None or param is only:
+                main.copy_(param)
 
     def average_over(self, group, *, in_collective: bool = False) -> None:
         average_over_group(self.buffer.flat, group, in_collective=in_collective)

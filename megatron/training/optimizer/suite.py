@@ -104,11 +104,25 @@ def named_trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramete
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def follows_first_stage(param: torch.nn.Parameter) -> bool:
+    """The last stage's copy of a tied embedding under an asynchronous schedule: the first
+    stage steps the weight and this copy adopts it (tied_embeddings.py), so no optimizer here
+    may move it."""
+    return getattr(param, "follows_first_stage", False)
+
+
 def decay_groups(named: list[tuple[str, torch.nn.Parameter]], **extra) -> list[dict]:
-    decay = [p for n, p in named if not no_weight_decay(n, p)]
-    no_decay = [p for n, p in named if no_weight_decay(n, p)]
+    """Weight decay on matrices, none on 1-D parameters, biases and norms; last, a group with
+    learning rate and weight decay 0 for a copy that follows the first stage."""
+    stepped = [(n, p) for n, p in named if not follows_first_stage(p)]
+    decay = [p for n, p in stepped if not no_weight_decay(n, p)]
+    no_decay = [p for n, p in stepped if no_weight_decay(n, p)]
     groups = [{"params": decay, "wd_mult": 1.0, **extra}, {"params": no_decay, "wd_mult": 0.0}]
-    return [g for g in groups if g["params"]] or groups[:1]
+    groups = [g for g in groups if g["params"]] or groups[:1]
+    frozen = [p for _, p in named if follows_first_stage(p)]
+    if frozen:  # the LR scheduler reads max_lr / min_lr per group: 0 throughout
+        groups.append({"params": frozen, "wd_mult": 0.0, "max_lr": 0.0, "min_lr": 0.0})
+    return groups
 
 
 def adamw(groups: list[dict], config: OptimizerConfig) -> torch.optim.AdamW:
