@@ -23,7 +23,7 @@ ARGS=(
   --attention-dropout 0.0 --hidden-dropout 0.0
   --data-path data/stdlib_text_document --split 969,30,1 --data-cache-path data/cache
   --tokenizer-type SentencePieceTokenizer --tokenizer-model data/tokenizer/stdlib.model
-  --pipeline-model-parallel-size 4 --distributed-backend gloo --untie-embeddings-and-output-weights
+  --pipeline-model-parallel-size 4 --distributed-backend gloo
   --log-interval 10 --eval-interval "$ITERS" --eval-iters 5 --seed 1234
 )
 

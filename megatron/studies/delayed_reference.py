@@ -174,6 +174,9 @@ def parse_reference_args(argv: list[str]):
     args = build_parser().parse_args(argv)
     args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
     args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
+    args.account_for_embedding_in_pipeline_split = False
+    args.account_for_loss_in_pipeline_split = False
+    args.pipeline_model_parallel_layout = None
     validate_args(args, world_size=1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return args

@@ -118,7 +118,8 @@ def classify(flags: list) -> tuple[str, list[str]]:
             args = build_parser().parse_args(command_line(flags))
     except SystemExit:
         return "parse error", [stderr.getvalue().strip().splitlines()[-1]]
-    apply_megatron_fallbacks(args)
+    with contextlib.redirect_stdout(io.StringIO()):  # its warnings are not the report's
+        apply_megatron_fallbacks(args)
     missing = unsupported_flags(args)
     if missing:
         return "not supported yet", missing

@@ -111,6 +111,13 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         help="layers on the first stage (the rest split evenly)")  # fmt: skip
     add("--decoder-last-pipeline-num-layers", type=int, default=None,
         help="layers on the last stage, e.g. fewer to balance the output layer and loss")  # fmt: skip
+    add("--account-for-embedding-in-pipeline-split", action="store_true",
+        help="count the embedding as a layer when splitting layers over the stages")  # fmt: skip
+    add("--account-for-loss-in-pipeline-split", action="store_true",
+        help="count the output layer and loss as a layer when splitting")  # fmt: skip
+    add("--pipeline-model-parallel-layout", default=None,
+        help='the layers of each stage, Megatron\'s string: "Et|(tt|)*2,tL" (E embedding, '
+        "t transformer layer, L loss, | between stages, (..)*n repeats)")  # fmt: skip
     add("--pipeline-schedule", default="1f1b",
         help=f"one of: {', '.join(sorted(SCHEDULES))}")  # fmt: skip
 
@@ -264,7 +271,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     _validate_parallel_layout(args, world_size)
     _validate_model_shape(args)
     _validate_model_checks(args)
-    validate_recompute_args(args, layers_by_stage(args))
+    validate_recompute_args(args, args.stage_layers)
     _validate_batch_and_run_length(args)
     if check_files:
         _validate_data_args(args)
@@ -454,18 +461,70 @@ def _validate_emulation_and_rule(args: argparse.Namespace) -> None:
 
 
 def _validate_layer_split(args: argparse.Namespace, pp: int) -> None:
+    """Megatron's rules for how layers go onto stages, then the per-stage counts from
+    megatron-core's own functions (`args.stage_layers`, which the model and the simulator use)."""
     uneven = {
         "--decoder-first-pipeline-num-layers": args.decoder_first_pipeline_num_layers,
         "--decoder-last-pipeline-num-layers": args.decoder_last_pipeline_num_layers,
     }
     given = {flag: n for flag, n in uneven.items() if n is not None}
-    if not given:
-        if args.num_layers % pp != 0:
+    accounted = [
+        flag
+        for flag, on in (
+            ("--account-for-embedding-in-pipeline-split", args.account_for_embedding_in_pipeline_split),
+            ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split),
+        )
+        if on
+    ]  # fmt: skip
+    if args.pipeline_model_parallel_layout is not None:
+        others = list(given) + accounted
+        if others:
             raise UserError(
-                f"--num-layers {args.num_layers} is not divisible by "
+                f"--pipeline-model-parallel-layout cannot be set with other pipeline layout "
+                f"arguments: {', '.join(others)}"
+            )
+        _validate_layout_stages(args.pipeline_model_parallel_layout, pp)
+    elif given and accounted:
+        raise UserError(
+            f"{' and '.join(accounted)} cannot be set at the same time as {' and '.join(given)}"
+        )
+    elif given:
+        _validate_uneven_split(args, pp, given)
+    else:
+        layers = args.num_layers + len(accounted)
+        if layers % pp != 0:
+            counted = f" (+{len(accounted)} for {' and '.join(accounted)})" if accounted else ""
+            raise UserError(
+                f"--num-layers {args.num_layers}{counted} is not divisible by "
                 f"--pipeline-model-parallel-size {pp}"
             )
-        return
+    args.stage_layers = layers_by_stage(args)
+
+
+def _validate_layout_stages(layout: str, pp: int) -> None:
+    """Megatron's first check of a layout string: its stages fill the pipeline ranks, one
+    chunk each (several chunks per rank would be the interleaved pipeline)."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    try:
+        stages = PipelineParallelLayerLayout.get_num_stages_from_str(layout)
+    except (AssertionError, ValueError, KeyError) as error:
+        raise UserError(f"--pipeline-model-parallel-layout {layout!r}: {error}") from None
+    if stages % pp != 0:
+        raise UserError(
+            f"--pipeline-model-parallel-layout {layout!r}: the length of the layout ({stages} "
+            f"stages) must be divisible by --pipeline-model-parallel-size {pp}"
+        )
+    if stages != pp:
+        raise UserError(
+            f"--pipeline-model-parallel-layout with {stages // pp} virtual stages per pipeline "
+            "rank is not supported yet"
+        )
+
+
+def _validate_uneven_split(args: argparse.Namespace, pp: int, given: dict) -> None:
     if pp < 2:
         raise UserError(f"{' and '.join(given)} need a pipeline of at least 2 stages")
     for flag, layers in given.items():
@@ -480,15 +539,44 @@ def _validate_layer_split(args: argparse.Namespace, pp: int) -> None:
 
 
 def layers_by_stage(args: argparse.Namespace) -> list[int]:
-    """Transformer layers on each pipeline stage (after `_validate_layer_split`)."""
+    """Transformer layers on each pipeline stage, as megatron-core assigns them: its
+    `get_num_layers_to_build` (even, first/last counts, embedding or loss counted as a layer)
+    or its `PipelineParallelLayerLayout` (after the checks above)."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    config = layout_config(args)
     pp = args.pipeline_model_parallel_size
-    layers = [None] * pp
-    if pp > 1:
-        layers[0] = args.decoder_first_pipeline_num_layers
-        layers[-1] = args.decoder_last_pipeline_num_layers
-    given = [n for n in layers if n is not None]
-    even = (args.num_layers - sum(given)) // (pp - len(given)) if pp > len(given) else 0
-    return [even if n is None else n for n in layers]
+    layout = config.pipeline_model_parallel_layout
+    if layout is not None:
+        return [layout.get_num_layers_to_build(LayerType.decoder, pp_rank=s) for s in range(pp)]
+    return [get_num_layers_to_build(config, pp_rank=s) for s in range(pp)]
+
+
+def layout_config(args: argparse.Namespace):
+    """The layer-split settings as a megatron-core TransformerConfig, which checks a layout
+    string by megatron-core's own rules (one line each)."""
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    try:
+        return TransformerConfig(
+            num_layers=args.num_layers,
+            hidden_size=8,
+            num_attention_heads=1,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            pipeline_dtype=torch.float32,  # required with pipelining; unused by the split
+            num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+            num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+            account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+            account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+            pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
+        )
+    except (AssertionError, ValueError, KeyError) as error:
+        layout = args.pipeline_model_parallel_layout
+        what = f"--pipeline-model-parallel-layout {layout!r}" if layout else "the layer split"
+        detail = " ".join(str(error).split()) or type(error).__name__
+        raise UserError(f"{what}: {detail}") from None
 
 
 def _validate_data_args(args: argparse.Namespace) -> None:

@@ -107,8 +107,6 @@ NOT_SUPPORTED = [
     Flag("--num-layers-per-virtual-pipeline-stage", int),
     Flag("--num-virtual-stages-per-pipeline-rank", int),
     Flag("--microbatch-group-size-per-virtual-pipeline-stage", int),
-    Flag("--account-for-embedding-in-pipeline-split"),
-    Flag("--account-for-loss-in-pipeline-split"),
     # mixture of experts and other attention variants
     Flag("--num-experts", int),
     Flag("--moe-ffn-hidden-size", int),

@@ -188,9 +188,10 @@ class GPTStageModel(GPTModel):
 class StageLayout:
     """Where this rank's model chunk sits in the whole model.
 
-    Layers are split evenly over the stages unless the first or last stage is given its own
-    count (Megatron's --decoder-first/last-pipeline-num-layers), e.g. to balance the embedding
-    or the output layer and loss; the remaining layers are then split evenly over the others.
+    Layers are split evenly over the stages unless `stage_layers` gives each stage's count:
+    megatron-core's assignment for Megatron's layout flags (--decoder-first/last-pipeline-num-
+    layers, --account-for-embedding/loss-in-pipeline-split, --pipeline-model-parallel-layout),
+    which arguments.layers_by_stage computes.
     """
 
     pipeline_rank: int
@@ -198,17 +199,12 @@ class StageLayout:
     tensor_rank: int
     tensor_size: int
     num_layers: int
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
+    stage_layers: tuple[int, ...] | None = None  # None: an even split
 
     def layers_on(self, stage: int) -> int:
-        if stage == 0 and self.first_stage_layers is not None:
-            return self.first_stage_layers
-        if stage == self.pipeline_size - 1 and self.last_stage_layers is not None:
-            return self.last_stage_layers
-        uneven = [n for n in (self.first_stage_layers, self.last_stage_layers) if n is not None]
-        middle_stages = self.pipeline_size - len(uneven)
-        return (self.num_layers - sum(uneven)) // middle_stages
+        if self.stage_layers is not None:
+            return self.stage_layers[stage]
+        return self.num_layers // self.pipeline_size
 
     @property
     def layers_per_stage(self) -> int:
@@ -260,6 +256,12 @@ def build_gpt_stage(
         getattr(model, "rotary_pos_emb", None), RotaryEmbedding
     ):
         model.rotary_pos_emb.__class__ = HostRotaryEmbedding
+    built = len(model.decoder.layers)
+    if built != layout.layers_per_stage:  # megatron-core's assignment and ours must agree
+        raise RuntimeError(
+            f"stage {layout.pipeline_rank}: megatron-core built {built} layers, the layout "
+            f"says {layout.layers_per_stage}"
+        )
     initialize_layout_independent(model, layout, seed=seed, init_method_std=config.init_method_std)
     return model.to(device)
 

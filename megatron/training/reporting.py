@@ -173,6 +173,10 @@ def _stage_report(args, runtime, step_func, optimizer) -> dict:
         skipped_steps=step_func.skipped_steps,
         runtime_overhead_us_per_action=runtime.overhead_per_action_us(),
     )
+    decoder = getattr(getattr(runtime.model, "decoder", None), "layers", None)
+    if decoder is not None:  # the stage's transformer layers: count, first global index
+        report["layers"] = len(decoder)
+        report["first_layer"] = decoder[0].layer_number - 1 if len(decoder) else None
     tied = [p for p in params if getattr(p, "shared_embedding", False)]
     if tied:  # this stage's copy of the tied embedding: equal on both stages at a drain
         report["tied_weight_sha256"] = _digest(tied[0])

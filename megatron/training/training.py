@@ -169,6 +169,9 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=args.bf16,
@@ -192,8 +195,7 @@ def stage_layout(args) -> StageLayout:
         tensor_rank=parallel_state.get_tensor_model_parallel_rank(),
         tensor_size=args.tensor_model_parallel_size,
         num_layers=args.num_layers,
-        first_stage_layers=args.decoder_first_pipeline_num_layers,
-        last_stage_layers=args.decoder_last_pipeline_num_layers,
+        stage_layers=tuple(args.stage_layers),
     )
 
 

@@ -7,11 +7,6 @@ from megatron.training.arguments import build_parser, validate_args
 from megatron.training.optimizer.lr_per_iteration import SchedulerPerIteration, per_iteration
 
 CASES = {
-    "2bw_tied": (
-        ["--pipeline-schedule", "2bw"],
-        "tied embeddings need a first/last-stage all-reduce every step, which 2bw does not have",
-    ),
-    "pipedream_tied": (["--pipeline-schedule", "pipedream"], "which pipedream does not have"),
     "2bw_too_few_microbatches": (
         ["--pipeline-schedule", "2bw", "--untie-embeddings-and-output-weights", None,
          "--global-batch-size", "4"],

@@ -34,8 +34,7 @@ from megatron.training.errors import UserError
 TRACKER = "latest_checkpointed_iteration.txt"
 # What must be equal to load a checkpoint, by what it describes.
 RECORDED_ARGS = {
-    "layout": ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
+    "layout": ("tensor_model_parallel_size", "pipeline_model_parallel_size", "stage_layers"),
     "model shape": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "max_position_embeddings", "padded_vocab_size", "position_embedding_type",
                     "bf16", "untie_embeddings_and_output_weights"),

@@ -170,3 +170,32 @@ def test_muon_weight_decay_is_not_scaled_by_the_muon_lr_multiplier():
         p.grad = torch.zeros_like(p)
     optimizer.step()
     torch.testing.assert_close(weight.detach(), before * (1 - 1e-2 * 0.1))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_copy_that_follows_the_first_stage_is_never_moved(name, bf16):
+    """The last stage's tied copy under an asynchronous schedule sits in a group with LR and
+    weight decay 0: bit for bit unchanged by every optimizer (fp32, or bf16 over fp32 main
+    weights), while the other parameters are updated."""
+    model = TinyGPT().to(torch.bfloat16 if bf16 else torch.float32)
+    model.output_layer.weight.follows_first_stage = True
+    config = optimizer_config(name, weight_decay=0.1, bf16=bf16)
+    optimizer, scheduler = built(model, config)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for step in range(3):
+        for seed, (n, param) in enumerate(model.named_parameters()):
+            generator = torch.Generator().manual_seed(10 * step + seed)
+            grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+            if bf16:
+                param.main_grad.copy_(grad)
+            else:
+                param.grad = grad
+        optimizer.step()
+        scheduler.step(increment=1)
+        optimizer.zero_grad(set_to_none=not bf16)
+    after = dict(model.named_parameters())
+    assert torch.equal(after["output_layer.weight"], before["output_layer.weight"])
+    moved = [n for n in before if not torch.equal(after[n], before[n])]
+    assert "embedding.word_embeddings.weight" in moved
+    assert "decoder.layers.0.self_attention.linear_proj.weight" in moved
