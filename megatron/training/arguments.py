@@ -542,11 +542,17 @@ def layers_by_stage(args: argparse.Namespace) -> list[int]:
     """Transformer layers on each pipeline stage, as megatron-core assigns them: its
     `get_num_layers_to_build` (even, first/last counts, embedding or loss counted as a layer)
     or its `PipelineParallelLayerLayout` (after the checks above)."""
+    pp = args.pipeline_model_parallel_size
+    split_flags = (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+                   args.pipeline_model_parallel_layout)  # fmt: skip
+    if all(flag is None for flag in split_flags) and not (
+        args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split
+    ):  # the even split, without importing megatron-core before a bad flag's one line
+        return [args.num_layers // pp] * pp
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     config = layout_config(args)
-    pp = args.pipeline_model_parallel_size
     layout = config.pipeline_model_parallel_layout
     if layout is not None:
         return [layout.get_num_layers_to_build(LayerType.decoder, pp_rank=s) for s in range(pp)]

@@ -33,11 +33,11 @@ from megatron.training.errors import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # What must be equal to load a checkpoint, by what it describes.
-RECORDED_ARGS = {
-    "layout": ("tensor_model_parallel_size", "pipeline_model_parallel_size", "stage_layers"),
+RECORDED_ARGS = {  # in the order they are checked: a changed shape is named as such
     "model shape": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "max_position_embeddings", "padded_vocab_size", "position_embedding_type",
                     "bf16", "untie_embeddings_and_output_weights"),
+    "layout": ("tensor_model_parallel_size", "pipeline_model_parallel_size", "stage_layers"),
     "schedule": ("pipeline_schedule",),
 }  # fmt: skip
 # Recorded arguments a torch_dist checkpoint does not need to match: its keys are global.
