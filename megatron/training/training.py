@@ -35,9 +35,10 @@ from megatron.pipeline.schedules.paci import window as inflight_window
 from megatron.training import divergence, faults, run_control
 from megatron.training.batch_schedule import BatchSchedule
 from megatron.training.checkpointing import save_load as checkpointing
+from megatron.training.checkpointing.writer_lock import WriterLock, describe, new_run_id
 from megatron.training.data.datasets import data_iterators_from_args, parse_data_path
 from megatron.training.emulation import EmulatedStage
-from megatron.training.errors import RunFailed
+from megatron.training.errors import RunFailed, UserError
 from megatron.training.host_memory import unmap_large_blocks_when_freed
 from megatron.training.model import StageLayout, build_gpt_stage
 from megatron.training.optimizer.build import (
@@ -300,6 +301,40 @@ def _pretrain(args, forward_step_func, wall_start, requests) -> TrainingState:
     faults.watch_launcher()
     groups_before = _process_groups()
     device = initialize_distributed(args)
+    save_lock = _take_save_directory(args)
+    try:
+        return _set_up_and_train(args, forward_step_func, wall_start, requests, device,
+                                 groups_before, save_lock)  # fmt: skip
+    finally:
+        if save_lock is not None:
+            save_lock.release()
+
+
+def _take_save_directory(args) -> WriterLock | None:
+    """Rank 0 holds `--save` for the run (checkpointing/writer_lock.py); every rank learns the
+    run's id, and a refusal ends every rank with the same one line."""
+    lock, outcome = None, [None, None]  # (run id, problem)
+    if dist.get_rank() == 0:
+        run_id = new_run_id()
+        outcome = [run_id, None]
+        if args.save:
+            lock = WriterLock(args.save, run_id)
+            try:
+                lock.acquire()
+            except UserError as error:
+                lock, outcome = None, [run_id, str(error)]
+            if lock is not None and lock.taken_over:
+                print(f"> --save {args.save}: the lock of {describe(lock.taken_over)} was left "
+                      "by a run that is no longer running: taken over", flush=True)  # fmt: skip
+    dist.broadcast_object_list(outcome, src=0)
+    args.run_id = outcome[0]
+    if outcome[1] is not None:
+        raise UserError(outcome[1])
+    return lock
+
+
+def _set_up_and_train(args, forward_step_func, wall_start, requests, device, groups_before,
+                      save_lock) -> TrainingState:  # fmt: skip
     # the resident set follows live memory (host_memory.py)
     unmap_large_blocks_when_freed(device, args.cpu_mmap_threshold_kib)
     print_rank_0(
@@ -744,9 +779,25 @@ def _save_checkpoint(args, state, model, step_func, audit) -> None:
         )
         return
     with audit.paused():  # the pipeline is drained here: not a training step
+        _check_still_ours(args)
         checkpointing.save(
             args.save, state, model, step_func.optimizer, step_func.scheduler, args=args
         )
+
+
+def _check_still_ours(args) -> None:
+    """Before a save, the owner record of --save still names this run (where flock is not
+    honoured, another job may have taken the directory): else every rank stops, saving
+    nothing."""
+    problem = [None]
+    if dist.get_rank() == 0:
+        try:
+            WriterLock(args.save, args.run_id).check()
+        except UserError as error:
+            problem = [str(error)]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise UserError(problem[0])
 
 
 def _average_loss(loss_dicts: list[dict]) -> float:

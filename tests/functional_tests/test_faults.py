@@ -198,3 +198,40 @@ def test_workers_end_when_the_launcher_is_killed(tmp_path):
         _kill_group(process)
     assert outlived < 30, outlived
     assert "the launcher" in open(log_path).read()
+
+
+# ---------------------------------------------------------------------------- one writer
+def test_a_second_job_on_the_same_save_directory_stops_in_one_line(tmp_path):
+    """Two real launches on one --save: the second ends at start-up with one line naming the
+    first (its pid and run id), within seconds; the first saves every checkpoint it should and
+    its tracker names its own last iteration; no lock record is left behind."""
+    save = str(tmp_path / "ckpt")
+    log_path = str(tmp_path / "first.log")
+    first_args = SMALL + MOCK + ["--train-iters", "100000", "--lr", "1e-4", "--save", save,
+                                 "--save-interval", "200", "--exit-interval", "600"]  # fmt: skip
+    with open(log_path, "w") as log:
+        first = launch(first_args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_line(log_path, "iteration        2/", first)
+        owner = json.load(open(os.path.join(save, ".writer.json")))
+        started = time.time()
+        code, output = run(SMALL + MOCK + ["--train-iters", "20", "--lr", "1e-4", "--save", save,
+                                           "--save-interval", "5"])  # fmt: skip
+        second_took = time.time() - started
+        assert first.poll() is None  # the first job was still training when refused
+        assert first.wait(timeout=300) == 0
+    finally:
+        _kill_group(first)
+    errors = our_errors(output)
+    assert code != 0 and len(errors) == 1, output[-3000:]
+    assert errors[0].startswith(f"error: --save {save} is another run's: it is held by run ")
+    assert f"pid {owner['pid']}" in errors[0] and owner["run_id"] in errors[0]
+    assert not worker_traceback(output), output[-3000:]
+    assert second_took < 60
+    assert sorted(d for d in os.listdir(save) if d.startswith("iter_")) == [
+        "iter_0000200", "iter_0000400", "iter_0000600"
+    ]  # fmt: skip
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "600"
+    assert not os.path.exists(os.path.join(save, ".writer.json"))
+    log = open(log_path).read()
+    assert f"saved by run {owner['run_id']}" not in log  # it never loaded anything

@@ -120,6 +120,7 @@ def _save_torch(root: str, state, model, optimizer, scheduler, args) -> None:
             "consumed_train_samples": state.consumed_train_samples,
             "model": model.state_dict(),
             "args": recorded_args(args) if args is not None else None,
+            "run_id": getattr(args, "run_id", None),  # which run wrote it (writer_lock.py)
         }
         if save_optim:
             payload["optimizer"] = optimizer_state
@@ -137,6 +138,7 @@ def _save_dist(root: str, state, model, optimizer, scheduler, args) -> None:
         "iteration": state.iteration,
         "consumed_train_samples": state.consumed_train_samples,
         "args": recorded_args(args),
+        "run_id": getattr(args, "run_id", None),  # which run wrote it (writer_lock.py)
     }
     if not args.no_save_optim:
         common["opt_param_scheduler"] = scheduler.state_dict()
@@ -445,6 +447,11 @@ def load(root: str, *, model, optimizer, scheduler, args=None) -> tuple[int, int
                 f"--train-iters {args.train_iters}: nothing to train (raise --train-iters)"
             )
     restore(payload, model=model, optimizer=optimizer, scheduler=scheduler, path=root, args=args)
+    if dist.get_rank() == 0:
+        writer = payload.get("run_id")
+        by = f" (saved by run {writer})" if writer else ""
+        print(f"> loaded the checkpoint of iteration {payload['iteration']} from {root}{by}",
+              flush=True)  # fmt: skip
     if finetune:
         return 0, 0
     return payload["iteration"], payload["consumed_train_samples"]
