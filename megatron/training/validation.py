@@ -152,6 +152,11 @@ def _check_writable_directory(option: str, path: str) -> None:
     """The directory exists and is writable, or its nearest existing ancestor is."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
+        if os.path.islink(probe):  # a dangling link: nothing can be created through it
+            raise UserError(
+                f"{option} {path}: {probe} is a symbolic link to {os.readlink(probe)}, which "
+                "does not exist"
+            )
         parent = os.path.dirname(probe)
         if parent == probe:
             break

@@ -165,3 +165,15 @@ def test_recorded_vocabulary_of_another_tokenizer(tmp_path):
     check_token_ids([prefix], vocab_size=1000, padded_vocab_size=1024)
     with pytest.raises(UserError, match="tokenized with a 1000-token vocabulary.*has 8192"):
         check_token_ids([prefix], vocab_size=8192, padded_vocab_size=8192)
+
+
+@pytest.mark.parametrize("below", ["", "/ckpt"])
+def test_save_on_a_dangling_symlink_fails_at_start(tmp_path, below):
+    """Not at the first save: the link is named with where it points."""
+    link = tmp_path / "ckpt_link"
+    link.symlink_to(tmp_path / "gone")
+    message = validation_error(with_flags("--save", str(link) + below))
+    assert message == (
+        f"--save {link}{below}: {link} is a symbolic link to {tmp_path / 'gone'}, which does "
+        "not exist"
+    )
