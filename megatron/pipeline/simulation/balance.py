@@ -55,13 +55,17 @@ def balanced_split(
     if num_stages < 1 or n_layers < num_stages * min_layers:
         raise ValueError(f"{n_layers} layers cannot fill {num_stages} stages")
     a = microbatches_per_step
-    per_layer = [f + b + w + step / a for f, b, w, step in costs.layers]
+
+    def part(entry) -> float:  # one part's seconds per microbatch, its step's share included
+        f, b, w, step = entry
+        return f + b + w + step / a
+
     prefix = [0.0]
-    for value in per_layer:
-        prefix.append(prefix[-1] + value)
-    ends = {0: sum(costs.embedding[:3]) + costs.embedding[3] / a}
-    ends[num_stages - 1] = ends.get(num_stages - 1, 0.0) + sum(costs.output[:3])
-    ends[num_stages - 1] += costs.output[3] / a
+    for layer in costs.layers:
+        prefix.append(prefix[-1] + part(layer))
+
+    ends = {0: part(costs.embedding)}  # the first stage may also be the last
+    ends[num_stages - 1] = ends.get(num_stages - 1, 0.0) + part(costs.output)
 
     def block(stage: int, start: int, stop: int) -> float:
         return prefix[stop] - prefix[start] + ends.get(stage, 0.0)
@@ -116,7 +120,7 @@ def megatron_flags(split: list[int]) -> list[str]:
     """The shortest Megatron flags giving `split`: none (even), first/last counts (even in
     between), else the layout string."""
     n, total = len(split), sum(split)
-    if n == 1 or split == [total // n] * n and total % n == 0:
+    if n == 1 or (total % n == 0 and split == [total // n] * n):
         return []
     middle = split[1:-1]
     if n > 2 and len(set(middle)) == 1 and middle[0] > 0 and split[0] > 0 and split[-1] > 0:
