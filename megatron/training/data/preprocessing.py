@@ -19,6 +19,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 
@@ -161,14 +162,35 @@ def get_args(argv=None):
         raise UserError(f"--workers must be positive, got {args.workers}")
     if args.log_interval < 1:
         raise UserError(f"--log-interval must be positive, got {args.log_interval}")
+    if os.path.isdir(args.input):
+        raise UserError(f"--input {args.input} is a directory, not a jsonl file")
     if not os.path.isfile(args.input):
         raise UserError(f"--input file not found: {args.input}")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise UserError(f"--json-keys repeats a key: {args.json_keys}")
-    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    _check_output_directory(args.output_prefix)
+    return args
+
+
+def _check_output_directory(prefix: str) -> None:
+    """The directory of ``prefix`` exists and is writable, checked before the tokenizing."""
+    out_dir = os.path.dirname(os.path.abspath(prefix))
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--output-prefix {prefix}: {out_dir} is a file, not a directory")
     if not os.path.isdir(out_dir):
         raise UserError(f"--output-prefix directory does not exist: {out_dir}")
-    return args
+    # root passes os.access on a read-only directory: writes are also caught in `preprocess`
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise UserError(f"--output-prefix directory is not writable: {out_dir}")
+
+
+def _file_error(err: OSError, args) -> UserError:
+    """An OSError of reading the input or writing the outputs, as one line naming the file."""
+    path = err.filename2 or err.filename or args.output_prefix  # a rename: its target
+    if path == args.input:
+        return UserError(f"cannot read --input {path}: {err.strerror}")
+    path = re.sub(r"\.tmp-\d+$", "", str(path))  # the name it was to have, not the temporary one
+    return UserError(f"cannot write {path} (--output-prefix {args.output_prefix}): {err.strerror}")
 
 
 def preprocess(args) -> list:
@@ -224,6 +246,8 @@ def preprocess(args) -> list:
             output.commit(vocab_size)
     except UnicodeDecodeError:
         raise UserError(f"--input {args.input} is not UTF-8 text") from None
+    except OSError as err:  # read-only file system, disk full, a directory in the way
+        raise _file_error(err, args) from None
     finally:
         if pool is not None:
             pool.terminate()

@@ -144,3 +144,68 @@ def test_null_text_is_skipped_not_the_word_none(tmp_path, capsys):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     assert [d.tolist() for d in IndexedDataset(prefix + "_text_document")] == [[5, 6], [7]]
+
+
+def _null_argv(tmp_path, prefix, input_path=None):
+    _write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 3"}])
+    argv = ["--input", str(input_path or tmp_path / "in.jsonl"), "--output-prefix", str(prefix)]
+    return argv + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "99"]
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_input_directory_is_named_as_a_directory(tmp_path, capsys):
+    assert preprocessing.main(_null_argv(tmp_path, tmp_path / "out", input_path=tmp_path)) == 2
+    err = _one_error_line(capsys)
+    assert f"--input {tmp_path} is a directory, not a jsonl file" in err
+    assert "not found" not in err
+
+
+def test_output_prefix_under_a_regular_file(tmp_path, capsys):
+    (tmp_path / "plain").write_text("")
+    assert preprocessing.main(_null_argv(tmp_path, tmp_path / "plain" / "out")) == 2
+    err = _one_error_line(capsys)
+    assert f"{tmp_path / 'plain'} is a file, not a directory" in err
+
+
+def test_output_prefix_in_a_read_only_directory(tmp_path, capsys):
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        if os.access(read_only, os.W_OK):
+            pytest.skip("running as root: chmod 555 does not stop this process from writing")
+        assert preprocessing.main(_null_argv(tmp_path, read_only / "out")) == 2
+        err = _one_error_line(capsys)
+        assert f"--output-prefix directory is not writable: {read_only}" in err
+        assert os.listdir(read_only) == []
+    finally:
+        read_only.chmod(0o755)
+
+
+def test_write_failure_is_one_line_naming_the_file(tmp_path, capsys):
+    """An OSError while writing (here a directory where the .bin goes, which stops root too;
+    a read-only file system fails the same way) names the file and leaves no temporary files."""
+    prefix = tmp_path / "out"
+    (tmp_path / "out_text_document.bin").mkdir()
+    assert preprocessing.main(_null_argv(tmp_path, prefix)) == 2
+    err = _one_error_line(capsys)
+    assert f"cannot write {prefix}_text_document.bin (--output-prefix {prefix}): " in err
+    assert "Is a directory" in err
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out_text_document.bin"]
+
+
+def test_cli_write_failure_exit_code_and_no_traceback(tmp_path):
+    (tmp_path / "plain").write_text("")
+    _write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 3"}])
+    args = ["--input", "in.jsonl", "--output-prefix", "plain/out"]
+    result = _run(args + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "99"], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.endswith(f"error: --output-prefix plain/out: {tmp_path / 'plain'} is a "
+                                  "file, not a directory\n")  # fmt: skip
+    assert "Traceback" not in result.stderr
