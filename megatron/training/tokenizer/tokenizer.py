@@ -250,6 +250,7 @@ class GPT2BPETokenizer(Tokenizer):
         self.ranks = _load_merges(merge_file)
         if self.EOD_TOKEN not in self.encoder:
             raise UserError(f"--vocab-file {vocab_file} has no {self.EOD_TOKEN} token")
+        check_merges_match_vocab(self.encoder, self.ranks, vocab_file, merge_file)
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
         self._pattern = _gpt2_pattern()
@@ -407,6 +408,40 @@ def _load_merges(path: str) -> Dict[Tuple[str, str], int]:
             raise UserError(f"--merge-file {path}:{lineno}: expected two symbols, got {line!r}")
         ranks.setdefault((pair[0], pair[1]), len(ranks))
     return ranks
+
+
+def check_merges_match_vocab(
+    vocab: Dict[str, int], ranks: Dict[Tuple[str, str], int], vocab_file: str, merge_file: str
+) -> None:
+    """A merges file trained with another vocabulary, or reordered, tokenizes without an error
+    into many more (and different) tokens, so check the pair belongs together.
+
+    BPE training adds each merge's result to the vocabulary as it makes it: GPT-2's files
+    and tools/train_gpt2_bpe.py give merge i the id 256 + i, and vocabularies with special
+    tokens first give it base + i. The rule checked: every merge's result is in the
+    vocabulary, and results not made by an earlier merge have increasing ids (a result made
+    again by a later merge, from another split of the same text, keeps its first id).
+    """
+    made: set = set()
+    last_id, last_merge = -1, None
+    for (left, right), rank in ranks.items():
+        result = left + right
+        merge = f"merge {rank + 1} ({left} {right})"
+        if result not in vocab:
+            raise UserError(
+                f"--merge-file {merge_file} does not belong to --vocab-file {vocab_file}: "
+                f"{merge} makes {result!r}, which is not in the vocabulary"
+            )
+        if result in made:
+            continue
+        made.add(result)
+        if vocab[result] <= last_id:
+            raise UserError(
+                f"--merge-file {merge_file} does not belong to --vocab-file {vocab_file}: "
+                f"{merge} makes id {vocab[result]}, below id {last_id} of {last_merge} before it "
+                f"(merges out of order, or trained with another vocabulary)"
+            )
+        last_id, last_merge = vocab[result], merge
 
 
 # Planes 4 and up hold no letters or numbers (unassigned, tags, private use).

@@ -133,3 +133,86 @@ def test_bad_model_and_merge_files(tmp_path):
         f.write("one two three\n")
     with pytest.raises(UserError, match="merges.txt:8"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+
+
+# ---------------------------------------------------------------------------- vocab/merges pair
+def _train_gpt2_pair(directory, texts, vocab_size=400):
+    from megatron.training.tokenizer import gpt2_bpe_training
+
+    corpus = directory / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    argv = ["--input", str(corpus), "--output-dir", str(directory), "--vocab-size", str(vocab_size)]
+    assert gpt2_bpe_training.main(argv) == 0
+    return str(directory / "vocab.json"), str(directory / "merges.txt")
+
+
+@pytest.fixture(scope="module")
+def trained_pair(tmp_path_factory):
+    return _train_gpt2_pair(tmp_path_factory.mktemp("bpe"), tiny_documents())
+
+
+def _merge_lines(merge_file):
+    lines = open(merge_file, encoding="utf-8").read().splitlines()
+    assert lines[0].startswith("#version") and len(lines) > 50
+    return lines
+
+
+def test_trained_vocab_and_merges_are_accepted(trained_pair):
+    vocab_file, merge_file = trained_pair
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    assert tok.vocab_size == 400
+    assert tok.detokenize(tok.tokenize(tiny_documents()[0])) == tiny_documents()[0]
+
+
+def test_shuffled_merges_are_rejected_naming_both_files(trained_pair, tmp_path):
+    import random
+
+    vocab_file, merge_file = trained_pair
+    lines = _merge_lines(merge_file)
+    body = lines[1:]
+    random.Random(0).shuffle(body)
+    shuffled = tmp_path / "shuffled_merges.txt"
+    shuffled.write_text("\n".join(lines[:1] + body) + "\n", encoding="utf-8")
+    with pytest.raises(UserError) as caught:
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=str(shuffled))
+    message = str(caught.value)
+    assert f"--merge-file {shuffled} does not belong to --vocab-file {vocab_file}" in message
+    assert "out of order" in message and "\n" not in message
+
+
+def test_merges_of_another_vocabulary_are_rejected(trained_pair, tmp_path):
+    vocab_file, _ = trained_pair
+    other_texts = [
+        f"Lorem ipsum dolor sit amet {i}, consectetur adipiscing elit." for i in range(40)
+    ]
+    _, other_merges = _train_gpt2_pair(tmp_path, other_texts, vocab_size=300)
+    with pytest.raises(UserError, match="which is not in the vocabulary") as caught:
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=other_merges)
+    assert other_merges in str(caught.value) and vocab_file in str(caught.value)
+
+
+def _write_pair(tmp_path, symbols, merges):
+    vocab = {s: i for i, s in enumerate(symbols)}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    lines = ["#version: 0.2"] + [f"{a} {b}" for a, b in merges]
+    (tmp_path / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")
+
+
+def test_special_tokens_first_and_a_result_made_twice_are_accepted(tmp_path):
+    """Vocabularies with special tokens before the bytes (merge i is id base + i), and a later
+    merge making a text an earlier one made (it keeps its id): both consistent pairs."""
+    merges = [("a", "b"), ("ab", "c"), ("b", "c"), ("a", "bc"), ("c", "d")]
+    results = ["ab", "abc", "bc", "cd"]  # "abc" once, at its first merge
+    symbols = ["<s>", "<pad>"] + list(bytes_to_unicode().values()) + results + ["<|endoftext|>"]
+    vocab_file, merge_file = _write_pair(tmp_path, symbols, merges)
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    assert [tok.inv_vocab[i] for i in tok.tokenize("abcd")] == ["abc", "d"]
+
+
+def test_two_merges_swapped_are_rejected(tmp_path):
+    merges = [("h", "e"), ("l", "l"), ("he", "ll")]
+    symbols = list(bytes_to_unicode().values()) + ["he", "ll", "hell", "<|endoftext|>"]
+    vocab_file, merge_file = _write_pair(tmp_path, symbols, [merges[1], merges[0], merges[2]])
+    with pytest.raises(UserError, match=r"merge 2 \(h e\) makes id 256, below id 257 of merge 1"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
