@@ -8,6 +8,9 @@ and the last few actions. The runtime (`megatron.pipeline.runtime`) and the even
 validate actions the same way; only what an action costs (tensors and transfers, or a clock)
 differs.
 
+`RankState` holds one `StageState` per model chunk for schedules with virtual stages (several
+chunks per rank, `megatron.pipeline.schedules.placement`) and builds the rank's view from them.
+
 `check` rejects an action no stage could carry out (a forward that skips a microbatch or goes
 past the forward limit, a backward of a microbatch never forwarded, ...) with a message that
 shows the stage's state and its recent actions, before anything is changed.
@@ -16,7 +19,7 @@ shows the stage's state and its recent actions, before anything is changed.
 import collections
 from dataclasses import dataclass, field
 
-from .schedules.base import Action, ActionKind, StageView
+from .schedules.base import Action, ActionKind, ChunkView, StageView
 
 NO_LIMIT = 2**62  # forward limit of a call that need not drain
 RECENT_ACTIONS = 12  # how many past actions an error message shows
@@ -169,3 +172,164 @@ class StageState:
     def record_step(self) -> None:
         self.steps += 1
         self.recent.append(Action(ActionKind.STEP))
+
+
+class RankState:
+    """One rank's state around a schedule: a `StageState` per model chunk it holds.
+
+    Each chunk's `StageState` counts that chunk's microbatches, with the chunk's virtual stage as
+    its stage (so its checks and messages speak of virtual stages); the optimizer step is the
+    rank's and steps every chunk at once. Without virtual stages (`chunked` False: the schedule
+    has no placement) the rank has one chunk and its views and checks are that `StageState`'s,
+    unchanged. `peak_inflight` is the most microbatch-chunks forwarded and not yet through B;
+    `peak_held` the most not yet through their last backward pass (W when it is split off), the
+    activations the rank keeps alive.
+    """
+
+    def __init__(self, rank, placement, schedule_name="schedule", *, splits_backward=False,
+                 chunked=True):  # fmt: skip
+        self.rank = rank
+        self.placement = placement
+        self.chunked = chunked
+        self.splits_backward = splits_backward
+        self.schedule_name = schedule_name
+        total = placement.num_virtual_stages
+        self.chunks = [
+            StageState(stage, total, schedule_name, splits_backward=splits_backward)
+            for stage in placement.stages_of(rank)
+        ]
+        self.peak_inflight = 0
+        self.peak_held = 0
+        self.recent: collections.deque = collections.deque(maxlen=RECENT_ACTIONS)
+
+    # totals over the chunks
+    @property
+    def forwards(self) -> int:
+        return sum(c.forwards for c in self.chunks)
+
+    @property
+    def backwards(self) -> int:
+        return sum(c.backwards for c in self.chunks)
+
+    @property
+    def weight_grads(self) -> int:
+        return sum(c.weight_grads for c in self.chunks)
+
+    @property
+    def steps(self) -> int:
+        return self.chunks[0].steps
+
+    @property
+    def calls(self) -> int:
+        return self.chunks[0].calls
+
+    @property
+    def inflight(self) -> int:
+        return self.forwards - self.backwards
+
+    @property
+    def held(self) -> int:
+        return self.forwards - (self.weight_grads if self.splits_backward else self.backwards)
+
+    def begin_call(self, microbatches_per_step: int, forward_limit: int = NO_LIMIT) -> None:
+        """Start a call that ends after `microbatches_per_step` more backwards of every chunk."""
+        for chunk in self.chunks:
+            chunk.begin_call(microbatches_per_step, forward_limit)
+
+    def view(self, *, inputs_ready, grads_ready, step_enabled: bool = True) -> StageView:
+        """The schedule's view; `inputs_ready`/`grads_ready`: one flag per chunk."""
+        if not self.chunked:
+            return self.chunks[0].view(
+                input_ready=inputs_ready[0], grad_ready=grads_ready[0], step_enabled=step_enabled
+            )
+        first = self.chunks[0]
+        views = tuple(
+            ChunkView(c.stage, c.forwards, c.backwards, c.weight_grads, i, g)
+            for c, i, g in zip(self.chunks, inputs_ready, grads_ready)
+        )
+        v = len(self.chunks)
+        return StageView(
+            stage=self.rank,
+            num_stages=self.placement.num_ranks,
+            microbatches_per_step=first.microbatches_per_step,
+            forwards=self.forwards,
+            backwards=self.backwards,
+            steps=self.steps,
+            forward_limit=min(first.forward_limit * v, NO_LIMIT),
+            backward_target=first.backward_target * v,
+            input_ready=any(inputs_ready),
+            grad_ready=any(grads_ready),
+            step_enabled=step_enabled,
+            weight_grads=self.weight_grads,
+            backwards_at_m=first.backwards_at_m * v,
+            steps_at_m=first.steps_at_m,
+            chunks=views,
+        )
+
+    def chunk_of(self, action: Action) -> int:
+        """The chunk index an action runs on (0 without virtual stages)."""
+        return 0 if action.chunk is None else action.chunk
+
+    def check(self, action: Action, *, step_enabled: bool = True) -> None:
+        """Raise `IllegalActionError` if `action` cannot run on this rank now."""
+        if not self.chunked:
+            self.chunks[0].check(action, step_enabled=step_enabled)
+            return
+        problem = None
+        if action.kind is ActionKind.STEP:
+            problem = self.chunks[0].problem_with(action, step_enabled=step_enabled)
+        elif action.chunk is None:
+            problem = "names no model chunk (the schedule places several on each rank)"
+        elif not 0 <= action.chunk < len(self.chunks):
+            problem = f"names chunk {action.chunk}, the rank holds {len(self.chunks)}"
+        else:
+            plain = Action(action.kind, action.microbatch)
+            problem = self.chunks[action.chunk].problem_with(plain, step_enabled=step_enabled)
+        if problem:
+            raise IllegalActionError(
+                f"{self.schedule_name}: rank {self.rank}: {action} {problem}\n"
+                f"  state: {self.describe()}\n"
+                f"  recent actions (oldest first): {self.recent_actions()}"
+            )
+
+    def describe(self) -> str:
+        if not self.chunked:
+            return self.chunks[0].describe()
+        parts = ", ".join(
+            f"chunk {i} (virtual stage {c.stage}): F={c.forwards} B={c.backwards} "
+            f"W={c.weight_grads}"
+            for i, c in enumerate(self.chunks)
+        )
+        return f"rank {self.rank} of {self.placement.num_ranks}, call {self.calls}, " \
+               f"S={self.steps}: {parts}"  # fmt: skip
+
+    def recent_actions(self) -> str:
+        if not self.chunked:
+            return self.chunks[0].recent_actions()
+        return " ".join(str(action) for action in self.recent) or "(none)"
+
+    # bookkeeping: each returns what the chunk's `StageState` returns
+    def record_forward(self, chunk: int, version: int | None = None) -> int:
+        microbatch = self.chunks[chunk].record_forward(version)
+        self._note(Action(ActionKind.FORWARD, microbatch, chunk))
+        return microbatch
+
+    def record_backward(self, chunk: int) -> int:
+        version = self.chunks[chunk].record_backward()
+        self._note(Action(ActionKind.BACKWARD, self.chunks[chunk].backwards - 1, chunk))
+        return version
+
+    def record_weight_grad(self, chunk: int) -> int:
+        version = self.chunks[chunk].record_weight_grad()
+        self._note(Action(ActionKind.WEIGHT_GRAD, self.chunks[chunk].weight_grads - 1, chunk))
+        return version
+
+    def record_step(self) -> None:
+        for chunk in self.chunks:
+            chunk.record_step()
+        self._note(Action(ActionKind.STEP))
+
+    def _note(self, action: Action) -> None:
+        self.recent.append(action)
+        self.peak_inflight = max(self.peak_inflight, self.inflight)
+        self.peak_held = max(self.peak_held, self.held)

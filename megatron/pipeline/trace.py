@@ -4,8 +4,9 @@ A timeline is a list of `TraceEvent`s: which stage ran which schedule `Action`, 
 when (seconds). `write_chrome_trace` stores it as a JSON file that Perfetto
 (https://ui.perfetto.dev) and chrome://tracing open directly: one process (pid 0) with one
 track per pipeline stage (tid = stage, named "stage i"), one complete event ("ph": "X") per
-action, named like the action ("F3", "B3", "W3", "S"), with the action kind as its category
-and `ts`/`dur` in microseconds as the format requires.
+action, named like the action ("F3", "B3", "W3", "S"; "F3c1" for chunk 1 of a rank with
+virtual stages, the track then being the rank), with the action kind as its category and
+`ts`/`dur` in microseconds as the format requires.
 
 Because the simulator and the runtime write the same format, a real run and its simulation
 can be opened side by side, and `action_order` reduces either to the per-stage sequence of
@@ -42,6 +43,8 @@ def _event_record(event: TraceEvent, pid: int) -> dict:
     args = {"kind": action.kind.value}
     if action.microbatch is not None:
         args["microbatch"] = action.microbatch
+    if action.chunk is not None:
+        args["chunk"] = action.chunk
     return {
         "name": str(action),
         "cat": action.kind.name.lower(),
@@ -92,8 +95,8 @@ def write_chrome_trace(
 def _parse_action(record: dict) -> Action:
     args = record.get("args") or {}
     if "kind" in args:
-        return Action(ActionKind(args["kind"]), args.get("microbatch"))
-    name = str(record["name"])  # a trace written by another tool: "F3", "B3", "S", ...
+        return Action(ActionKind(args["kind"]), args.get("microbatch"), args.get("chunk"))
+    name = str(record["name"])  # a trace written by another tool: "F3", "B3", "F3c1", "S", ...
     for kind in sorted(ActionKind, key=lambda k: -len(k.value)):
         if name.startswith(kind.value):
             rest = name[len(kind.value) :]
@@ -101,6 +104,9 @@ def _parse_action(record: dict) -> Action:
                 return Action(kind)
             if rest.isdigit():
                 return Action(kind, int(rest))
+            microbatch, _, chunk = rest.partition("c")
+            if microbatch.isdigit() and chunk.isdigit():
+                return Action(kind, int(microbatch), int(chunk))
     raise ValueError(f"trace event name {name!r} is not a pipeline action")
 
 

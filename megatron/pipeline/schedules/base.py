@@ -16,11 +16,20 @@ Conventions shared by every schedule:
   when the pipeline must drain);
 * the optimizer step is an action of the schedule (`STEP`), so asynchronous schedules can step
   in the middle of a call, and synchronous ones at its end.
+
+Virtual stages (`placement`): a schedule with a `Schedule.placement` runs several model chunks
+per rank. Its view is then the rank's (`stage` is the rank, `num_stages` the number of ranks),
+with one `ChunkView` per chunk in `StageView.chunks`, and each of its FORWARD, BACKWARD and
+WEIGHT_GRAD actions names the chunk by its id local to the rank (`Action.chunk`). Per chunk the
+conventions above hold: microbatches in order, FIFO backwards.
 """
 
 import enum
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .placement import Placement
 
 
 class ActionKind(enum.Enum):
@@ -38,9 +47,15 @@ class ActionKind(enum.Enum):
 class Action:
     kind: ActionKind
     microbatch: int | None = None  # forwards/backwards only
+    # Schedules with virtual stages: the model chunk (its id on the rank, not the virtual
+    # stage). None for one chunk per stage, so those actions read as before: "F3".
+    chunk: int | None = None
 
     def __str__(self) -> str:
-        return self.kind.value if self.microbatch is None else f"{self.kind.value}{self.microbatch}"
+        if self.microbatch is None:
+            return self.kind.value
+        suffix = "" if self.chunk is None else f"c{self.chunk}"
+        return f"{self.kind.value}{self.microbatch}{suffix}"
 
 
 FORWARD, BACKWARD, STEP, WAIT, DONE = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP,
@@ -59,6 +74,23 @@ class StagePosition:
     @property
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """One model chunk of a rank, for schedules with virtual stages: its counters (microbatches
+    of this chunk, cumulative) and whether its next input and gradient have arrived."""
+
+    virtual_stage: int
+    forwards: int
+    backwards: int
+    weight_grads: int
+    input_ready: bool  # the activation for forward number `forwards` is there
+    grad_ready: bool  # the output gradient for backward number `backwards` is there
+
+    @property
+    def inflight(self) -> int:
+        return self.forwards - self.backwards
 
 
 @dataclass(frozen=True)
@@ -81,23 +113,39 @@ class StageView(StagePosition):
     # changed during the run, as with a batch-size ramp): steps fall every m backwards from here.
     backwards_at_m: int = 0
     steps_at_m: int = 0
+    # Virtual stages: one view per model chunk of the rank (empty: one chunk per stage). The
+    # counters above, the backward target and the forward limit are then totals over the
+    # chunks, and `input_ready`/`grad_ready` say whether any chunk has its input/gradient.
+    chunks: tuple[ChunkView, ...] = ()
 
     @property
     def inflight(self) -> int:
-        """Microbatches forwarded but not yet backwarded on this stage."""
+        """Microbatches forwarded but not yet backwarded on this stage (microbatch-chunks, with
+        virtual stages: the activations the rank holds)."""
         return self.forwards - self.backwards
 
-
-def forward(view: StageView) -> Action:
-    return Action(FORWARD, view.forwards)
-
-
-def backward(view: StageView) -> Action:
-    return Action(BACKWARD, view.backwards)
+    @property
+    def num_chunks(self) -> int:
+        return max(1, len(self.chunks))
 
 
-def weight_grad(view: StageView) -> Action:
-    return Action(WEIGHT_GRAD, view.weight_grads)
+def forward(view: StageView, chunk: int | None = None) -> Action:
+    """The stage's next forward; with `chunk`, that chunk's next one."""
+    if chunk is None:
+        return Action(FORWARD, view.forwards)
+    return Action(FORWARD, view.chunks[chunk].forwards, chunk)
+
+
+def backward(view: StageView, chunk: int | None = None) -> Action:
+    if chunk is None:
+        return Action(BACKWARD, view.backwards)
+    return Action(BACKWARD, view.chunks[chunk].backwards, chunk)
+
+
+def weight_grad(view: StageView, chunk: int | None = None) -> Action:
+    if chunk is None:
+        return Action(WEIGHT_GRAD, view.weight_grads)
+    return Action(WEIGHT_GRAD, view.chunks[chunk].weight_grads, chunk)
 
 
 @dataclass(frozen=True)
@@ -134,6 +182,13 @@ class Schedule:
     microbatches_per_update: Callable[[int], int] = lambda microbatches_per_step: (
         microbatches_per_step
     )
+    # Virtual stages: the placement of the model chunks from (ranks, chunks per rank); None:
+    # one chunk per stage. `default_chunks_per_rank` is v when the caller gives none, and
+    # `check_microbatches(ranks, chunks per rank, m)` raises ValueError for an m the schedule
+    # is not defined for.
+    placement: "Callable[[int, int], Placement] | None" = None
+    default_chunks_per_rank: int = 1
+    check_microbatches: Callable[[int, int, int], None] | None = None
 
     @property
     def global_grad_norm(self) -> bool:

@@ -29,6 +29,13 @@ Execution model (what the runtime does, minus the tensors):
 * ``p2p_latency`` is pure delay: it occupies no stage, and nothing hides it. The 1F1B in-flight
   window (N - s, PACI's admission too) covers exactly the compute of a round trip, so every
   transfer shows: PACI's steady state is then N(F+B) / (N(F+B) + 2(N-1)L) busy, not 1.
+* Virtual stages. A schedule with a placement (`Schedule.placement`) runs v model chunks on each
+  of the N ranks (``chunks_per_rank``); a "stage" of the engine and of the results is then a
+  rank. Each chunk keeps its own counters and arrivals; a forward of virtual stage k feeds
+  k + 1 and a backward feeds k - 1, after ``p2p_latency`` when that virtual stage lives on
+  another rank and at once when it is on the same rank (the V shape's turn). Forward, backward
+  and weight-gradient costs are then per virtual stage (a number: every chunk; a list: S = N * v
+  values, by virtual stage), the step cost per rank. The last virtual stage has its own loss.
 * Costs are per stage (a number is used for every stage). With ``noise`` (`costs.CostNoise`) each
   action's cost is its nominal cost times a seeded lognormal factor of mean 1 (per-stage CV). A schedule without a split backward
   pays ``backward_cost + weight_grad_cost`` per backward; a split one (ZB-H1) pays
@@ -39,8 +46,9 @@ import heapq
 import math
 from typing import Sequence
 
+from ..schedules import placement as placements
 from ..schedules.base import Action, ActionKind, Schedule, StageView
-from ..stage_state import IllegalActionError, StageState
+from ..stage_state import IllegalActionError, RankState
 from ..trace import TraceEvent
 from .costs import CostNoise
 from .results import SimulationResult, steady_utilization
@@ -69,20 +77,21 @@ def _per_stage(name: str, value, num_stages: int) -> list[float]:
 
 
 class _Stage:
-    """One simulated stage: the shared `StageState` plus what only a clock has (arrivals,
-    busy time) and what only the simulator measures (stashed versions, gradient delay)."""
+    """One simulated stage (a rank): the shared `RankState` plus what only a clock has
+    (arrivals, busy time) and what only the simulator measures (stashed versions, delay)."""
 
-    def __init__(self, state: StageState):
+    def __init__(self, state: RankState):
         self.state = state
-        self.index = state.stage
+        self.index = state.rank
         self.call_ends: list[float] = []
         self.finished = False
         self.busy = False
         self.current: tuple[Action, float] | None = None
         self.blocked: Action | None = None  # a FORWARD/BACKWARD waiting for its input
         self.waiting = False  # WAIT: ask again at the next arrival
-        self.activations_arrived = 0  # arrivals are in microbatch order (FIFO, fixed latency)
-        self.gradients_arrived = 0
+        # Per chunk; arrivals are in microbatch order (FIFO, fixed latency)
+        self.activations_arrived = [0] * len(state.chunks)
+        self.gradients_arrived = [0] * len(state.chunks)
         self.busy_time = 0.0
         self.busy_intervals: list[tuple[float, float]] = []
         self.backward_ends: dict[int, float] = {}  # microbatch -> end of its backward
@@ -96,16 +105,18 @@ class _Stage:
 
 
 class _Simulator:
-    def __init__(self, schedule, num_stages, m, steps, costs, p2p_latency, record_timeline,
+    def __init__(self, schedule, placement, m, steps, costs, p2p_latency, record_timeline,
                  noise=None):  # fmt: skip
         self.schedule = schedule
         self.noise = noise
-        self.n = num_stages
+        self.placement = placement
+        self.n = placement.num_ranks
+        self.last_virtual_stage = placement.num_virtual_stages - 1
         self.m = m
         self.calls = steps
         self.forward_cost, self.backward_cost, self.wgrad_cost, self.step_cost = costs
         self.latency = p2p_latency
-        self.stages = [_Stage(self._new_state(s)) for s in range(num_stages)]
+        self.stages = [_Stage(self._new_state(s)) for s in range(self.n)]
         self.events: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -115,18 +126,18 @@ class _Simulator:
         else:
             self.full_backward_cost = [b + w for b, w in zip(self.backward_cost, self.wgrad_cost)]
 
-    def _new_state(self, stage: int) -> StageState:
-        state = StageState(
-            stage, self.n, self.schedule.name, splits_backward=self.schedule.splits_backward
-        )
+    def _new_state(self, rank: int) -> RankState:
+        state = RankState(rank, self.placement, self.schedule.name,
+                          splits_backward=self.schedule.splits_backward,
+                          chunked=self.schedule.placement is not None)  # fmt: skip
         state.begin_call(self.m, forward_limit=self.calls * self.m)
         return state
 
     # -- events -----------------------------------------------------------------------------
 
-    def push(self, time: float, kind: int, stage: int, microbatch: int = -1) -> None:
+    def push(self, time: float, kind: int, stage: int, chunk: int = 0) -> None:
         self.seq += 1
-        heapq.heappush(self.events, (time, self.seq, kind, stage, microbatch))
+        heapq.heappush(self.events, (time, self.seq, kind, stage, chunk))
 
     def run(self) -> None:
         dirty = set(range(self.n))
@@ -138,8 +149,8 @@ class _Simulator:
                 break
             self.now = self.events[0][0]
             while self.events and self.events[0][0] <= self.now:
-                _, _, kind, s, _ = heapq.heappop(self.events)
-                if self.apply(kind, self.stages[s]):
+                _, _, kind, s, chunk = heapq.heappop(self.events)
+                if self.apply(kind, self.stages[s], chunk):
                     dirty.add(s)
         unfinished = [st for st in self.stages if not st.finished]
         if unfinished:
@@ -150,15 +161,15 @@ class _Simulator:
         state = "blocked on " + str(st.blocked) if st.blocked else "waiting"
         return f"{st.state.describe()}, {state}"
 
-    def apply(self, kind: int, st: _Stage) -> bool:
+    def apply(self, kind: int, st: _Stage, chunk: int) -> bool:
         """Apply one event; True when the stage must decide again."""
         if kind == _FINISH:
             self.finish(st)
             return True
         if kind == _ACTIVATION:
-            st.activations_arrived += 1
+            st.activations_arrived[chunk] += 1
         else:
-            st.gradients_arrived += 1
+            st.gradients_arrived[chunk] += 1
         if st.blocked is not None and self.input_ready(st, st.blocked):
             action, st.blocked = st.blocked, None
             self.start(st, action)
@@ -171,19 +182,23 @@ class _Simulator:
     # -- decisions --------------------------------------------------------------------------
 
     def view(self, st: _Stage) -> StageView:
-        state = st.state
-        last = st.index == self.n - 1
-        return state.view(
-            input_ready=st.index == 0 or st.activations_arrived > state.forwards,
-            grad_ready=state.inflight > 0 if last else st.gradients_arrived > state.backwards,
-        )
+        inputs, grads = [], []
+        for c, chunk in enumerate(st.state.chunks):
+            inputs.append(chunk.stage == 0 or st.activations_arrived[c] > chunk.forwards)
+            if chunk.stage == self.last_virtual_stage:  # its own loss
+                grads.append(chunk.inflight > 0)
+            else:
+                grads.append(st.gradients_arrived[c] > chunk.backwards)
+        return st.state.view(inputs_ready=inputs, grads_ready=grads)
 
     def input_ready(self, st: _Stage, action: Action) -> bool:
+        c = st.state.chunk_of(action)
+        chunk = st.state.chunks[c]
         if action.kind is ActionKind.FORWARD:
-            return st.index == 0 or st.activations_arrived > st.state.forwards
-        if st.index == self.n - 1:
+            return chunk.stage == 0 or st.activations_arrived[c] > chunk.forwards
+        if chunk.stage == self.last_virtual_stage:
             return True
-        return st.gradients_arrived > st.state.backwards
+        return st.gradients_arrived[c] > chunk.backwards
 
     def decide(self, st: _Stage) -> None:
         """Ask the schedule what an idle stage does next, until it starts, blocks or waits."""
@@ -216,25 +231,27 @@ class _Simulator:
 
     def start(self, st: _Stage, action: Action) -> None:
         s, kind = st.index, action.kind
-        cost = self.cost_of(st, kind)
+        cost = self.cost_of(st, action)
         if kind is ActionKind.STEP:
             self.on_step(st)
         st.busy = True
         st.current = (action, self.now)
         self.push(self.now + cost, _FINISH, s)
 
-    def cost_of(self, st: _Stage, kind: ActionKind) -> float:
-        """The action's duration: the stage's nominal cost, times its noise factor if any."""
-        s, state = st.index, st.state
+    def cost_of(self, st: _Stage, action: Action) -> float:
+        """The action's duration: the nominal cost of its virtual stage (the rank's, for a
+        step), times the rank's noise factor if any."""
+        s, state, kind = st.index, st.state, action.kind
         nominal, index = {
             ActionKind.FORWARD: (self.forward_cost, state.forwards),
             ActionKind.BACKWARD: (self.full_backward_cost, state.backwards),
             ActionKind.WEIGHT_GRAD: (self.wgrad_cost, state.weight_grads),
             ActionKind.STEP: (self.step_cost, state.steps),
         }[kind]
+        at = s if kind is ActionKind.STEP else state.chunks[state.chunk_of(action)].stage
         if self.noise is None:
-            return nominal[s]
-        return nominal[s] * self.noise.factor(s, kind.value, index)
+            return nominal[at]
+        return nominal[at] * self.noise.factor(s, kind.value, index)
 
     def finish(self, st: _Stage) -> None:
         action, start = st.current
@@ -244,24 +261,37 @@ class _Simulator:
         if self.timeline is not None:
             self.timeline.append(TraceEvent(st.index, action, start, self.now))
         kind, mb = action.kind, action.microbatch
+        chunk = st.state.chunk_of(action)
+        virtual_stage = st.state.chunks[chunk].stage
         if kind is ActionKind.FORWARD:
-            self.on_forward(st, mb)
-            if st.index < self.n - 1:
-                self.push(self.now + self.latency, _ACTIVATION, st.index + 1, mb)
+            self.on_forward(st, chunk, mb)
+            if virtual_stage < self.last_virtual_stage:
+                self.send(st, virtual_stage + 1, _ACTIVATION)
         elif kind is ActionKind.BACKWARD:
-            self.on_backward(st)
-            st.backward_ends[mb] = self.now
-            if st.index > 0:
-                self.push(self.now + self.latency, _GRADIENT, st.index - 1, mb)
+            self.on_backward(st, chunk)
+            st.backward_ends[mb] = self.now  # the rank's last backward of mb, over its chunks
+            if virtual_stage > 0:
+                self.send(st, virtual_stage - 1, _GRADIENT)
         elif kind is ActionKind.WEIGHT_GRAD:
-            self.gradient_done(st, st.state.record_weight_grad())
+            self.gradient_done(st, st.state.record_weight_grad(chunk))
         else:
             st.state.record_step()
             self.count_versions(st)
 
+    def send(self, st: _Stage, virtual_stage: int, kind: int) -> None:
+        """An activation or gradient for `virtual_stage`: after the latency on another rank, at
+        once (no transfer) on this one."""
+        rank, chunk = self.placement.locate(virtual_stage)
+        if rank != st.index:
+            self.push(self.now + self.latency, kind, rank, chunk)
+        elif kind == _ACTIVATION:  # the rank is finishing an action: it will decide anyway
+            st.activations_arrived[chunk] += 1
+        else:
+            st.gradients_arrived[chunk] += 1
+
     # -- versions, drift, delay ---------------------------------------------------------------
 
-    def on_forward(self, st: _Stage, mb: int) -> None:
+    def on_forward(self, st: _Stage, chunk: int, mb: int) -> None:
         state = st.state
         version = state.steps
         pinned = self.schedule.forward_weight_version
@@ -272,13 +302,13 @@ class _Simulator:
                     f"{self.schedule.name}: stage {st.index}: forward {mb} needs weight version "
                     f"{version}, only {state.steps} exist"
                 )
-        state.record_forward(version)
+        state.record_forward(chunk, version)
         if self.schedule.stashes_weights:
             st.stash[version] = st.stash.get(version, 0) + 1
             self.count_versions(st)
 
-    def on_backward(self, st: _Stage) -> None:
-        version = st.state.record_backward()
+    def on_backward(self, st: _Stage, chunk: int) -> None:
+        version = st.state.record_backward(chunk)
         drift = 0 if self.schedule.stashes_weights else st.state.steps - version
         st.max_drift = max(st.max_drift, drift)
         st.drift_sum += drift
@@ -339,14 +369,25 @@ class _Simulator:
             measured_extra_weight_versions=[st.peak_extra_versions for st in stages],
             optimizer_steps_per_stage=[st.state.steps for st in stages],
             timeline=self.timeline or [],
+            placement=self.placement.shape if self.schedule.placement is not None else None,
+            chunks_per_rank=self.placement.chunks_per_rank,
+            virtual_stages_per_rank=[self.placement.stages_of(s) for s in range(n)],
+            peak_held_per_stage=[st.state.peak_held for st in stages],
         )
 
 
-def _check_arguments(schedule: Schedule, num_stages, microbatches_per_step, steps, p2p_latency):
+def _check_arguments(schedule: Schedule, num_stages, microbatches_per_step, steps, p2p_latency,
+                     chunks_per_rank):  # fmt: skip
     counts = {"num_stages": num_stages, "microbatches_per_step": microbatches_per_step}
-    for name, value in {**counts, "steps": steps}.items():
+    for name, value in {**counts, "steps": steps, "chunks_per_rank": chunks_per_rank}.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if schedule.placement is None and chunks_per_rank != 1:
+        raise ValueError(
+            f"{schedule.name} runs one model chunk per stage, got {chunks_per_rank} per rank"
+        )
+    if schedule.check_microbatches is not None:
+        schedule.check_microbatches(num_stages, chunks_per_rank, microbatches_per_step)
     least = schedule.min_microbatches_per_step(num_stages)
     if microbatches_per_step < least:
         raise ValueError(
@@ -370,6 +411,7 @@ def simulate(
     p2p_latency: float = 0.0,
     record_timeline: bool = True,
     noise: CostNoise | None = None,
+    chunks_per_rank: int | None = None,
 ) -> SimulationResult:
     """Run `steps` calls of `schedule` on `num_stages` stages and measure the run.
 
@@ -378,19 +420,28 @@ def simulate(
     accumulation factor a for PACI. `noise` draws each action's cost around its nominal value
     (`CostNoise`: seeded, per-stage CV). Raises ValueError for bad arguments and `SimulationError`
     when the schedule deadlocks or asks for an impossible action.
+
+    Schedules with virtual stages (a `Schedule.placement`) run `chunks_per_rank` model chunks on
+    each of the `num_stages` ranks (default: the schedule's `default_chunks_per_rank`); their
+    forward, backward and weight-gradient costs are per chunk pass, one number or one per
+    virtual stage, and the step cost is per rank.
     """
-    _check_arguments(schedule, num_stages, microbatches_per_step, steps, p2p_latency)
+    v = schedule.default_chunks_per_rank if chunks_per_rank is None else chunks_per_rank
+    _check_arguments(schedule, num_stages, microbatches_per_step, steps, p2p_latency, v)
+    place = schedule.placement or placements.interleaved  # one chunk: rank r is stage r
+    placement = place(num_stages, v)
+    per_chunk = placement.num_virtual_stages
     costs = tuple(
-        _per_stage(name, value, num_stages)
-        for name, value in (
-            ("forward_cost", forward_cost),
-            ("backward_cost", backward_cost),
-            ("weight_grad_cost", weight_grad_cost),
-            ("step_cost", step_cost),
+        _per_stage(name, value, count)
+        for name, value, count in (
+            ("forward_cost", forward_cost, per_chunk),
+            ("backward_cost", backward_cost, per_chunk),
+            ("weight_grad_cost", weight_grad_cost, per_chunk),
+            ("step_cost", step_cost, num_stages),
         )
     )
     sim = _Simulator(
-        schedule, num_stages, microbatches_per_step, steps, costs, float(p2p_latency),
+        schedule, placement, microbatches_per_step, steps, costs, float(p2p_latency),
         record_timeline, noise,
     )  # fmt: skip
     sim.run()

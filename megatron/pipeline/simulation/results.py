@@ -76,10 +76,42 @@ class SimulationResult:
     measured_extra_weight_versions: list[int]
     optimizer_steps_per_stage: list[int]
     timeline: list[TraceEvent] = field(default_factory=list, repr=False)
+    # Virtual stages (None/1: one chunk per stage): the placement's shape, the chunks per rank,
+    # each rank's virtual stages by chunk id, and the most microbatch-chunks each rank held
+    # alive (forwarded, not yet through their last backward pass: W when it is split off).
+    placement: str | None = None
+    chunks_per_rank: int = 1
+    virtual_stages_per_rank: list[list[int]] = field(default_factory=list)
+    peak_held_per_stage: list[int] = field(default_factory=list)
 
     @property
     def total_microbatches(self) -> int:
         return self.microbatches_per_step * self.steps
+
+    @property
+    def bubble_over_ideal(self) -> float:
+        """Idle time over compute time, summed over the stages: Narayanan et al.'s bubble time
+        fraction, t_bubble / t_ideal (uniform interleaved 1F1B: (N - 1) / (v m)). The optimizer
+        step counts as compute."""
+        busy = sum(self.busy_per_stage)
+        idle = self.num_stages * self.makespan - busy
+        return idle / busy if busy > 0 else 0.0
+
+    def virtual_stage_report(self) -> dict | None:
+        """The figures of a run with virtual stages (None without): placement, peak activations
+        per rank in chunk units and in whole-stage units (a chunk is 1/v of a rank's layers)."""
+        if self.placement is None:
+            return None
+        v = self.chunks_per_rank
+        return {
+            "placement": self.placement,
+            "chunks_per_rank": v,
+            "virtual_stages_per_rank": self.virtual_stages_per_rank,
+            "bubble_over_ideal": self.bubble_over_ideal,
+            "peak_activation_chunks_per_rank": self.peak_inflight_per_stage,
+            "peak_held_chunks_per_rank": self.peak_held_per_stage,
+            "peak_activations_in_stages_per_rank": [p / v for p in self.peak_inflight_per_stage],
+        }
 
     def to_dict(self) -> dict:
         steady = self.steady_utilization
@@ -110,6 +142,7 @@ class SimulationResult:
             "extra_weight_versions": self.extra_weight_versions,
             "measured_extra_weight_versions": self.measured_extra_weight_versions,
             "optimizer_steps_per_stage": self.optimizer_steps_per_stage,
+            **({} if self.placement is None else {"virtual_stages": self.virtual_stage_report()}),
         }
 
     def to_json(self, **kwargs) -> str:
