@@ -198,6 +198,69 @@ def parse_split(split: str) -> List[float]:
     return [v / total for v in values]
 
 
+def check_batch_token_ids(batch: Dict, vocab_limit: int, dataset=None, first_sample: int = 0):
+    """Stop on a token id outside ``[0, vocab_limit)`` before it reaches the embedding.
+
+    The start-up check trusts the ``.stats.json`` beside each ``.bin``, so a ``.bin`` damaged
+    after it was written would otherwise end in an IndexError inside the embedding (a device
+    assert on GPU) on the first stage and a lost peer on every other. One min/max over the
+    CPU batch per microbatch (no device sync); only on failure are the batch's rows (samples
+    ``first_sample`` on) traced back to their dataset and document.
+    """
+    import torch
+
+    for key in ("tokens", "labels"):  # the labels hold each sample's last token too
+        low, high = torch.aminmax(batch[key])
+        if int(low) < 0 or int(high) >= vocab_limit:
+            raise UserError(_describe_bad_batch(batch[key], vocab_limit, dataset, first_sample))
+
+
+def _describe_bad_batch(ids, vocab_limit: int, dataset, first_sample: int) -> str:
+    bad_rows = ((ids < 0) | (ids >= vocab_limit)).any(dim=1).nonzero().flatten().tolist()
+    row = bad_rows[0]
+    found = locate_bad_tokens(dataset, first_sample + row, vocab_limit) if dataset else None
+    outside = f"outside the padded vocabulary of {vocab_limit} tokens"
+    cause = "(the file is damaged or was tokenized with another tokenizer)"
+    if found is None:  # not a GPT dataset on indexed files (mock data, a custom dataset)
+        values = ids[row]
+        bad = int(values[(values < 0) | (values >= vocab_limit)][0])
+        return f"sample {first_sample + row} holds token id {bad}, {outside} {cause}"
+    prefix, document, bad = found
+    return f"{prefix}.bin: document {document} holds token id {bad}, {outside} {cause}"
+
+
+def locate_bad_tokens(dataset, sample: int, vocab_limit: int) -> Optional[Tuple[str, int, int]]:
+    """(path prefix, document, token id) of the first token id outside ``[0, vocab_limit)``
+    in ``dataset[sample]``, for megatron-core's GPTDataset and BlendedDataset of them; None
+    for other datasets or if the sample's tokens are all in range."""
+    while hasattr(dataset, "dataset_index") and hasattr(dataset, "datasets"):  # a blend
+        part = int(dataset.dataset_index[sample])
+        sample, dataset = int(dataset.dataset_sample_index[sample]), dataset.datasets[part]
+    needed = ("shuffle_index", "sample_index", "document_index", "dataset")
+    if any(getattr(dataset, name, None) is None for name in needed):
+        return None
+    indexed = dataset.dataset
+    if not hasattr(indexed, "path_prefix"):  # MockGPTDataset's in-memory documents
+        return None
+    # The walk of GPTDataset.__getitem__: the shuffled sample spans documents beg..end of the
+    # document index, from an offset in the first to an offset in the last.
+    extra = int(dataset.config.add_extra_token_to_sequence)
+    shuffled = int(dataset.shuffle_index[sample])
+    beg, beg_offset = (int(v) for v in dataset.sample_index[shuffled])
+    end, end_offset = (int(v) for v in dataset.sample_index[shuffled + 1])
+    for i in range(beg, end + 1):
+        sequence = int(dataset.document_index[i])
+        offset = beg_offset if i == beg else 0
+        length = end_offset - offset + extra if i == end else None
+        part = numpy.asarray(indexed.get(sequence, offset=offset, length=length), numpy.int64)
+        bad = part[(part < 0) | (part >= vocab_limit)]
+        if bad.size:
+            # megatron-core's "documents" are the .idx's sequences: name the user's document
+            document = int(numpy.searchsorted(indexed.document_indices, sequence, "right")) - 1
+            return indexed.path_prefix, document, int(bad[0])
+    return None
+
+
 class MicrobatchIterator:
     """Microbatches of one data-parallel rank, in Megatron's pretraining-sampler order.
 
@@ -206,6 +269,8 @@ class MicrobatchIterator:
     data-parallel size. Only whole ``mbs * dp`` rows are used. When ``cycle`` is set the
     iterator starts over at sample 0 after the last whole row (for evaluation), otherwise it
     stops there. ``next_sample`` is the first sample of the next row (for checkpointing).
+    With ``vocab_limit`` (the padded vocabulary), every microbatch's token ids are checked
+    against it (``check_batch_token_ids``).
     """
 
     def __init__(
@@ -216,8 +281,10 @@ class MicrobatchIterator:
         data_parallel_size: int,
         start_sample: int = 0,
         cycle: bool = False,
+        vocab_limit: Optional[int] = None,
     ) -> None:
         self.dataset = dataset
+        self.vocab_limit = vocab_limit
         self.micro_batch_size = micro_batch_size
         self.data_parallel_rank = data_parallel_rank
         self.data_parallel_size = data_parallel_size
@@ -236,7 +303,10 @@ class MicrobatchIterator:
             self.next_sample = 0
         first = self.next_sample + self.data_parallel_rank * self.micro_batch_size
         self.next_sample += self.row
-        return self.collate([self.dataset[i] for i in range(first, first + self.micro_batch_size)])
+        batch = self.collate([self.dataset[i] for i in range(first, first + self.micro_batch_size)])
+        if self.vocab_limit is not None:
+            check_batch_token_ids(batch, self.vocab_limit, self.dataset, first)
+        return batch
 
     @staticmethod
     def collate(samples: List[Dict]) -> Dict[str, "torch.Tensor"]:  # noqa: F821
@@ -256,7 +326,8 @@ def data_iterators_from_args(
     consumed_train_samples: int = 0,
 ):
     """`build_data_iterators` with the data flags of `args` (--data-path or --mock-data,
-    --split, --seq-length, --seed, --data-cache-path, --micro-batch-size); (train, valid)."""
+    --split, --seq-length, --seed, --data-cache-path, --micro-batch-size); (train, valid).
+    Their batches are checked against ``args.padded_vocab_size`` once the tokenizer set it."""
     train, valid, _ = build_data_iterators(
         data_path=None if args.mock_data else args.data_path,
         mock_data=args.mock_data,
@@ -272,6 +343,7 @@ def data_iterators_from_args(
         valid_samples=valid_samples,
         test_samples=0,
         consumed_train_samples=consumed_train_samples,
+        vocab_limit=getattr(args, "padded_vocab_size", None),
     )
     return train, valid
 
@@ -292,6 +364,7 @@ def build_data_iterators(
     valid_samples: int,
     test_samples: int,
     consumed_train_samples: int = 0,
+    vocab_limit: Optional[int] = None,
 ):
     """Build (train, valid, test) ``MicrobatchIterator`` s over megatron-core GPT datasets.
 
@@ -300,6 +373,8 @@ def build_data_iterators(
     CPU tensors of shape ``[micro_batch_size, seq_length]``: ``tokens``, ``labels`` (tokens
     shifted by one), ``loss_mask`` (float) and ``position_ids``. The training iterator starts at
     ``consumed_train_samples`` and stops at the end of the dataset; valid/test iterators cycle.
+    With ``vocab_limit``, every microbatch's token ids must be below it (a UserError naming
+    the dataset and document otherwise).
 
     If torch.distributed is initialized, every rank must call this (megatron-core's builder
     holds barriers on the default group); every rank builds its own datasets, and rank 0 writes
@@ -330,6 +405,7 @@ def build_data_iterators(
         micro_batch_size=micro_batch_size,
         data_parallel_rank=data_parallel_rank,
         data_parallel_size=data_parallel_size,
+        vocab_limit=vocab_limit,
     )
     return _split_iterators(datasets, sizes, split, consumed_train_samples, common)
 
