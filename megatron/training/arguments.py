@@ -103,6 +103,9 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     add("--distributed-backend", default=None, choices=["nccl", "gloo"],
         help="default: nccl when CUDA is available, else gloo")  # fmt: skip
     add("--distributed-timeout-minutes", type=int, default=10)
+    add("--rendezvous-timeout-seconds", type=float, default=None,
+        help="how long a process waits for the others to join at start-up before it stops "
+        "with the count that came (default: --distributed-timeout-minutes)")  # fmt: skip
     add("--cpu-mmap-threshold-kib", type=int, default=128,
         help="CPU runs: glibc's mmap threshold, fixed so that the resident set follows live "
         "memory (real_peak_bytes); 0 keeps glibc's dynamic threshold, faster (fewer page "

@@ -6,6 +6,7 @@ optimizer itself when a step is due.
 """
 
 import contextlib
+import datetime
 import itertools
 import math
 import os
@@ -32,7 +33,7 @@ from megatron.pipeline.runtime import StageRuntime
 from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.schedules.paci import DEFAULT_INFLIGHT_LIMIT
 from megatron.pipeline.schedules.paci import window as inflight_window
-from megatron.training import divergence, faults, run_control
+from megatron.training import divergence, faults, launch, run_control
 from megatron.training.batch_schedule import BatchSchedule
 from megatron.training.checkpointing import save_load as checkpointing
 from megatron.training.checkpointing.writer_lock import WriterLock, describe, new_run_id
@@ -78,8 +79,10 @@ def initialize_distributed(args) -> torch.device:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        timeout = __import__("datetime").timedelta(minutes=args.distributed_timeout_minutes)
-        dist.init_process_group(backend=backend, timeout=timeout)
+        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+        startup_s = args.rendezvous_timeout_seconds
+        startup_s = timeout.total_seconds() if startup_s is None else startup_s
+        launch.init_process_group(backend, timeout, startup_s)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

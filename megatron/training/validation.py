@@ -44,6 +44,7 @@ _FLOAT_RANGES = {
     "lr_warmup_fraction": (0.0, 1.0, True),
     "emulated_forward_ms": (0.0, math.inf, False),
     "emulated_backward_ms": (0.0, math.inf, False),
+    "rendezvous_timeout_seconds": (0.0, math.inf, False),
 }
 _FLOAT_HINTS = {"clip_grad": " (0 turns clipping off)"}
 

@@ -64,7 +64,7 @@ def test_pretrain_gpt_imports_no_study():
 
 def test_training_top_level_stays_small():
     top = [f for f in os.listdir(os.path.join(ROOT, "megatron", "training")) if f.endswith(".py")]
-    assert len(top) <= 15, sorted(top)
+    assert len(top) <= 16, sorted(top)
 
 
 def test_each_package_says_what_lives_there():
