@@ -15,7 +15,11 @@ import torch
 from megatron.pipeline.p2p import PeerLost, describe_rank
 from megatron.training.arguments import parse_args
 from megatron.training.errors import RunFailed, UserError
-from megatron.training.faults import end_stopped_peers, report_error
+from megatron.training.faults import (
+    another_rank_reported_an_error,
+    end_stopped_peers,
+    report_error,
+)
 
 
 def get_batch(data_iterator, model):
@@ -66,6 +70,8 @@ def main(argv=None) -> int:
         report_error(str(failure))
         return failure.exit_code
     except PeerLost as lost:  # a neighbouring stage is stuck or gone
+        if not lost.timed_out and another_rank_reported_an_error():
+            return 1  # it failed first and said why; "lost" here is only the consequence
         stopped = end_stopped_peers() if lost.timed_out else []
         ended = "".join(f"; {describe_rank(rank)} was stopped: ended" for rank in stopped)
         report_error(f"{lost}{ended}")

@@ -37,7 +37,7 @@ class PeerLost(RuntimeError):
         else:
             # gloo's message starts with its source location: keep what follows
             text = re.sub(r"^\[[^\]]*\]\s*", "", str(cause).strip()) or type(cause).__name__
-            what, problem = "lost", text.splitlines()[0][:100]
+            what, problem = "lost", text.splitlines()[0]
         super().__init__(
             f"{describe_rank(dist.get_rank())} {what} {describe_rank(peer)}: {problem}"
         )

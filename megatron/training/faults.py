@@ -11,6 +11,9 @@ dead peer, a launcher that disappeared.
 * `register_peers` / `end_stopped_peers`: a rank that timed out waiting for a peer kills the
   stopped processes of the job on its host, because a stopped process ignores the launcher's
   SIGTERM and the launcher waits 30 s more before its SIGKILL.
+* `stop_on_interrupt`: Ctrl-C (SIGINT, which torchrun forwards to every worker) ends each rank
+  with one line instead of a KeyboardInterrupt traceback from wherever it was, and the C++
+  "terminate called" of its communication threads at interpreter exit.
 """
 
 import datetime
@@ -45,11 +48,11 @@ def _first_to_report(message: str) -> bool:
     """True on the first rank of the job to report `message` (best effort: when in doubt,
     print; a duplicate line is better than a lost one)."""
     key = hashlib.sha1(message.encode()).hexdigest()[:16]
-    if dist.is_available() and dist.is_initialized():
+    store = _job_store()
+    if store is not None:
         try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set_timeout(datetime.timedelta(seconds=5))
-            return store.add(f"reported_error/{key}", 1) == 1
+            store.add(_ANY_ERROR, 1)
+            return store.add(f"{_ERROR_KEYS}/{key}", 1) == 1
         except Exception:  # the store's host is gone: print
             return True
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
@@ -64,6 +67,34 @@ def _first_to_report(message: str) -> bool:
         return False
     except OSError:
         return True
+
+
+# Per launch attempt: torchrun's store outlives a restart (--max-restarts).
+_ERROR_KEYS = f"reported_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+_ANY_ERROR = f"{_ERROR_KEYS}/any"
+
+
+def _job_store():
+    """The job's key-value store (torch.distributed's default store), with a short timeout;
+    None before the process group exists."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=5))
+        return store
+    except Exception:
+        return None
+
+
+def another_rank_reported_an_error() -> bool:
+    """Whether some rank already printed an error: a lost peer is then its consequence, and
+    saying so on every other rank would bury the cause."""
+    store = _job_store()
+    try:
+        return store is not None and store.check([_ANY_ERROR])
+    except Exception:
+        return False
 
 
 def report_error(message: str) -> None:
@@ -126,6 +157,30 @@ def end_stopped_peers() -> list[int]:
             except OSError:
                 pass
     return ended
+
+
+# ---------------------------------------------------------------------------- Ctrl-C
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # the shell's convention for "ended by SIGINT"
+
+
+class stop_on_interrupt:
+    """While active, SIGINT prints one line and ends the process at once (os._exit: nothing
+    runs after it, so no half-finished teardown prints). Checkpoints are written under
+    temporary names and published by rename, so an interrupted save leaves the last one
+    intact."""
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGINT, self._stop)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    @staticmethod
+    def _stop(signum, frame) -> None:
+        print_line(f"error: interrupted (SIGINT): rank {_rank()} stops; checkpoints already "
+                   "saved are intact, the iterations since the last one are lost")  # fmt: skip
+        os._exit(INTERRUPTED_EXIT_CODE)
 
 
 # ---------------------------------------------------------------------------- the launcher

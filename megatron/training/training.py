@@ -294,7 +294,8 @@ def pretrain(args, forward_step_func) -> TrainingState:
     # Installed first, so that a SIGTERM during set-up is caught too (--exit-signal-handler).
     requests = run_control.StopRequests(args, wall_start) if run_control.requested(args) else None
     try:
-        return _pretrain(args, forward_step_func, wall_start, requests)
+        with faults.stop_on_interrupt():
+            return _pretrain(args, forward_step_func, wall_start, requests)
     finally:
         if requests is not None:
             requests.release()

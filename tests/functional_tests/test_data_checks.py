@@ -123,3 +123,5 @@ def test_rotted_bin_with_its_stats_stops_in_one_line(dataset, tmp_path):
     token_id = int(rest.split(",", 1)[0])
     assert token_id == ROTTEN + int(document), line  # the document named holds that id
     assert f"outside the padded vocabulary of {PADDED} tokens" in rest
+    # the stages that lost their neighbour because of it stay quiet: the cause is the one line
+    assert [line for line in output.splitlines() if line.startswith("error: ")] == [line]

@@ -235,3 +235,38 @@ def test_a_second_job_on_the_same_save_directory_stops_in_one_line(tmp_path):
     assert not os.path.exists(os.path.join(save, ".writer.json"))
     log = open(log_path).read()
     assert f"saved by run {owner['run_id']}" not in log  # it never loaded anything
+
+
+# ---------------------------------------------------------------------------- Ctrl-C
+def test_ctrl_c_ends_every_rank_in_one_line_and_keeps_the_checkpoint(tmp_path):
+    """SIGINT to torchrun (which forwards it to its workers): one line per rank, no worker
+    traceback or C++ "terminate called", every process gone at once, the checkpoint intact.
+    (torchrun's own SignalException traceback is torchrun's, not a worker's.)"""
+    save, log_path = str(tmp_path / "ckpt"), str(tmp_path / "log")
+    args = SMALL + MOCK + ["--train-iters", "100000", "--lr", "1e-4", "--save", save,
+                           "--save-interval", "3"]  # fmt: skip
+    with open(log_path, "w") as log:
+        process = launch(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_line(log_path, "saved checkpoint at iteration 3 ", process)
+        pids = workers(process.pid)
+        assert len(pids) == 4, pids
+        os.kill(process.pid, signal.SIGINT)
+        interrupted_at = time.time()
+        process.wait(timeout=60)
+        while any(alive(pid) for pid in pids.values()) and time.time() - interrupted_at < 60:
+            time.sleep(0.2)
+        ended_after = time.time() - interrupted_at
+    finally:
+        _kill_group(process)
+    output = open(log_path).read()
+    errors = our_errors(output)
+    assert sorted(errors) == [
+        f"error: interrupted (SIGINT): rank {rank} stops; checkpoints already saved are intact, "
+        "the iterations since the last one are lost" for rank in range(4)
+    ], output[-3000:]  # fmt: skip
+    assert not worker_traceback(output) and "terminate called" not in output, output[-3000:]
+    assert ended_after < 30, ended_after
+    latest = int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
+    assert latest % 3 == 0 and os.path.isdir(os.path.join(save, f"iter_{latest:07d}"))
+    assert not [name for name in os.listdir(save) if name.endswith(".tmp")]
