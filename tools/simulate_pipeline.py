@@ -14,6 +14,10 @@ Examples::
         --calibration calib.json --micro-batch-size 4
     python tools/simulate_pipeline.py --schedule paci --stages 4 --microbatches 2 \\
         --paci-inflight-limit flush
+    python tools/simulate_pipeline.py --schedule interleaved-1f1b --stages 8 --microbatches 16 \\
+        --virtual-stages 4 --fwd 0.25 --bwd 0.5
+    python tools/simulate_pipeline.py --schedule zb-v --stages 8 --microbatches 16 \\
+        --fwd 1 --bwd 1 --wgrad 1
 
 Costs are durations in seconds (any unit works; ``microbatches_per_second`` is then per that
 unit): ``--fwd`` per forward, ``--bwd`` per backward, ``--wgrad`` per weight-gradient pass,
@@ -22,6 +26,13 @@ number per stage. Schedules without a split backward pay ``bwd + wgrad`` per bac
 runs B (input gradient, ``--bwd``) and W (weight gradient, ``--wgrad``) separately.
 ``--microbatches`` is m per step for the flush schedules and the accumulation factor a for PACI
 (and 2BW); a step is one call of the schedule, i.e. one training iteration.
+
+Schedules with virtual stages (interleaved-1f1b, zb-v, dualpipe-v) run ``--virtual-stages v``
+model chunks on each of the ``--stages`` ranks (default 2; ZB-V and DualPipeV take exactly 2).
+Their ``--fwd``/``--bwd``/``--wgrad`` are per chunk pass (one number, or N * v values by
+virtual stage; the same model as a 1F1B run with F costs F/v per chunk), ``--step-cost`` per
+rank, and the report adds ``virtual_stages``: the placement, ``bubble_over_ideal`` (idle over
+compute time) and the peak activations per rank in chunks and in whole-stage units.
 
 ``--calibration FILE.json`` reads the costs from a calibration file instead (its format:
 `megatron.pipeline.simulation.calibration`; ``--micro-batch-size`` picks its profile).
@@ -77,21 +88,42 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="PACI's arrival rule (as in training)")  # fmt: skip
     parser.add_argument("--paci-inflight-limit", choices=list(paci.INFLIGHT_LIMITS),
                         help="PACI's in-flight window: depth (N - s) or flush (min(N - s, m))")  # fmt: skip
+    parser.add_argument("--virtual-stages", type=int, metavar="V",
+                        help="model chunks per rank (schedules with virtual stages)")  # fmt: skip
     return parser.parse_args(argv)
 
 
-def stage_costs(args: argparse.Namespace) -> StageCosts:
+def chunks_per_rank(args: argparse.Namespace) -> int:
+    """--virtual-stages, checked against the schedule (1: a schedule without virtual stages)."""
+    schedule = SIMULATED_SCHEDULES[args.schedule]
+    if schedule.placement is None:
+        if args.virtual_stages not in (None, 1):
+            raise UserError(f"--virtual-stages applies to schedules with model chunks "
+                            f"(interleaved-1f1b, zb-v, dualpipe-v), not {args.schedule}")  # fmt: skip
+        return 1
+    v = schedule.default_chunks_per_rank if args.virtual_stages is None else args.virtual_stages
+    if v < 1:
+        raise UserError(f"--virtual-stages must be at least 1, got {v}")
+    return v
+
+
+def stage_costs(args: argparse.Namespace, chunks: int = 1) -> StageCosts:
     flags = {"fwd": args.fwd, "bwd": args.bwd, "wgrad": args.wgrad, "step_cost": args.step_cost}
     if args.calibration:
         given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
         if given:
             raise UserError(f"give either --calibration or {', '.join(given)}, not both")
+        if chunks > 1:
+            raise UserError("--calibration gives per-stage costs; with virtual stages give "
+                            "--fwd/--bwd/--wgrad per chunk")  # fmt: skip
         return load_stage_costs(args.calibration, args.stages, args.micro_batch_size)
     if args.micro_batch_size is not None:
         raise UserError("--micro-batch-size selects a --calibration profile: give the file")
+    counts = {"fwd": args.stages * chunks, "bwd": args.stages * chunks,
+              "wgrad": args.stages * chunks, "step_cost": args.stages}  # fmt: skip
     costs = {
         k: parse_stage_costs(
-            str(DEFAULT_COSTS[k]) if v is None else v, k.replace("_", "-"), args.stages
+            str(DEFAULT_COSTS[k]) if v is None else v, k.replace("_", "-"), counts[k]
         )
         for k, v in flags.items()
     }
@@ -115,8 +147,10 @@ def run(args: argparse.Namespace) -> dict:
         )
     except ValueError as error:
         raise UserError(str(error)) from None
-    costs = stage_costs(args)
+    chunks = chunks_per_rank(args)
+    costs = stage_costs(args, chunks)
     latency = args.p2p if args.p2p is not None else (costs.p2p_latency or 0.0)
+    virtual = {} if schedule.placement is None else {"chunks_per_rank": chunks}
     result = simulate(
         schedule,
         num_stages=args.stages,
@@ -124,6 +158,7 @@ def run(args: argparse.Namespace) -> dict:
         steps=args.steps,
         p2p_latency=latency,
         record_timeline=bool(args.timeline or args.plot),
+        **virtual,
         **costs.simulate_kwargs(),
     )
     report = result.to_dict()

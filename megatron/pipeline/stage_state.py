@@ -271,26 +271,40 @@ class RankState:
         return 0 if action.chunk is None else action.chunk
 
     def check(self, action: Action, *, step_enabled: bool = True) -> None:
-        """Raise `IllegalActionError` if `action` cannot run on this rank now."""
-        if not self.chunked:
+        """Raise `IllegalActionError` if `action` (with the passes run together with it) cannot
+        run on this rank now."""
+        if not self.chunked and not action.together:
             self.chunks[0].check(action, step_enabled=step_enabled)
             return
-        problem = None
-        if action.kind is ActionKind.STEP:
-            problem = self.chunks[0].problem_with(action, step_enabled=step_enabled)
-        elif action.chunk is None:
-            problem = "names no model chunk (the schedule places several on each rank)"
-        elif not 0 <= action.chunk < len(self.chunks):
-            problem = f"names chunk {action.chunk}, the rank holds {len(self.chunks)}"
-        else:
-            plain = Action(action.kind, action.microbatch)
-            problem = self.chunks[action.chunk].problem_with(plain, step_enabled=step_enabled)
+        problem, in_slot = None, set()  # (chunk, microbatch) whose B runs in this slot
+        for part in action.passes:
+            problem = self._problem_with(part, step_enabled, in_slot)
+            if problem:
+                break
+            if part.kind is ActionKind.BACKWARD:
+                in_slot.add((self.chunk_of(part), part.microbatch))
         if problem:
             raise IllegalActionError(
                 f"{self.schedule_name}: rank {self.rank}: {action} {problem}\n"
                 f"  state: {self.describe()}\n"
                 f"  recent actions (oldest first): {self.recent_actions()}"
             )
+
+    def _problem_with(self, part: Action, step_enabled: bool, in_slot: set) -> str | None:
+        if part.kind is ActionKind.STEP:
+            return self.chunks[0].problem_with(part, step_enabled=step_enabled)
+        if self.chunked and part.chunk is None:
+            return "names no model chunk (the schedule places several on each rank)"
+        index = self.chunk_of(part)
+        if not 0 <= index < len(self.chunks):
+            return f"names chunk {index}, the rank holds {len(self.chunks)}"
+        chunk = self.chunks[index]
+        if part.kind is ActionKind.WEIGHT_GRAD and (index, part.microbatch) in in_slot:
+            # its input gradient runs in the same slot, just before it
+            if not self.splits_backward or part.microbatch != chunk.weight_grads:
+                return f"runs weight gradient {part.microbatch} out of turn ({chunk.describe()})"
+            return None
+        return chunk.problem_with(Action(part.kind, part.microbatch), step_enabled=step_enabled)
 
     def describe(self) -> str:
         if not self.chunked:

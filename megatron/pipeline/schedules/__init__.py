@@ -2,10 +2,21 @@
 
 `SCHEDULES` holds what the runtime runs: 1F1B-flush, PACI, and the weight-stashing
 PipeDream-2BW and PipeDream. `SIMULATED_SCHEDULES` adds the references only the simulator runs
-(GPipe, ZB-H1), for comparisons and projections.
+(GPipe, ZB-H1), for comparisons and projections, and the schedules with virtual stages, several
+model chunks per rank (interleaved 1F1B, ZB-V, DualPipeV: `Schedule.placement` is set).
 """
 
-from . import flush_1f1b, gpipe, paci, pipedream, pipedream_2bw, zb_h1
+from . import (
+    dualpipe_v,
+    flush_1f1b,
+    gpipe,
+    interleaved_1f1b,
+    paci,
+    pipedream,
+    pipedream_2bw,
+    zb_h1,
+    zb_v,
+)
 from .base import Action, ActionKind, Schedule, StageView
 
 SCHEDULES: dict[str, Schedule] = {
@@ -16,6 +27,7 @@ SCHEDULES: dict[str, Schedule] = {
 SIMULATED_SCHEDULES: dict[str, Schedule] = {
     **SCHEDULES,
     **{s.name: s for s in (gpipe.SCHEDULE, zb_h1.SCHEDULE)},
+    **{s.name: s for s in (interleaved_1f1b.SCHEDULE, zb_v.SCHEDULE, dualpipe_v.SCHEDULE)},
 }
 
 

@@ -50,12 +50,21 @@ class Action:
     # Schedules with virtual stages: the model chunk (its id on the rank, not the virtual
     # stage). None for one chunk per stage, so those actions read as before: "F3".
     chunk: int | None = None
+    # Passes run in the same slot as this one, outputs sent when the slot ends: DualPipe's
+    # overlapped forward and backward of two chunks, or a full backward (B with its W) in a
+    # split-backward schedule. Each is checked and counted as if run on its own.
+    together: tuple["Action", ...] = ()
 
     def __str__(self) -> str:
         if self.microbatch is None:
             return self.kind.value
         suffix = "" if self.chunk is None else f"c{self.chunk}"
-        return f"{self.kind.value}{self.microbatch}{suffix}"
+        return "&".join([f"{self.kind.value}{self.microbatch}{suffix}", *map(str, self.together)])
+
+    @property
+    def passes(self) -> tuple["Action", ...]:
+        """This pass and those run together with it, in order."""
+        return (Action(self.kind, self.microbatch, self.chunk), *self.together)
 
 
 FORWARD, BACKWARD, STEP, WAIT, DONE = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP,

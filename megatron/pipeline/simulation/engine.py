@@ -192,13 +192,17 @@ class _Simulator:
         return st.state.view(inputs_ready=inputs, grads_ready=grads)
 
     def input_ready(self, st: _Stage, action: Action) -> bool:
-        c = st.state.chunk_of(action)
-        chunk = st.state.chunks[c]
-        if action.kind is ActionKind.FORWARD:
-            return chunk.stage == 0 or st.activations_arrived[c] > chunk.forwards
-        if chunk.stage == self.last_virtual_stage:
-            return True
-        return st.gradients_arrived[c] > chunk.backwards
+        """Whether the inputs of the action, and of the passes run together with it, are there."""
+        for part in action.passes:
+            c = st.state.chunk_of(part)
+            chunk = st.state.chunks[c]
+            if part.kind is ActionKind.FORWARD:
+                if not (chunk.stage == 0 or st.activations_arrived[c] > chunk.forwards):
+                    return False
+            elif part.kind is ActionKind.BACKWARD and chunk.stage != self.last_virtual_stage:
+                if not st.gradients_arrived[c] > chunk.backwards:
+                    return False
+        return True
 
     def decide(self, st: _Stage) -> None:
         """Ask the schedule what an idle stage does next, until it starts, blocks or waits."""
@@ -214,7 +218,9 @@ class _Simulator:
                 st.waiting = True
             else:
                 self.check(st, action)
-                waits_for_input = kind in (ActionKind.FORWARD, ActionKind.BACKWARD)
+                waits_for_input = any(
+                    part.kind in (ActionKind.FORWARD, ActionKind.BACKWARD) for part in action.passes
+                )
                 if waits_for_input and not self.input_ready(st, action):
                     st.blocked = action
                 else:
@@ -240,7 +246,11 @@ class _Simulator:
 
     def cost_of(self, st: _Stage, action: Action) -> float:
         """The action's duration: the nominal cost of its virtual stage (the rank's, for a
-        step), times the rank's noise factor if any."""
+        step), times the rank's noise factor if any; passes run together add up (the
+        simulator does not model an overlap's speed-up)."""
+        return sum(self.pass_cost(st, part) for part in action.passes)
+
+    def pass_cost(self, st: _Stage, action: Action) -> float:
         s, state, kind = st.index, st.state, action.kind
         nominal, index = {
             ActionKind.FORWARD: (self.forward_cost, state.forwards),
@@ -260,23 +270,27 @@ class _Simulator:
         st.busy_intervals.append((start, self.now))
         if self.timeline is not None:
             self.timeline.append(TraceEvent(st.index, action, start, self.now))
-        kind, mb = action.kind, action.microbatch
-        chunk = st.state.chunk_of(action)
-        virtual_stage = st.state.chunks[chunk].stage
-        if kind is ActionKind.FORWARD:
-            self.on_forward(st, chunk, mb)
-            if virtual_stage < self.last_virtual_stage:
-                self.send(st, virtual_stage + 1, _ACTIVATION)
-        elif kind is ActionKind.BACKWARD:
-            self.on_backward(st, chunk)
-            st.backward_ends[mb] = self.now  # the rank's last backward of mb, over its chunks
-            if virtual_stage > 0:
-                self.send(st, virtual_stage - 1, _GRADIENT)
-        elif kind is ActionKind.WEIGHT_GRAD:
-            self.gradient_done(st, st.state.record_weight_grad(chunk))
-        else:
-            st.state.record_step()
-            self.count_versions(st)
+        sends = []  # passes run together send their outputs when the slot ends
+        for part in action.passes:
+            kind, mb = part.kind, part.microbatch
+            chunk = st.state.chunk_of(part)
+            virtual_stage = st.state.chunks[chunk].stage
+            if kind is ActionKind.FORWARD:
+                self.on_forward(st, chunk, mb)
+                if virtual_stage < self.last_virtual_stage:
+                    sends.append((virtual_stage + 1, _ACTIVATION))
+            elif kind is ActionKind.BACKWARD:
+                self.on_backward(st, chunk)
+                st.backward_ends[mb] = self.now  # the rank's last backward of mb, over chunks
+                if virtual_stage > 0:
+                    sends.append((virtual_stage - 1, _GRADIENT))
+            elif kind is ActionKind.WEIGHT_GRAD:
+                self.gradient_done(st, st.state.record_weight_grad(chunk))
+            else:
+                st.state.record_step()
+                self.count_versions(st)
+        for virtual_stage, kind in sends:
+            self.send(st, virtual_stage, kind)
 
     def send(self, st: _Stage, virtual_stage: int, kind: int) -> None:
         """An activation or gradient for `virtual_stage`: after the latency on another rank, at
