@@ -45,6 +45,8 @@ def _event_record(event: TraceEvent, pid: int) -> dict:
         args["microbatch"] = action.microbatch
     if action.chunk is not None:
         args["chunk"] = action.chunk
+    if action.together:
+        args["together"] = [str(part) for part in action.together]
     return {
         "name": str(action),
         "cat": action.kind.name.lower(),
@@ -95,8 +97,16 @@ def write_chrome_trace(
 def _parse_action(record: dict) -> Action:
     args = record.get("args") or {}
     if "kind" in args:
-        return Action(ActionKind(args["kind"]), args.get("microbatch"), args.get("chunk"))
-    name = str(record["name"])  # a trace written by another tool: "F3", "B3", "F3c1", "S", ...
+        together = tuple(_parse_name(name) for name in args.get("together", ()))
+        kind, microbatch = ActionKind(args["kind"]), args.get("microbatch")
+        return Action(kind, microbatch, args.get("chunk"), together)
+    # a trace written by another tool: "F3", "B3", "F3c1", "F3c0&B1c1", "S", ...
+    first, *rest = str(record["name"]).split("&")
+    head = _parse_name(first)
+    return Action(head.kind, head.microbatch, head.chunk, tuple(map(_parse_name, rest)))
+
+
+def _parse_name(name: str) -> Action:
     for kind in sorted(ActionKind, key=lambda k: -len(k.value)):
         if name.startswith(kind.value):
             rest = name[len(kind.value) :]

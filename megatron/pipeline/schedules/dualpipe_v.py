@@ -76,7 +76,7 @@ def check_microbatches(num_ranks: int, chunks: int, microbatches: int) -> None:
         raise ValueError(f"dualpipe-v runs exactly 2 model chunks per rank (the V), got {chunks}")
     if microbatches < 2 * num_ranks:
         raise ValueError(
-            f"dualpipe-v needs at least 2N = {2 * num_ranks} microbatches per step on "
+            f"dualpipe-v needs at least {2 * num_ranks} microbatches per step (2N) on "
             f"{num_ranks} ranks, got {microbatches}"
         )
 

@@ -168,7 +168,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         help="m per step directly (instead of global batch sizes)",
     )
     g("--micro-batch-sizes", type=_positive_ints)
-    g("--schedules", help="comma list of: " + ", ".join(sorted(SIMULATED_SCHEDULES)))
+    one_chunk = sorted(n for n, s in SIMULATED_SCHEDULES.items() if s.placement is None)
+    g("--schedules", help="comma list of: " + ", ".join(one_chunk))
 
 
 def _add_cost_flags(p: argparse.ArgumentParser) -> None:
@@ -301,6 +302,10 @@ def _schedules(value) -> list[str]:
     unknown = [n for n in names if n not in SIMULATED_SCHEDULES]
     if unknown:
         raise SettingsError(f"unknown schedule(s) {unknown} (known: {sorted(SIMULATED_SCHEDULES)})")
+    chunked = [n for n in names if SIMULATED_SCHEDULES[n].placement is not None]
+    if chunked:  # the cost model and the memory model are per stage: one chunk per rank
+        raise SettingsError(f"the projection models one model chunk per stage; {chunked} run "
+                            "several per rank (simulate them with tools/simulate_pipeline.py)")  # fmt: skip
     return names
 
 
