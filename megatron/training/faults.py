@@ -16,6 +16,7 @@ dead peer, a launcher that disappeared.
   "terminate called" of its communication threads at interpreter exit.
 """
 
+import contextlib
 import datetime
 import hashlib
 import os
@@ -72,6 +73,7 @@ def _first_to_report(message: str) -> bool:
 # Per launch attempt: torchrun's store outlives a restart (--max-restarts).
 _ERROR_KEYS = f"reported_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 _ANY_ERROR = f"{_ERROR_KEYS}/any"
+_STOPPED_KEYS = f"stopped_rank/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _job_store():
@@ -147,16 +149,26 @@ def _process_state(pid: int) -> str:
 def end_stopped_peers() -> list[int]:
     """Kill the peers on this host whose process is stopped (SIGSTOP): a stopped process
     ignores the launcher's SIGTERM, and the launcher waits 30 s more before its SIGKILL.
-    Returns their ranks. (Linux /proc; elsewhere nothing is found.)"""
-    here, ended = socket.gethostname(), []
+    Returns the ranks found stopped by this rank or, before it, by another one (recorded in the
+    job's store before the kill, so every rank that timed out names the same ones).
+    (Linux /proc; elsewhere nothing is found.)"""
+    here, store, ended = socket.gethostname(), _job_store(), set()
     for rank, (host, pid) in sorted(_peers.items()):
         if host == here and pid != os.getpid() and _process_state(pid) == "T":
-            try:
+            with contextlib.suppress(Exception):  # the store's host is gone: kill anyway
+                store.set(f"{_STOPPED_KEYS}/{rank}", "1")
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-                ended.append(rank)
-            except OSError:
-                pass
-    return ended
+                ended.add(rank)
+    with contextlib.suppress(Exception):
+        ended.update(rank for rank in _peers if store.check([f"{_STOPPED_KEYS}/{rank}"]))
+    return sorted(ended)
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether a failed collective or transfer gave up waiting (gloo's and NCCL's words)."""
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
 
 
 # ---------------------------------------------------------------------------- Ctrl-C

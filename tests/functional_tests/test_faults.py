@@ -270,3 +270,51 @@ def test_ctrl_c_ends_every_rank_in_one_line_and_keeps_the_checkpoint(tmp_path):
     latest = int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
     assert latest % 3 == 0 and os.path.isdir(os.path.join(save, f"iter_{latest:07d}"))
     assert not [name for name in os.listdir(save) if name.endswith(".tmp")]
+
+
+def test_a_rank_frozen_during_a_save_is_named_and_ended(tmp_path):
+    """Rank 2 stops itself (SIGSTOP) as the torch_dist save of iteration 4 begins: the others
+    give up after --distributed-timeout-minutes, name it in one line, end it (the launcher
+    need not wait 30 s for a process that ignores its SIGTERM), and the tracker keeps naming
+    iteration 2, whose checkpoint is complete."""
+    save, log_path = str(tmp_path / "ckpt"), str(tmp_path / "log")
+    args = SMALL + MOCK + ["--train-iters", "8", "--lr", "1e-4", "--save", save,
+                           "--save-interval", "2", "--distributed-timeout-minutes", "1"]  # fmt: skip
+    env = {**ENV, "MEGATRON_INJECT_STOP_IN_SAVE": "2:4"}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [TORCHRUN, "--standalone", "--nproc-per-node", "4",
+             os.path.join(REPO, "pretrain_gpt.py"), *args],
+            cwd=REPO, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not (pids := workers(process.pid)) or len(pids) < 4 or alive_state(pids[2]) != "T":
+            assert process.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
+            time.sleep(0.2)
+        frozen_at = time.time()
+        process.wait(timeout=150)
+        ended_after = time.time() - frozen_at
+        assert not [rank for rank, pid in pids.items() if alive(pid)]
+    finally:
+        _kill_group(process)
+    output = open(log_path).read()
+    errors = our_errors(output)
+    print(f"every process ended {ended_after:.1f} s after rank 2 froze in its save")
+    assert len(errors) == 1, output[-3000:]
+    assert errors[0].startswith(
+        "error: checkpoint of iteration 4 not saved: stage 2 (rank 2) was stopped (ended now) "
+        "and did not take part within --distributed-timeout-minutes 1; "
+        "latest_checkpointed_iteration.txt still names iteration 2"
+    ), errors  # fmt: skip
+    assert not worker_traceback(output), output[-3000:]
+    assert ended_after < 60 + 20, ended_after  # the timeout, then seconds, not 30 s more
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
+    assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000002"]
+
+
+def alive_state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "?"

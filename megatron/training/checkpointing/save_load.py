@@ -23,15 +23,18 @@ loaded instead.
 import errno
 import os
 import re
+import signal
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron.training import faults
 from megatron.training.checkpointing import integrity, torch_dist
 from megatron.training.errors import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
+INJECT_STOP_ENV = "MEGATRON_INJECT_STOP_IN_SAVE"
 # What must be equal to load a checkpoint, by what it describes.
 RECORDED_ARGS = {  # in the order they are checked: a changed shape is named as such
     "model shape": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -99,11 +102,17 @@ def recorded_args(args) -> dict:
 def save(root: str, state, model, optimizer, scheduler, args=None) -> None:
     """In `--ckpt-format` (torch without `args`); with `args`: Megatron's --no-save-optim /
     --no-save-rng leave those parts out."""
-    if getattr(args, "ckpt_format", "torch") == torch_dist.FORMAT:
-        _save_dist(root, state, model, optimizer, scheduler, args)
-    else:
-        _save_torch(root, state, model, optimizer, scheduler, args)
-    dist.barrier()  # every rank's part is complete before the tracker names the iteration
+    _stop_here_if_injected(state.iteration)
+    try:
+        if getattr(args, "ckpt_format", "torch") == torch_dist.FORMAT:
+            _save_dist(root, state, model, optimizer, scheduler, args)
+        else:
+            _save_torch(root, state, model, optimizer, scheduler, args)
+        dist.barrier()  # every rank's part is complete before the tracker names the iteration
+    except (RuntimeError, torch_dist.CheckpointException) as error:
+        if not faults.timed_out(error):
+            raise
+        raise UserError(_save_timeout(root, state.iteration, args)) from None
     if dist.get_rank() == 0:
         atomic_write_text(os.path.join(root, TRACKER), str(state.iteration))
         print(f"> saved checkpoint at iteration {state.iteration} to {root}", flush=True)
@@ -146,11 +155,38 @@ def _save_dist(root: str, state, model, optimizer, scheduler, args) -> None:
         torch_dist.save_checkpoint(directory, common, model=model, optimizer=optimizer, args=args)
     except (OSError, RuntimeError, torch_dist.CheckpointException) as error:
         torch_dist.remove_staging(directory)
+        if not isinstance(error, OSError) and faults.timed_out(error):
+            raise  # a rank did not take part: save() names it
         cause = error if isinstance(error, OSError) else _os_error_in(error)
         problem = _write_problem(directory, cause) if cause else f"cannot write {directory} ("
         if cause is None:
             problem += f"{torch_dist.first_line(error)})"
         raise UserError(f"{problem}: checkpoint not saved{_kept_note(root)}") from None
+
+
+def _save_timeout(root: str, iteration: int, args) -> str:
+    """A rank did not take part in the save's collectives in time: the stopped ones on this
+    host are ended (so the launcher need not wait for them) and named."""
+    from megatron.pipeline.p2p import describe_rank
+
+    stopped = faults.end_stopped_peers()
+    if stopped:
+        who = ", ".join(describe_rank(rank) for rank in stopped)
+        who += f" {'was' if len(stopped) == 1 else 'were'} stopped (ended now) and"
+    else:
+        who = "a rank (stuck, or on another host)"
+    minutes = getattr(args, "distributed_timeout_minutes", None)
+    return (
+        f"checkpoint of iteration {iteration} not saved: {who} did not take part within "
+        f"--distributed-timeout-minutes {minutes}{_kept_note(root)}"
+    )
+
+
+def _stop_here_if_injected(iteration: int) -> None:
+    """Tests: MEGATRON_INJECT_STOP_IN_SAVE=RANK:ITERATION makes that global rank stop itself
+    (SIGSTOP) as the save of that iteration begins: a rank frozen while the others write."""
+    if os.environ.get(INJECT_STOP_ENV) == f"{dist.get_rank()}:{iteration}":
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _kept_note(root: str) -> str:
