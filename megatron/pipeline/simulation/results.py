@@ -27,6 +27,10 @@ Metrics of a simulated run (`SimulationResult`):
 * ``peak_inflight_per_stage[s]``: the most microbatches forwarded and not yet backwarded
   (`StageView.inflight`): PACI gives N - s, 1F1B min(N - s, m), GPipe m. ZB-H1 also keeps
   N - s; its deferred W passes hold the smaller rest of the activations (inputs, gradients).
+* virtual stages (schedules with a placement; ``to_dict`` then adds ``virtual_stages``): a
+  stage is a rank, ``peak_inflight_per_stage`` counts microbatch-chunks, ``peak_held_per_stage``
+  those not yet through W either, and ``bubble_over_ideal`` is idle over compute time
+  (Narayanan et al.'s t_bubble / t_ideal: uniform interleaved 1F1B gives (N - 1) / (v m)).
 * ``extra_weight_versions``: what the schedule declares; ``measured_extra_weight_versions``: the
   most distinct versions a stashing stage held at once (live + stashes of its in-flight
   microbatches) minus one.
