@@ -171,6 +171,14 @@ def timed_out(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+# ---------------------------------------------------------------------------- exit codes
+def finish_on_our_own() -> None:
+    """Every rank has decided to fail the run the same way (it diverged): ignore SIGTERM from
+    here on. The first rank to exit makes torchrun SIGTERM the rest, which would end them with
+    -15 instead of the exit code every rank is about to return."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 # ---------------------------------------------------------------------------- Ctrl-C
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # the shell's convention for "ended by SIGINT"
 

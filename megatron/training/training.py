@@ -770,6 +770,7 @@ def _check_health(args, state, model, step_func) -> bool:
     elif state.rollbacks:
         reason += f" (after {len(state.rollbacks)} rollbacks)"
     state.diverged, state.fit_to_save = reason, False
+    faults.finish_on_our_own()  # every rank agreed: each exits with the divergence's code
     return False
 
 

@@ -3,6 +3,7 @@ a dead launcher. Each launch costs ~10 s of imports on a small machine, so there
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,6 +113,8 @@ def test_divergence_is_counted_rolled_back_and_fails_the_run(diverged):
     assert not worker_traceback(output), output[-3000:]
     errors = our_errors(output)
     assert len(errors) == 1 and "training diverged" in errors[0], errors
+    # every rank exits 3 (torchrun's failure report lists each worker's code)
+    assert re.findall(r"exitcode\s*:\s*(-?\d+)", output) == ["3"] * 4, output[-3000:]
     summary = json.load(open(out / "metrics" / "summary.json"))  # valid JSON: parses
     losses = summary["loss"]
     nan_count = sum(1 for loss in losses if loss is None)

@@ -482,8 +482,22 @@ def test_manifest_and_files_must_agree(verified_checkpoints, damage, needle):
         (directory / "notes.txt").write_text("added after the save")
     message = load_error(verified_checkpoints, "--verify-integrity")
     assert message.startswith(f"checkpoint {directory} failed its integrity check: {needle}")
-    if damage == "extra":  # without the flag nothing is checked against the manifest
+    if damage == "no_manifest":  # without the flag a checkpoint need not have a manifest
         assert load(verified_checkpoints)[0] == 4
+    else:  # but one that has a manifest is checked against it, flag or not
+        assert load_error(verified_checkpoints) == message
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist"], indirect=True)
+def test_a_manifest_is_checked_without_the_flag(verified_checkpoints):
+    """A tampered shard of a checkpoint saved with --verify-integrity is caught by a run that
+    loads it without the flag: the manifest beside it is enough."""
+    directory = verified_checkpoints / "iter_0000004"
+    flip_one_byte(directory / "__0_0.distcp")
+    message = load_error(verified_checkpoints)
+    assert message.startswith(f"checkpoint {directory} failed its integrity check: "
+                              "__0_0.distcp changed (sha256 ")  # fmt: skip
+    assert load(verified_checkpoints, make_args("--load-fallback"))[0] == 2
 
 
 @pytest.mark.parametrize("ckpt_format", ["torch"], indirect=True)

@@ -99,10 +99,13 @@ def manifest_problem(directory: str) -> str | None:
     return None
 
 
-def integrity_problem(directory: str, device: torch.device) -> str | None:
-    """The verdict of rank 0 on `directory`, on every rank (collective)."""
+def integrity_problem(directory: str, device: torch.device, required: bool = True) -> str | None:
+    """The verdict of rank 0 on `directory`, on every rank (collective). Not `required`: a
+    checkpoint without a manifest passes (one saved without --verify-integrity), one with a
+    manifest is checked against it."""
     verdict = [None]
-    if dist.get_rank() == 0:
+    present = os.path.isfile(os.path.join(directory, MANIFEST))
+    if dist.get_rank() == 0 and (required or present):
         problem = manifest_problem(directory)
         verdict = [
             f"checkpoint {directory} failed its integrity check: {problem}" if problem else None

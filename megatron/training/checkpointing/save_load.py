@@ -302,12 +302,13 @@ def _read_iteration(root: str, iteration: int, wanted: str | None) -> tuple[dict
     return common, problem
 
 
-def _read_verified(root: str, iteration: int, wanted: str | None, device) -> tuple:
+def _read_verified(root: str, iteration: int, wanted: str | None, device, required) -> tuple:
     """`_read_iteration` of a checkpoint whose files match their manifest (collective: every
-    rank gets rank 0's verdict); a wrong format is named first."""
+    rank gets rank 0's verdict; not `required`: only if it has one); a wrong format is named
+    first."""
     _checked_format(root, iteration, wanted)
     directory = os.path.join(root, f"iter_{iteration:07d}")
-    problem = integrity.integrity_problem(directory, device)
+    problem = integrity.integrity_problem(directory, device, required)
     if problem is not None:
         return None, problem
     return _read_iteration(root, iteration, wanted)
@@ -321,17 +322,16 @@ def read_checkpoint(
     verify_integrity: bool = False,
 ) -> dict:
     """The payload of the newest checkpoint every rank can read (collective); `ckpt_format`:
-    the format it must be in (None: whichever it is); `verify_integrity`: its files must match
-    their manifest (integrity.py), checked before anything is read."""
+    the format it must be in (None: whichever it is). Files are checked against the
+    checkpoint's manifest (integrity.py) before anything is read, when it has one;
+    `verify_integrity`: it must have one."""
     newest = read_tracker(root, quiet=fallback)
     candidates = [newest] if newest is not None else []
     if fallback:
         candidates += [i for i in iterations_on_disk(root) if newest is None or i < newest]
     for iteration in candidates:
-        if verify_integrity:
-            payload, problem = _read_verified(root, iteration, ckpt_format, device)
-        else:
-            payload, problem = _read_iteration(root, iteration, ckpt_format)
+        # a manifest is checked whenever there is one; --verify-integrity requires it
+        payload, problem = _read_verified(root, iteration, ckpt_format, device, verify_integrity)
         if _every_rank_ok(problem is None, device):
             if iteration != newest and dist.get_rank() == 0:
                 print(f"> --load-fallback: loading the intact checkpoint of iteration "
