@@ -505,3 +505,33 @@ def test_verify_integrity_needs_torch_dist():
     with pytest.raises(UserError) as caught:
         make_args("--verify-integrity")
     assert str(caught.value) == "--verify-integrity is only supported with --ckpt-format torch_dist"
+
+
+def ramp_args(*ramp: str, extra=()):
+    """A run by samples with --rampup-batch-size START INCREMENT SAMPLES (or none)."""
+    flags = [f for f in FLAGS if f not in ("--train-iters", "10")]
+    flags += ["--train-samples", "160", "--global-batch-size", "32", "--ckpt-format",
+              current["format"], *(["--rampup-batch-size", *ramp] if ramp else []), *extra]  # fmt: skip
+    args = build_parser().parse_args(flags)
+    validate_args(args, world_size=1)
+    args.padded_vocab_size = 128
+    return args
+
+
+@pytest.mark.parametrize("ckpt_format", FORMATS, indirect=True)
+def test_changed_batch_ramp_is_named_or_honoured(tmp_path):
+    save_at(tmp_path, 2, ramp_args("8", "8", "64"))
+    with pytest.raises(UserError) as caught:
+        load(tmp_path, ramp_args("16", "8", "64"))
+    assert str(caught.value) == (
+        f"--load {tmp_path}: the batch-size ramp differs: --rampup-batch-size 16 8 64 "
+        "(checkpoint 8 8 64); pass --override-opt_param-scheduler to use the new one, or the "
+        "checkpoint's"
+    )
+    with pytest.raises(UserError) as caught:
+        load(tmp_path, ramp_args())
+    assert "--rampup-batch-size none (checkpoint 8 8 64)" in str(caught.value)
+    assert load(tmp_path, ramp_args("8", "8", "64"))[0] == 2
+    assert (
+        load(tmp_path, ramp_args("16", "8", "64", extra=["--override-opt_param-scheduler"]))[0] == 2
+    )

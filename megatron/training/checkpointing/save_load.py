@@ -94,8 +94,13 @@ def _rank_file(root: str, iteration: int) -> str:
     )
 
 
+# Recorded too, and checked with the learning-rate schedule (`check_schedule`).
+RECORDED_SCHEDULE_ARGS = ("rampup_batch_size",)
+
+
 def recorded_args(args) -> dict:
-    return {name: getattr(args, name, None) for names in RECORDED_ARGS.values() for name in names}
+    names = [name for names in RECORDED_ARGS.values() for name in names]
+    return {name: getattr(args, name, None) for name in names + list(RECORDED_SCHEDULE_ARGS)}
 
 
 # ---------------------------------------------------------------------------- save
@@ -395,7 +400,11 @@ def _drained(saved_schedule, args) -> bool:
 
 
 def check_schedule(payload: dict, scheduler, args, path: str) -> None:
-    """A changed LR schedule is used only when asked to (Megatron's two flags); else one line."""
+    """A changed LR schedule is used only when asked to (Megatron's two flags); else one line.
+    So is a changed batch-size ramp (--override-opt_param-scheduler takes the new one): the
+    ramp, like the LR, is a function of the samples consumed, and a new one applied halfway
+    changes the run's remaining batches and its length in iterations."""
+    _check_batch_ramp(payload, args, path)
     if getattr(args, "override_opt_param_scheduler", False):
         scheduler.override_opt_param_scheduler = True
         return
@@ -415,6 +424,20 @@ def check_schedule(payload: dict, scheduler, args, path: str) -> None:
             f"--load {path}: the learning-rate schedule differs: {', '.join(differences)}; "
             f"pass --override-opt_param-scheduler to use the new one or "
             f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+        )
+
+
+def _check_batch_ramp(payload: dict, args, path: str) -> None:
+    recorded = payload.get("args") or {}
+    if "rampup_batch_size" not in recorded or getattr(args, "override_opt_param_scheduler", False):
+        return
+    saved, now = recorded["rampup_batch_size"], getattr(args, "rampup_batch_size", None)
+    if saved != now:
+        spell = lambda ramp: " ".join(map(str, ramp)) if ramp else "none"  # noqa: E731
+        raise UserError(
+            f"--load {path}: the batch-size ramp differs: --rampup-batch-size {spell(now)} "
+            f"(checkpoint {spell(saved)}); pass --override-opt_param-scheduler to use the new "
+            f"one, or the checkpoint's"
         )
 
 
