@@ -3,7 +3,7 @@ dead peer, a launcher that disappeared.
 
 * `report_error`: every rank's error is printed, once per distinct message in the whole job
   (deduplicated through torch.distributed's store, or before the process group exists through
-  a marker file per message on the node), with the rank that saw it.
+  torchrun's), with the rank that saw it.
 * `apply_timeout_to_all_groups`: `--distributed-timeout-minutes` for every process group,
   including those megatron-core and the pipeline create with torch's 30-minute default.
 * `watch_launcher`: workers end when torchrun itself dies (SIGKILL leaves them orphaned,
@@ -23,7 +23,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import threading
 
 import torch.distributed as dist
@@ -56,36 +55,40 @@ def _first_to_report(message: str) -> bool:
             return store.add(f"{_ERROR_KEYS}/{key}", 1) == 1
         except Exception:  # the store's host is gone: print
             return True
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if not run_id or _world_size() == 1:
-        return True
-    directory = os.path.join(tempfile.gettempdir(), f"megatron-errors-{run_id}")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        os.close(os.open(os.path.join(directory, key), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        return False
-    except OSError:
-        return True
+    return True
 
 
 # Per launch attempt: torchrun's store outlives a restart (--max-restarts).
 _ERROR_KEYS = f"reported_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 _ANY_ERROR = f"{_ERROR_KEYS}/any"
+_STORE_TIMEOUT = datetime.timedelta(seconds=5)
+_launcher_store = None
 _STOPPED_KEYS = f"stopped_rank/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _job_store():
-    """The job's key-value store (torch.distributed's default store), with a short timeout;
-    None before the process group exists."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
+    """The job's key-value store with a short timeout: torch.distributed's default store, or
+    before the process group exists torchrun's own (its workers may join it as clients; no
+    file is left behind). None without either."""
+    global _launcher_store
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(datetime.timedelta(seconds=5))
+        if dist.is_available() and dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
+        elif _launcher_store is None and os.environ.get("TORCHELASTIC_RUN_ID"):
+            from megatron.training.launch import launch_environment, under_torchrun
+
+            if not under_torchrun():
+                return None
+            _, world_size, address, port = launch_environment()
+            _launcher_store = dist.TCPStore(address, port, world_size, is_master=False,
+                                            timeout=_STORE_TIMEOUT)  # fmt: skip
+            store = _launcher_store
+        else:
+            store = _launcher_store
+        if store is not None:
+            store.set_timeout(_STORE_TIMEOUT)
         return store
-    except Exception:
+    except Exception:  # no store to reach: every rank prints
         return None
 
 

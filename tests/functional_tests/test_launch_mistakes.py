@@ -88,3 +88,23 @@ def test_a_world_larger_than_the_processes_started_ends_within_the_timeout(outco
 
 def test_a_port_in_use_is_named(outcomes):
     _one_line_each(outcomes["port in use"], "is already in use on this host: choose a free port")
+
+
+def test_an_error_before_the_process_group_is_printed_once_and_leaves_nothing(tmp_path):
+    """A flag error under torchrun: every worker sees it before any process group exists; it
+    is printed once for the job (deduplicated through torchrun's store) and no marker file
+    is left in the temp folder."""
+    from test_faults import SMALL, TORCHRUN
+
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    command = [TORCHRUN, "--standalone", "--nproc-per-node", "4",
+               os.path.join(REPO, "pretrain_gpt.py"), *SMALL, *MOCK, "--train-iters", "2",
+               "--lr", "-1"]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, env=environ, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    errors = our_errors(output)
+    assert len(errors) == 1, output[-3000:]
+    assert errors[0].startswith("error: --lr must be a number >= 0, got -1.0 (rank "), errors
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("megatron-errors")]
