@@ -114,7 +114,7 @@ def test_divergence_is_counted_rolled_back_and_fails_the_run(diverged):
     errors = our_errors(output)
     assert len(errors) == 1 and "training diverged" in errors[0], errors
     # every rank exits 3 (torchrun's failure report lists each worker's code)
-    assert re.findall(r"exitcode\s*:\s*(-?\d+)", output) == ["3"] * 4, output[-3000:]
+    assert re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", output, re.M) == ["3"] * 4, output[-3000:]
     summary = json.load(open(out / "metrics" / "summary.json"))  # valid JSON: parses
     losses = summary["loss"]
     nan_count = sum(1 for loss in losses if loss is None)
