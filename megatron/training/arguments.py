@@ -102,6 +102,9 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     add("--pipeline-model-parallel-size", type=int, default=1)
     add("--distributed-backend", default=None, choices=["nccl", "gloo"],
         help="default: nccl when CUDA is available, else gloo")  # fmt: skip
+    add("--sequence-parallel", action="store_true",
+        help="split the sequence over the tensor-parallel ranks outside the tensor-parallel "
+        "layers (norms, dropout); stage boundaries carry [s/tp, b, h]")  # fmt: skip
     add("--distributed-timeout-minutes", type=int, default=10)
     add("--rendezvous-timeout-seconds", type=float, default=None,
         help="how long a process waits for the others to join at start-up before it stops "
@@ -365,6 +368,11 @@ def _validate_model_shape(args: argparse.Namespace) -> None:
         raise UserError("--hidden-size must be divisible by --num-attention-heads")
     if heads % tp != 0:
         raise UserError("--num-attention-heads must be divisible by --tensor-model-parallel-size")
+    if getattr(args, "sequence_parallel", False) and tp > 1 and args.seq_length % tp != 0:
+        raise UserError(
+            f"--sequence-parallel: --seq-length {args.seq_length} must be divisible by "
+            f"--tensor-model-parallel-size {tp} (each rank holds s / tp of the sequence)"
+        )
     if args.group_query_attention:
         groups = args.num_query_groups
         if groups < 1 or heads % groups != 0 or groups % tp != 0:

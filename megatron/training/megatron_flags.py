@@ -100,7 +100,6 @@ NOT_SUPPORTED = [
     Flag("--tp-comm-overlap-cfg", str),
     Flag("--wgrad-deferral-limit", int, 0),
     # sequence, context, expert parallelism; virtual pipeline; other layouts
-    Flag("--sequence-parallel"),
     Flag("--cp-comm-type", str),
     Flag("--hierarchical-context-parallel-sizes", str, nargs="+"),
     Flag("--expert-tensor-parallel-size", int),

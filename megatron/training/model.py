@@ -11,9 +11,12 @@ Two things here are ours rather than megatron-core's:
   run, which is what lets tests compare pipelined and non-pipelined losses.
 """
 
+import contextlib
 import copy
+import importlib
 import math
 import re
+import types
 import zlib
 from dataclasses import dataclass
 
@@ -21,6 +24,13 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import random as tensor_parallel_random
+from megatron.core.tensor_parallel.random import (
+    _DATA_PARALLEL_RNG_TRACKER_NAME,
+    _EXPERT_PARALLEL_RNG_TRACKER_NAME,
+    _MODEL_PARALLEL_RNG_TRACKER_NAME,
+    CudaRNGStatesTracker,
+)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -80,42 +90,129 @@ class SDPACoreAttention(MegatronModule):
         return context.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
-class ZeroCenteredNorm(torch.nn.Module):
-    """LayerNorm or RMSNorm whose weight stores gamma - 1 (Megatron's --apply-layernorm-1p).
+class PortableNorm(torch.nn.Module):
+    """LayerNorm or RMSNorm for the portable spec where megatron-core's torch norm wrapper falls
+    short:
 
-    megatron-core's torch norm wrapper has no zero-centered variant (only Transformer Engine's
-    has), so the portable spec uses this one when the flag is given."""
+    * zero-centered gamma (Megatron's --apply-layernorm-1p): the weight stores gamma - 1 (only
+      Transformer Engine's norms have the variant);
+    * sequence parallelism, which the wrapper refuses: each tensor-parallel rank normalizes its
+      part of the sequence with the same (replicated) weights, so they are tagged
+      `sequence_parallel` and their gradients summed over the tensor-parallel group, as Apex's
+      and Transformer Engine's norms are in Megatron."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
         super().__init__()
         self.rms = config.normalization == "RMSNorm"
+        self.zero_centered = config.layernorm_zero_centered_gamma
         self.shape, self.eps = (hidden_size,), eps
-        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
-        self.weight.zero_centered = True  # our initialization draws it as zeros, not ones
+        self.weight = torch.nn.Parameter(
+            torch.zeros(hidden_size) if self.zero_centered else torch.ones(hidden_size)
+        )
+        self.weight.zero_centered = self.zero_centered  # our initialization draws it as zeros
         self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size))
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gamma = 1.0 + self.weight
+        gamma = 1.0 + self.weight if self.zero_centered else self.weight
         if self.rms:
             return torch.nn.functional.rms_norm(x, self.shape, gamma, self.eps)
         return torch.nn.functional.layer_norm(x, self.shape, gamma, self.bias, self.eps)
 
 
 def portable_layer_spec(
-    normalization: str = "LayerNorm", qk_layernorm: bool = False, zero_centered: bool = False
+    normalization: str = "LayerNorm", qk_layernorm: bool = False, own_norms: bool = False
 ) -> ModuleSpec:
-    """megatron-core's local GPT layer spec with our SDPA core attention swapped in."""
+    """megatron-core's local GPT layer spec with our SDPA core attention swapped in; with
+    `own_norms`, `PortableNorm` for every norm of the layer."""
     spec = copy.deepcopy(
         get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
     )
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = SDPACoreAttention
-    if zero_centered:
-        spec.submodules.input_layernorm = ZeroCenteredNorm
-        spec.submodules.pre_mlp_layernorm = ZeroCenteredNorm
+    if own_norms:
+        spec.submodules.input_layernorm = PortableNorm
+        spec.submodules.pre_mlp_layernorm = PortableNorm
         if qk_layernorm:
-            attention.q_layernorm = attention.k_layernorm = ZeroCenteredNorm
+            attention.q_layernorm = attention.k_layernorm = PortableNorm
     return spec
+
+
+class _HostCuda:
+    """`torch.cuda` with the host as its current device, for megatron-core modules that
+    allocate their tensor-parallel buffers on `torch.cuda.current_device()` (which raises
+    where there is no CUDA)."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+
+class _TorchOnHost(types.ModuleType):
+    """`torch`, with `_HostCuda` as its `cuda`."""
+
+    cuda = _HostCuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+# The megatron-core 0.16.1 modules whose sequence-parallel paths allocate on the CUDA device:
+# the gather / reduce-scatter mappings, the linear layers' input gather, the memory buffer.
+_CUDA_BUFFER_MODULES = (
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.utils",
+)
+
+
+class HostRNGStatesTracker(CudaRNGStatesTracker):
+    """megatron-core's tracker of named RNG states, on the host generator: its sequence-
+    parallel embedding dropout forks the tensor-parallel state, which the CUDA tracker cannot
+    create without CUDA. Same seeds as megatron-core's (`model_parallel_cuda_manual_seed`)."""
+
+    def add(self, name, seed):
+        if seed in self.seeds_ or name in self.states_:
+            raise ValueError(f"RNG state {name} (seed {seed}) already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name=_MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states_:
+            raise ValueError(f"RNG state {name} is not added")
+        outside = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outside)
+
+
+def run_sequence_parallel_on_host(seed: int, tensor_rank: int) -> None:
+    """A CPU run without CUDA, with --sequence-parallel (megatron-core 0.16.1 assumes CUDA
+    there): its buffers become host tensors (only the `torch` of the modules that allocate
+    them is swapped, for one naming the host as the current CUDA device; on a machine without
+    CUDA the original call could only raise), and its RNG tracker a host one."""
+    if torch.cuda.is_available():
+        return
+    for name in _CUDA_BUFFER_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _TorchOnHost):
+            module.torch = _TorchOnHost("torch")
+    tracker = HostRNGStatesTracker()
+    tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tensor_rank)
+    tracker.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+    tensor_parallel_random._CUDA_RNG_STATE_TRACKER = tracker
+    tensor_parallel_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
 def transformer_engine_available() -> bool:
@@ -129,7 +226,8 @@ def transformer_engine_available() -> bool:
 def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: bool = True):
     """Transformer Engine's spec on CUDA when TE is installed (and `use_te`), else the portable
     spec; the portable one as a block (the layers of this stage and the final norm) when the
-    norms are zero-centered, which megatron-core's default final norm cannot be."""
+    norms are zero-centered or sequence-parallel, which megatron-core's default final norm
+    cannot be."""
     qk_layernorm = config.qk_layernorm
     if use_te and device.type == "cuda" and transformer_engine_available():
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -137,12 +235,12 @@ def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: b
         )
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    zero_centered = config.layernorm_zero_centered_gamma
-    spec = portable_layer_spec(config.normalization, qk_layernorm, zero_centered)
-    if not zero_centered:
+    own_norms = config.layernorm_zero_centered_gamma or config.sequence_parallel
+    spec = portable_layer_spec(config.normalization, qk_layernorm, own_norms)
+    if not own_norms:
         return spec
     layers = get_num_layers_to_build(config)
-    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=ZeroCenteredNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=PortableNorm)
 
 
 class HostRotaryEmbedding(RotaryEmbedding):

@@ -41,7 +41,11 @@ from megatron.training.data.datasets import data_iterators_from_args, parse_data
 from megatron.training.emulation import EmulatedStage
 from megatron.training.errors import RunFailed, UserError
 from megatron.training.host_memory import unmap_large_blocks_when_freed
-from megatron.training.model import StageLayout, build_gpt_stage
+from megatron.training.model import (
+    StageLayout,
+    build_gpt_stage,
+    run_sequence_parallel_on_host,
+)
 from megatron.training.optimizer.build import (
     StageOptimizerStep,
     build_lr_scheduler,
@@ -90,6 +94,8 @@ def initialize_distributed(args) -> torch.device:
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )
     torch.manual_seed(args.seed)
+    if args.sequence_parallel and device.type == "cpu":  # megatron-core's CUDA-only parts
+        run_sequence_parallel_on_host(args.seed, parallel_state.get_tensor_model_parallel_rank())
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -189,6 +195,7 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         apply_rope_fusion=False,
         persist_layer_norm=False,
         calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
+        sequence_parallel=args.sequence_parallel,
     )
 
 
@@ -411,13 +418,20 @@ def _build_checked_tokenizer(args):
     return tokenizer
 
 
+def boundary_sequence_length(args) -> int:
+    """The sequence length of the activations between stages: with sequence parallelism each
+    tensor-parallel rank sends its own part, [s / tp, b, h] (megatron-core's convention)."""
+    tp = args.tensor_model_parallel_size
+    return args.seq_length // tp if args.sequence_parallel else args.seq_length
+
+
 def _build_stage_runtime(args, model, device) -> StageRuntime:
     """The stage's pipeline runtime, attached to the model, with the schedule selected."""
     dtype = model_dtype(args)
     runtime = StageRuntime(
         build_pipeline_context(device),
         model,
-        tensor_shape=(args.seq_length, args.micro_batch_size, args.hidden_size),
+        tensor_shape=(boundary_sequence_length(args), args.micro_batch_size, args.hidden_size),
         dtype=dtype,
         record_trace=args.timeline_file is not None,
         deterministic=args.deterministic_mode,

@@ -13,7 +13,7 @@ import sys
 import pytest
 import run_cases
 
-PIPELINED_FLUSH = ["gpt_pp4_1f1b", "gpt_tp2pp2_1f1b", "gpt_dp2pp2_1f1b"]
+PIPELINED_FLUSH = ["gpt_pp4_1f1b", "gpt_tp2pp2_1f1b", "gpt_dp2pp2_1f1b", "gpt_tp2pp2_1f1b_sp"]
 # --deterministic-mode: the fixed 1F1B order, reproducible bit for bit.
 PACI_FIXED_ORDER = [
     "gpt_pp4_paci_a1",
@@ -21,6 +21,7 @@ PACI_FIXED_ORDER = [
     "gpt_pp4_paci_a4",
     "gpt_tp2pp2_paci",
     "gpt_dp2pp2_paci",
+    "gpt_tp2pp2_paci_sp",
 ]
 # Reacting to arrivals: the order depends on timing, the bound must hold all the same.
 PACI_REACTIVE = ["gpt_pp4_paci_reactive", "gpt_tp2pp2_paci_reactive"]
@@ -72,6 +73,16 @@ def test_megatron_realtime_check_and_fused_cross_entropy_under_paci(case_results
     assert abs(checks["loss"][0] - flush[0]) <= 1e-6 * flush[0]
     assert run_cases.relative_difference(checks["loss"], flush) <= 5e-3
     assert checks["cross_stage_collectives"] == 0
+
+
+def test_sequence_parallelism_changes_no_number_under_paci(case_results):
+    """--sequence-parallel splits the norms' and dropouts' sequence over the tensor-parallel
+    ranks and halves the stage-boundary activations; with dropout 0 the run is the same run:
+    PACI's fixed order with and without it agrees to float rounding, and the tensor-parallel
+    gathers it adds stay inside the stages."""
+    with_sp, without = case_results["gpt_tp2pp2_paci_sp"], case_results["gpt_tp2pp2_paci"]
+    assert run_cases.relative_difference(with_sp["loss"], without["loss"]) <= 1e-5
+    assert with_sp["cross_stage_collectives"] == 0
 
 
 def test_paci_on_one_stage_is_flush(case_results):

@@ -76,6 +76,12 @@ CASES = {
     "divisible_by_zero": (["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible"),
     "seed_negative": (["--seed", "-1"], "--seed must be >= 0"),
     "tensor_parallel_zero": (["--tensor-model-parallel-size", "0"], "must be >= 1"),
+    "sequence_parallel_indivisible": (
+        ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "1",
+         "--sequence-parallel", None, "--seq-length", "30"],  # fmt: skip
+        "--sequence-parallel: --seq-length 30 must be divisible by --tensor-model-parallel-size 4",
+    ),
+    "rendezvous_timeout_negative": (["--rendezvous-timeout-seconds", "-1"], "--rendezvous-"),
     "max_skips_zero": (["--max-consecutive-skips", "0"], "--max-consecutive-skips must be"),
     "save_under_a_file": (["--save", NOT_A_DIR + "/ckpt"], "is a file, not a directory"),
     "metrics_under_a_file": (["--metrics-dir", NOT_A_DIR + "/m"], "--metrics-dir"),

@@ -108,14 +108,21 @@ class StepReport:
 
 def _summed_over_tensor_parallel(model: torch.nn.Module, group) -> list[torch.nn.Parameter]:
     """Parameters replicated over the tensor-parallel ranks whose gradient each rank computes
-    from its own attention heads only: the q/k layernorms (--qk-layernorm) normalize each head,
-    so the full gradient is the sum over the ranks (as Megatron's finalize_model_grads does)."""
+    from its own part only, so the full gradient is the sum over the ranks (as Megatron's
+    finalize_model_grads does): the q/k layernorms (--qk-layernorm) normalize each rank's own
+    heads; under --sequence-parallel the norms (tagged `sequence_parallel`) see each rank's own
+    part of the sequence."""
     if group is None or dist.get_world_size(group) == 1:
         return []
     return [
         param
         for name, param in model.named_parameters()
-        if param.requires_grad and ("q_layernorm" in name or "k_layernorm" in name)
+        if param.requires_grad
+        and (
+            "q_layernorm" in name
+            or "k_layernorm" in name
+            or getattr(param, "sequence_parallel", False)
+        )
     ]
 
 
