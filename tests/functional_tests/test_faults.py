@@ -26,10 +26,24 @@ MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def launch(args, **popen) -> subprocess.Popen:
+def launch(args, env=None, **popen) -> subprocess.Popen:
     command = [TORCHRUN, "--standalone", "--nproc-per-node", "4",
                os.path.join(REPO, "pretrain_gpt.py"), *args]  # fmt: skip
-    return subprocess.Popen(command, cwd=REPO, env=ENV, start_new_session=True, **popen)
+    return subprocess.Popen(command, cwd=REPO, env=env or ENV, start_new_session=True, **popen)
+
+
+def launch_until(args, log_path: str, needle: str, env=None) -> tuple[subprocess.Popen, dict]:
+    """A launch logging to `log_path`, once `needle` is in its log: (launcher, rank -> pid)."""
+    with open(log_path, "w") as log:
+        process = launch(args, env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_line(log_path, needle, process)
+        pids = workers(process.pid)
+        assert len(pids) == 4, pids
+    except BaseException:
+        _kill_group(process)
+        raise
+    return process, pids
 
 
 def run(args, timeout=180) -> tuple[int, str]:
@@ -76,11 +90,16 @@ def workers(launcher: int) -> dict[int, int]:
     return found
 
 
-def alive(pid: int) -> bool:
+def process_state(pid: int) -> str:
+    """Its /proc state letter (R, S, T stopped, Z zombie, ...); "?" once it is gone."""
     try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return False
+        return "?"
+
+
+def alive(pid: int) -> bool:
+    return process_state(pid) not in ("Z", "?")
 
 
 def wait_for_line(path: str, needle: str, process, timeout: float = 120) -> None:
@@ -163,12 +182,8 @@ def test_frozen_stage_ends_every_rank_within_the_timeout(tmp_path):
     log_path = str(tmp_path / "log")
     args = SMALL + MOCK + ["--train-iters", "100000", "--lr", "1e-4",
                            "--distributed-timeout-minutes", "1"]  # fmt: skip
-    with open(log_path, "w") as log:
-        process = launch(args, stdout=log, stderr=subprocess.STDOUT)
+    process, pids = launch_until(args, log_path, "iteration        3/")
     try:
-        wait_for_line(log_path, "iteration        3/", process)
-        pids = workers(process.pid)
-        assert len(pids) == 4, pids
         os.kill(pids[1], signal.SIGSTOP)  # stage 1: both neighbours wait on it
         frozen_at = time.time()
         process.wait(timeout=120)
@@ -186,12 +201,8 @@ def test_frozen_stage_ends_every_rank_within_the_timeout(tmp_path):
 def test_workers_end_when_the_launcher_is_killed(tmp_path):
     log_path = str(tmp_path / "log")
     args = SMALL + MOCK + ["--train-iters", "100000", "--lr", "1e-4"]
-    with open(log_path, "w") as log:
-        process = launch(args, stdout=log, stderr=subprocess.STDOUT)
+    process, pids = launch_until(args, log_path, "iteration        2/")
     try:
-        wait_for_line(log_path, "iteration        2/", process)
-        pids = workers(process.pid)
-        assert len(pids) == 4, pids
         os.kill(process.pid, signal.SIGKILL)  # torchrun alone
         killed_at = time.time()
         while any(alive(pid) for pid in pids.values()) and time.time() - killed_at < 60:
@@ -248,12 +259,8 @@ def test_ctrl_c_ends_every_rank_in_one_line_and_keeps_the_checkpoint(tmp_path):
     save, log_path = str(tmp_path / "ckpt"), str(tmp_path / "log")
     args = SMALL + MOCK + ["--train-iters", "100000", "--lr", "1e-4", "--save", save,
                            "--save-interval", "3"]  # fmt: skip
-    with open(log_path, "w") as log:
-        process = launch(args, stdout=log, stderr=subprocess.STDOUT)
+    process, pids = launch_until(args, log_path, "saved checkpoint at iteration 3 ")
     try:
-        wait_for_line(log_path, "saved checkpoint at iteration 3 ", process)
-        pids = workers(process.pid)
-        assert len(pids) == 4, pids
         os.kill(process.pid, signal.SIGINT)
         interrupted_at = time.time()
         process.wait(timeout=60)
@@ -284,15 +291,10 @@ def test_a_rank_frozen_during_a_save_is_named_and_ended(tmp_path):
     args = SMALL + MOCK + ["--train-iters", "8", "--lr", "1e-4", "--save", save,
                            "--save-interval", "2", "--distributed-timeout-minutes", "1"]  # fmt: skip
     env = {**ENV, "MEGATRON_INJECT_STOP_IN_SAVE": "2:4"}
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [TORCHRUN, "--standalone", "--nproc-per-node", "4",
-             os.path.join(REPO, "pretrain_gpt.py"), *args],
-            cwd=REPO, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    process, pids = launch_until(args, log_path, "saved checkpoint at iteration 2 ", env)
     try:
         deadline = time.time() + 120
-        while not (pids := workers(process.pid)) or len(pids) < 4 or alive_state(pids[2]) != "T":
+        while process_state(pids[2]) != "T":
             assert process.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
             time.sleep(0.2)
         frozen_at = time.time()
@@ -314,10 +316,3 @@ def test_a_rank_frozen_during_a_save_is_named_and_ended(tmp_path):
     assert ended_after < 60 + 20, ended_after  # the timeout, then seconds, not 30 s more
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
     assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000002"]
-
-
-def alive_state(pid: int) -> str:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "?"
