@@ -7,7 +7,7 @@ with one line naming the problem.
 import argparse
 import os
 
-from megatron.pipeline.schedules import SCHEDULES, get_schedule
+from megatron.pipeline.schedules import SCHEDULES, get_schedule, virtual_schedule
 from megatron.pipeline.schedules.paci import (
     ARRIVAL_RULES,
     DEFAULT_ARRIVAL_RULE,
@@ -123,6 +123,14 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         "t transformer layer, L loss, | between stages, (..)*n repeats)")  # fmt: skip
     add("--pipeline-schedule", default="1f1b",
         help=f"one of: {', '.join(sorted(SCHEDULES))}")  # fmt: skip
+    add("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+        help="Megatron's virtual pipeline: layers per model chunk (several chunks per rank; "
+        "1f1b then runs interleaved 1F1B)")  # fmt: skip
+    add("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+        help="Megatron's virtual pipeline: model chunks per pipeline rank")  # fmt: skip
+    add("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+        help="interleaved 1F1B: microbatches run through each chunk in a row (default: the "
+        "pipeline size)")  # fmt: skip
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -321,6 +329,7 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
         known = ", ".join(sorted(SCHEDULES))
         raise UserError(f"unknown --pipeline-schedule {args.pipeline_schedule!r} (known: {known})")
     _validate_layer_split(args, pp)
+    _validate_virtual_pipeline(args, pp)
     tied = not args.untie_embeddings_and_output_weights
     if tied and pp > 1 and not get_schedule(args.pipeline_schedule).flushes_every_call:
         for flag in ("async_sync_warmup_iters", "async_sync_cooldown_iters"):
@@ -329,6 +338,89 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
                     f"--{flag.replace('_', '-')} with tied embeddings is not supported yet "
                     "(add --untie-embeddings-and-output-weights)"
                 )
+
+
+def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
+    """Megatron's rules for the virtual pipeline flags, which set
+    `args.virtual_pipeline_model_parallel_size` (None: one model chunk per rank)."""
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    chunks = args.num_virtual_stages_per_pipeline_rank
+    given = [flag for flag, value in (
+        ("--num-layers-per-virtual-pipeline-stage", per_chunk),
+        ("--num-virtual-stages-per-pipeline-rank", chunks),
+        ("--pipeline-model-parallel-layout", args.pipeline_model_parallel_layout),
+    ) if value is not None]  # fmt: skip
+    if len(given) > 1:
+        raise UserError(f"no more than one of {', '.join(given)} can be set at the same time")
+    args.virtual_pipeline_model_parallel_size = None
+    if per_chunk is not None:
+        if args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers:
+            raise UserError(
+                "please use --num-virtual-stages-per-pipeline-rank to specify virtual pipeline "
+                "parallel degree when enable uneven pipeline parallelism"
+            )
+        if per_chunk < 1:
+            raise UserError("--num-layers-per-virtual-pipeline-stage must be >= 1")
+        per_stage = args.stage_layers[0]
+        if per_stage % per_chunk:
+            raise UserError(
+                f"number of layers per pipeline stage ({per_stage}) must be divisible by "
+                f"--num-layers-per-virtual-pipeline-stage {per_chunk}"
+            )
+        chunks = per_stage // per_chunk
+    elif chunks is not None and chunks < 1:
+        raise UserError("--num-virtual-stages-per-pipeline-rank must be >= 1")
+    if chunks is None or chunks == 1:
+        return
+    if pp < 2:
+        raise UserError(
+            "When interleaved schedule is used, pipeline-model-parallel size should be greater "
+            "than 1"
+        )
+    for flag, value in (
+        ("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers),
+        ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers),
+        ("--account-for-embedding-in-pipeline-split", args.account_for_embedding_in_pipeline_split),
+        ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split),
+        ("--rampup-batch-size", args.rampup_batch_size),
+        ("--calculate-per-token-loss", args.calculate_per_token_loss),
+        ("--emulated-forward-ms", args.emulated_forward_ms),
+        ("--async-sync-warmup-iters", getattr(args, "async_sync_warmup_iters", 0)),
+        ("--async-sync-cooldown-iters", getattr(args, "async_sync_cooldown_iters", 0)),
+    ):  # fmt: skip
+        if value:
+            raise UserError(f"{flag} with virtual pipeline stages is not supported yet")
+    if args.num_layers % (pp * chunks):
+        raise UserError(
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+            f"{pp} x {chunks} virtual stages per pipeline rank"
+        )
+    try:
+        virtual_schedule(args.pipeline_schedule)
+    except ValueError:
+        raise UserError(
+            f"--num-virtual-stages-per-pipeline-rank with --pipeline-schedule "
+            f"{args.pipeline_schedule} is not supported yet"
+        ) from None
+    args.virtual_pipeline_model_parallel_size = chunks
+
+
+def check_virtual_microbatches(args: argparse.Namespace) -> None:
+    """megatron-core's rule on the microbatches of an interleaved step, as one line."""
+    chunks = args.virtual_pipeline_model_parallel_size
+    if not chunks:
+        return
+    pp, group = args.pipeline_model_parallel_size, args.microbatch_group_size_per_virtual_pipeline_stage
+    if group is not None and group < 1:
+        raise UserError("--microbatch-group-size-per-virtual-pipeline-stage must be >= 1")
+    schedule = virtual_schedule(args.pipeline_schedule, group)
+    try:
+        schedule.check_microbatches(pp, chunks, args.num_microbatches)
+    except ValueError as error:
+        raise UserError(
+            f"--global-batch-size {args.global_batch_size} gives {args.num_microbatches} "
+            f"microbatches per step: {error}"
+        ) from None
 
 
 def _validate_weight_stashing(args: argparse.Namespace) -> None:
@@ -423,6 +515,7 @@ def _validate_batch_and_run_length(args: argparse.Namespace) -> None:
             f"{args.data_parallel_size}"
         )
     args.num_microbatches = args.global_batch_size // per_microbatch
+    check_virtual_microbatches(args)
     _validate_run_length(args)
     validate_rampup(args)
     if args.exit_interval is not None and args.exit_interval < 1:

@@ -31,6 +31,24 @@ SIMULATED_SCHEDULES: dict[str, Schedule] = {
 }
 
 
+# Schedules the runtime runs with virtual stages: the one a --pipeline-schedule name becomes
+# when the virtual-pipeline flags give several model chunks per rank (as Megatron's 1F1B
+# becomes its interleaved schedule).
+VIRTUAL_STAGE_SCHEDULES = ("1f1b",)
+
+
+def virtual_schedule(name: str, group_size: int | None = None, arrival_rule: str | None = None,
+                     inflight_limit: str | None = None) -> Schedule:  # fmt: skip
+    """The schedule that --pipeline-schedule `name` runs with several model chunks per rank;
+    `group_size`: microbatches per group (--microbatch-group-size-per-virtual-pipeline-stage,
+    None: the number of ranks); PACI's options as `paci.with_paci_options` takes them.
+    ValueError for a schedule without such a variant."""
+    if name not in VIRTUAL_STAGE_SCHEDULES:
+        raise ValueError(f"--pipeline-schedule {name} with virtual pipeline stages")
+    paci.with_paci_options(get_schedule(name), arrival_rule, inflight_limit)  # errors
+    return interleaved_1f1b.interleaved_1f1b(group_size)
+
+
 def get_schedule(name: str, *, simulated: bool = False) -> Schedule:
     """The runtime's schedule `name`; with `simulated`, also the simulator-only references."""
     registry = SIMULATED_SCHEDULES if simulated else SCHEDULES
@@ -49,4 +67,5 @@ __all__ = [
     "SCHEDULES",
     "SIMULATED_SCHEDULES",
     "get_schedule",
+    "virtual_schedule",
 ]
