@@ -1,0 +1,99 @@
+"""Megatron's interleaved virtual pipeline on real 4-process runs (gloo, fp32, mock data).
+
+References independent of the code under test: the one-process run of the same model (which
+1F1B-flush over any placement of the layers equals within float tolerance), megatron-core's
+own layer assignment with `vp_stage`, and the simulator's run of the same schedule definition
+for the activations each rank holds.
+
+Targeted run (the cases below and their references only):
+
+    FUNCTIONAL_CASES=$(python -c "import test_interleaved_cases as t; print(','.join(t.NEEDED))")
+"""
+
+import pytest
+import run_cases
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from run_cases import relative_difference
+
+from megatron.pipeline.schedules import virtual_schedule
+from megatron.pipeline.simulation import simulate
+from megatron.training.arguments import build_parser, validate_args
+from megatron.training.training import transformer_config
+
+FLUSH = {  # case -> its one-process reference
+    "gpt_pp4vp2_1f1b": "gpt_pp1_8layers_1f1b",
+    "gpt_tp2pp2vp2_1f1b": "gpt_pp1_1f1b",
+    "gpt_dp2pp2vp2_1f1b": "gpt_pp1_1f1b",
+}
+SAVED, LOADED = "gpt_vpp_1_dp2pp2vp2_tied_save", "gpt_vpp_2_pp4_tied_load"
+TIED_REFERENCE = "gpt_pp1_tied_1f1b"
+NEEDED = sorted({*FLUSH, *FLUSH.values(), SAVED, LOADED, TIED_REFERENCE})
+
+
+def parsed(name: str, world_size: int = 4):
+    args = build_parser().parse_args(
+        run_cases.flags(run_cases.discover_cases()[name]["MODEL_ARGS"], "x")
+    )
+    validate_args(args, world_size=world_size, check_files=False)
+    return args
+
+
+@pytest.mark.parametrize("name", sorted(FLUSH))
+def test_interleaved_flush_matches_one_process(case_results, name):
+    reference = case_results[FLUSH[name]]["loss"]
+    assert len(reference) == 8
+    assert relative_difference(case_results[name]["loss"], reference) <= 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(FLUSH))
+def test_each_chunk_builds_megatron_cores_layers(case_results, name):
+    """Chunk c of rank r holds the layers megatron-core's offset function gives for
+    (pp_rank r, vp_stage c): with one layer per chunk, layer c * N + r."""
+    args = parsed(name)
+    config = transformer_config(args, device=None)
+    n, v = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    assert v == 2
+    for report in case_results[name]["stages"]:
+        r = report["stage"]
+        offsets = [get_transformer_layer_offset(config, vp_stage=c, pp_rank=r) for c in range(v)]
+        assert [layers[0] for layers in report["chunk_layers"]] == offsets
+        assert offsets == [c * n + r for c in range(v)]
+        assert report["layers"] == args.num_layers // n
+
+
+@pytest.mark.parametrize("name", sorted(FLUSH))
+def test_activations_held_are_the_simulated_schedules(case_results, name):
+    """The runtime runs the simulator's definition: each rank's peak of microbatch-chunks in
+    flight is the simulated one (Megatron's warm-up + 1 on rank 0)."""
+    summary = case_results[name]
+    args = parsed(name)
+    n, v, m = (args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
+               args.num_microbatches)  # fmt: skip
+    simulated = simulate(virtual_schedule("1f1b"), num_stages=n, microbatches_per_step=m,
+                         steps=2, chunks_per_rank=v, forward_cost=1.0, backward_cost=2.0,
+                         record_timeline=False)  # fmt: skip
+    peaks = simulated.to_dict()["virtual_stages"]["peak_activation_chunks_per_rank"]
+    assert [r["peak_inflight_microbatches"] for r in summary["stages"]] == peaks
+    assert peaks[0] == min(2 * (n - 1) + (v - 1) * n + 1, m * v)
+
+
+def test_every_rank_steps_once_per_iteration_with_a_global_norm(case_results):
+    for name in [*FLUSH, SAVED]:
+        summary = case_results[name]
+        assert all(r["optimizer_steps"] == summary["iterations"] for r in summary["stages"])
+        assert summary["cross_stage_collectives"] > 0  # the gradient norm over all stages
+
+
+def test_tied_embedding_over_chunks_and_a_checkpoint_to_the_plain_pipeline(case_results):
+    """Tied embeddings on rank 0's first chunk and the last rank's last chunk, data parallel 2:
+    the first 4 iterations equal the one-process tied run; the torch_dist checkpoint, loaded
+    by the plain 4-stage pipeline, continues it within 1e-5 (weights and Adam's moments found
+    under megatron-core's global keys), and both copies of the tied weight end equal."""
+    reference = case_results[TIED_REFERENCE]["loss"]
+    saved, loaded = case_results[SAVED], case_results[LOADED]
+    assert relative_difference(saved["loss"], reference[:4]) <= 1e-5
+    assert "> saved checkpoint at iteration 4" in saved["log"]
+    assert loaded["iterations"] == 8 and len(loaded["loss"]) == 4
+    assert relative_difference(loaded["loss"], reference[4:]) <= 1e-5
+    ends = [loaded["stages"][0], loaded["stages"][-1]]
+    assert ends[0]["tied_weight_sha256"] == ends[1]["tied_weight_sha256"]
