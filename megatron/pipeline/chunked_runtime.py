@@ -12,8 +12,11 @@ output gradient from k + 1, whichever ranks run them (`ChunkChannels`). Each (se
 receiver, chunk) pair is its own ordered stream on its own process group, so a receiver takes
 each chunk's tensors in that chunk's order whatever order the sender interleaves its chunks in.
 
+With a per-token loss the token counts ride upstream on the gradients as on one chunk per
+stage, and the rank counts each microbatch once, at its chunk-0 backward (its last on the rank).
+
 Not here (rejected at argument validation): weight stashing, split backwards, decisions shared
-over tensor-parallel ranks (schedules that react to arrivals), the per-token loss.
+over tensor-parallel ranks (schedules that react to arrivals).
 """
 
 import collections
@@ -251,13 +254,16 @@ class ChunkedStageRuntime(StageRuntime):
         with self.meter.measure() as saved:
             output, loss_func = self._call_chunk(lane, forward_step_func, data_iterator,
                                                  input_tensor)  # fmt: skip
-            loss_dict = None
+            loss_dict, tokens = None, 0
             if lane.is_last:
-                loss, _, loss_dict = _split_loss(loss_func(output))
-                output = loss / self.schedule.microbatches_per_update(num_microbatches)
+                loss, tokens, loss_dict = _split_loss(loss_func(output))
+                # a per-token loss is divided by the step's token count at the step instead
+                if not self.per_token_loss:
+                    loss = loss / self.schedule.microbatches_per_update(num_microbatches)
+                output = loss
         self.compute_s += time.perf_counter() - compute_start
         microbatch = self.state.record_forward(lane.chunk, version)
-        lane.inflight.append(_InFlight(microbatch, input_tensor, output, saved[0]))
+        lane.inflight.append(_InFlight(microbatch, input_tensor, output, saved[0], tokens))
         self.stats.add_activation(saved[0], self.inflight_microbatches)
         if not lane.is_last:
             self._send_activation(lane, output)
@@ -265,17 +271,19 @@ class ChunkedStageRuntime(StageRuntime):
 
     def _backward_chunk(self, lane: _Lane) -> None:
         microbatch = lane.inflight.popleft()
-        grad = None
+        grad, tokens = None, microbatch.tokens
         if not lane.is_last:
-            grad, _ = self._receive_gradient_of(lane)
+            grad, tokens = self._receive_gradient_of(lane)
         output = microbatch.output_tensor
         if lane.is_last and self.loss_scaler is not None:
             output = output * self.loss_scaler.scale  # fp16: the rank's scale, now
         compute_start = time.perf_counter()
         torch.autograd.backward(output, grad_tensors=grad)
         self.compute_s += time.perf_counter() - compute_start
+        if lane.chunk == 0:  # a microbatch's last backward on the rank: count its tokens once
+            self.tokens_since_step += int(tokens)
         if not lane.is_first:
-            self._send_gradient_of(lane, microbatch.input_tensor.grad)
+            self._send_gradient_of(lane, microbatch.input_tensor.grad, tokens)
         forward_version = self.state.record_backward(lane.chunk)
         self.stats.record_drift(self.state.steps - forward_version)
         self.stats.release_activation(microbatch.saved_bytes)
@@ -306,10 +314,10 @@ class ChunkedStageRuntime(StageRuntime):
         finally:
             self.gradients_in = None
 
-    def _send_gradient_of(self, lane: _Lane, grad: torch.Tensor) -> None:
+    def _send_gradient_of(self, lane: _Lane, grad: torch.Tensor, tokens: int) -> None:
         self.gradients_out = lane.gradients_out
         try:
-            self._send_gradient(grad, 0)
+            self._send_gradient(grad, tokens)
         finally:
             self.gradients_out = None
 

@@ -352,7 +352,7 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
     ) if value is not None]  # fmt: skip
     if len(given) > 1:
         raise UserError(f"no more than one of {', '.join(given)} can be set at the same time")
-    args.virtual_pipeline_model_parallel_size = None
+    args.virtual_pipeline_model_parallel_size = args.chunk_layers = None
     if per_chunk is not None:
         if args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers:
             raise UserError(
@@ -361,7 +361,9 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
             )
         if per_chunk < 1:
             raise UserError("--num-layers-per-virtual-pipeline-stage must be >= 1")
-        per_stage = args.stage_layers[0]
+        # Megatron counts the embedding and the loss as layers here when they are accounted
+        accounted = args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
+        per_stage = (args.num_layers + accounted) // pp
         if per_stage % per_chunk:
             raise UserError(
                 f"number of layers per pipeline stage ({per_stage}) must be divisible by "
@@ -378,23 +380,15 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
             "than 1"
         )
     for flag, value in (
-        ("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers),
-        ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers),
-        ("--account-for-embedding-in-pipeline-split", args.account_for_embedding_in_pipeline_split),
-        ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split),
         ("--rampup-batch-size", args.rampup_batch_size),
-        ("--calculate-per-token-loss", args.calculate_per_token_loss),
         ("--emulated-forward-ms", args.emulated_forward_ms),
         ("--async-sync-warmup-iters", getattr(args, "async_sync_warmup_iters", 0)),
         ("--async-sync-cooldown-iters", getattr(args, "async_sync_cooldown_iters", 0)),
     ):  # fmt: skip
         if value:
             raise UserError(f"{flag} with virtual pipeline stages is not supported yet")
-    if args.num_layers % (pp * chunks):
-        raise UserError(
-            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
-            f"{pp} x {chunks} virtual stages per pipeline rank"
-        )
+    args.chunk_layers = layers_by_chunk(args, pp, chunks)
+    args.stage_layers = [sum(layers) for layers in args.chunk_layers]
     try:
         virtual_schedule(args.pipeline_schedule)
     except ValueError:
@@ -403,6 +397,30 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
             f"{args.pipeline_schedule} is not supported yet"
         ) from None
     args.virtual_pipeline_model_parallel_size = chunks
+
+
+def layers_by_chunk(args: argparse.Namespace, pp: int, chunks: int) -> list[list[int]]:
+    """Transformer layers of each rank's chunks, as megatron-core assigns them
+    (`get_num_layers_to_build` with `vp_stage`); one line where they do not split evenly."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    uneven = args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers
+    accounted = args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
+    if not uneven and (args.num_layers + accounted) % (pp * chunks):
+        counted = f" (+{accounted} for the embedding and loss)" if accounted else ""
+        raise UserError(
+            f"--num-layers {args.num_layers}{counted} is not divisible by "
+            f"--pipeline-model-parallel-size {pp} x {chunks} virtual stages per pipeline rank"
+        )
+    config = layout_config(args, chunks)
+    layers = [[get_num_layers_to_build(config, vp_stage=c, pp_rank=r) for c in range(chunks)]
+              for r in range(pp)]  # fmt: skip
+    if sum(map(sum, layers)) != args.num_layers:
+        raise UserError(
+            f"--num-layers {args.num_layers} does not split over {pp} pipeline ranks x {chunks} "
+            f"virtual stages (megatron-core assigns {layers})"
+        )
+    return layers
 
 
 def check_virtual_microbatches(args: argparse.Namespace) -> None:
@@ -655,9 +673,9 @@ def layers_by_stage(args: argparse.Namespace) -> list[int]:
     return [get_num_layers_to_build(config, pp_rank=s) for s in range(pp)]
 
 
-def layout_config(args: argparse.Namespace):
+def layout_config(args: argparse.Namespace, chunks: int | None = None):
     """The layer-split settings as a megatron-core TransformerConfig, which checks a layout
-    string by megatron-core's own rules (one line each)."""
+    string by megatron-core's own rules (one line each); `chunks`: model chunks per rank."""
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -673,6 +691,7 @@ def layout_config(args: argparse.Namespace):
             account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
             account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
             pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
+            virtual_pipeline_model_parallel_size=chunks,
         )
     except (AssertionError, ValueError, KeyError) as error:
         layout = args.pipeline_model_parallel_layout

@@ -24,6 +24,8 @@ FLUSH = {  # case -> its one-process reference
     "gpt_pp4vp2_1f1b": "gpt_pp1_8layers_1f1b",
     "gpt_tp2pp2vp2_1f1b": "gpt_pp1_1f1b",
     "gpt_dp2pp2vp2_1f1b": "gpt_pp1_1f1b",
+    # the embedding and the loss counted as layers: chunks of 0, 1 and 2 layers
+    "gpt_dp2pp2vp2_1f1b_account": "gpt_pp1_tied_6layers_1f1b",
 }
 SAVED, LOADED = "gpt_vpp_1_dp2pp2vp2_tied_save", "gpt_vpp_2_pp4_tied_load"
 TIED_REFERENCE = "gpt_pp1_tied_1f1b"
@@ -47,18 +49,22 @@ def test_interleaved_flush_matches_one_process(case_results, name):
 
 @pytest.mark.parametrize("name", sorted(FLUSH))
 def test_each_chunk_builds_megatron_cores_layers(case_results, name):
-    """Chunk c of rank r holds the layers megatron-core's offset function gives for
-    (pp_rank r, vp_stage c): with one layer per chunk, layer c * N + r."""
+    """Chunk c of rank r holds the layers megatron-core gives (pp_rank r, vp_stage c): its
+    offset function and its count (with one layer per chunk, layer c * N + r)."""
     args = parsed(name)
     config = transformer_config(args, device=None)
     n, v = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
     assert v == 2
+    built = []
     for report in case_results[name]["stages"]:
         r = report["stage"]
-        offsets = [get_transformer_layer_offset(config, vp_stage=c, pp_rank=r) for c in range(v)]
-        assert [layers[0] for layers in report["chunk_layers"]] == offsets
-        assert offsets == [c * n + r for c in range(v)]
-        assert report["layers"] == args.num_layers // n
+        for c, layers in enumerate(report["chunk_layers"]):
+            offset = get_transformer_layer_offset(config, vp_stage=c, pp_rank=r)
+            assert layers == list(range(offset, offset + args.chunk_layers[r][c]))
+            if args.num_layers == n * v:
+                assert layers == [c * n + r]
+            built += layers
+    assert sorted(built) == list(range(args.num_layers))
 
 
 @pytest.mark.parametrize("name", sorted(FLUSH))
