@@ -15,8 +15,10 @@ each chunk's tensors in that chunk's order whatever order the sender interleaves
 With a per-token loss the token counts ride upstream on the gradients as on one chunk per
 stage, and the rank counts each microbatch once, at its chunk-0 backward (its last on the rank).
 
-Not here (rejected at argument validation): weight stashing, split backwards, decisions shared
-over tensor-parallel ranks (schedules that react to arrivals).
+A schedule that reacts to arrivals (PACI over virtual stages) decides on the first
+tensor-parallel rank of the stage, which sends kind, microbatch and chunk to the others.
+
+Not here (rejected at argument validation): weight stashing, split backwards.
 """
 
 import collections
@@ -24,9 +26,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from .p2p import Outbox, make_inbox
-from .runtime import StageRuntime, _InFlight, _loss_dict, _split_loss
+from .runtime import _ACTION_CODES, StageRuntime, _InFlight, _loss_dict, _split_loss
 from .schedules.base import Action, ActionKind, Schedule, StageView
 from .schedules.placement import Placement
 from .stage_state import NO_LIMIT, RankState
@@ -76,6 +79,8 @@ class ChunkedStageRuntime(StageRuntime):
         self.placement, self.channels = placement, channels
         super().__init__(context, model, **kwargs)
         self.state = RankState(context.stage, placement)
+        # steps between a microbatch's forward and backward, per chunk (the bound is per chunk)
+        self.chunk_drift = [collections.Counter() for _ in channels]
 
     # ---------------------------------------------------------------- wiring
     def open_channels(self) -> None:
@@ -120,8 +125,6 @@ class ChunkedStageRuntime(StageRuntime):
     def _use_schedule(self, schedule: Schedule) -> None:
         if schedule.placement is None or schedule.stashes_weights or schedule.splits_backward:
             raise RuntimeError(f"{schedule.name} cannot run on model chunks")
-        if schedule.depends_on_arrivals:
-            raise RuntimeError(f"{schedule.name} reacts to arrivals: not supported on chunks")
         self.schedule = schedule
 
     def _begin_call(self, schedule: Schedule, num_microbatches, microbatches_before_drain) -> None:
@@ -209,6 +212,23 @@ class ChunkedStageRuntime(StageRuntime):
                 return False
         return True
 
+    def _share_decision(self, action: Action) -> None:
+        """A reacting schedule's decision, from the first tensor-parallel rank to the others:
+        kind, microbatch and chunk."""
+        code = _ACTION_CODES.index(action.kind)
+        microbatch = -1 if action.microbatch is None else action.microbatch
+        chunk = -1 if action.chunk is None else action.chunk
+        message = torch.tensor([code, microbatch, chunk])
+        ctx = self.context
+        dist.broadcast(message, src=ctx.decision_leader, group=ctx.decision_group)
+
+    def _receive_decision(self) -> Action:
+        message = torch.empty(3, dtype=torch.int64)
+        ctx = self.context
+        dist.broadcast(message, src=ctx.decision_leader, group=ctx.decision_group)
+        kind, microbatch, chunk = _ACTION_CODES[int(message[0])], int(message[1]), int(message[2])
+        return Action(kind, None if microbatch < 0 else microbatch, None if chunk < 0 else chunk)
+
     # ---------------------------------------------------------------- doing
     def _execute(self, action, forward_step_func, data_iterator, num_microbatches,
                  optimizer_step_func, losses) -> None:  # fmt: skip
@@ -285,7 +305,9 @@ class ChunkedStageRuntime(StageRuntime):
         if not lane.is_first:
             self._send_gradient_of(lane, microbatch.input_tensor.grad, tokens)
         forward_version = self.state.record_backward(lane.chunk)
-        self.stats.record_drift(self.state.steps - forward_version)
+        drift = self.state.steps - forward_version
+        self.stats.record_drift(drift)
+        self.chunk_drift[lane.chunk][drift] += 1
         self.stats.release_activation(microbatch.saved_bytes)
 
     # ---------------------------------------------------------------- transfers

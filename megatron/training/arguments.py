@@ -7,7 +7,12 @@ with one line naming the problem.
 import argparse
 import os
 
-from megatron.pipeline.schedules import SCHEDULES, get_schedule, virtual_schedule
+from megatron.pipeline.schedules import (
+    SCHEDULES,
+    VIRTUAL_STAGE_SCHEDULES,
+    get_schedule,
+    virtual_schedule,
+)
 from megatron.pipeline.schedules.paci import (
     ARRIVAL_RULES,
     DEFAULT_ARRIVAL_RULE,
@@ -389,13 +394,22 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
             raise UserError(f"{flag} with virtual pipeline stages is not supported yet")
     args.chunk_layers = layers_by_chunk(args, pp, chunks)
     args.stage_layers = [sum(layers) for layers in args.chunk_layers]
-    try:
-        virtual_schedule(args.pipeline_schedule)
-    except ValueError:
+    name = args.pipeline_schedule
+    if name not in VIRTUAL_STAGE_SCHEDULES:
         raise UserError(
-            f"--num-virtual-stages-per-pipeline-rank with --pipeline-schedule "
-            f"{args.pipeline_schedule} is not supported yet"
-        ) from None
+            f"--num-virtual-stages-per-pipeline-rank with --pipeline-schedule {name} is not "
+            "supported yet"
+        )
+    try:
+        options = (args.paci_arrival_rule, args.paci_inflight_limit) if name == "paci" else ()
+        virtual_schedule(name, None, *options)
+    except ValueError as error:
+        raise UserError(f"{error} is not supported yet") from None
+    if name == "paci" and not args.untie_embeddings_and_output_weights:
+        raise UserError(
+            "--pipeline-schedule paci with virtual pipeline stages and tied embeddings is not "
+            "supported yet (add --untie-embeddings-and-output-weights)"
+        )
     args.virtual_pipeline_model_parallel_size = chunks
 
 

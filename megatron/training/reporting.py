@@ -182,6 +182,7 @@ def _stage_report(args, runtime, step_func, optimizer) -> dict:
         report["chunk_layers"] = [[layer.layer_number - 1 for layer in chunk.decoder.layers]
                                   for chunk in chunks]  # fmt: skip
         report["layers"] = sum(len(layers) for layers in report["chunk_layers"])
+        report["chunk_max_drift"] = [max(h, default=0) for h in runtime.chunk_drift]
     tied = [p for p in params if getattr(p, "shared_embedding", False)]
     if tied:  # this stage's copy of the tied embedding: equal on both stages at a drain
         report["tied_weight_sha256"] = _digest(tied[0])

@@ -301,8 +301,8 @@ def _note_inflight_window(args) -> None:
     """PACI's window is N - s whatever the microbatches per step; with fewer than the stages,
     that is more than flush holds, so more activation memory: say so, and how to cap it."""
     n, m = args.pipeline_model_parallel_size, args.num_microbatches
-    if args.pipeline_schedule != "paci" or m >= n:
-        return
+    if args.pipeline_schedule != "paci" or m >= n or virtual_chunks(args) > 1:
+        return  # over virtual stages PACI holds at most interleaved flush's
     limit = args.paci_inflight_limit or DEFAULT_INFLIGHT_LIMIT
     windows = " ".join(str(inflight_window(s, n, m, limit)) for s in range(n))
     flush = " ".join(str(min(m, n - s)) for s in range(n))
