@@ -367,7 +367,9 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
         if per_chunk < 1:
             raise UserError("--num-layers-per-virtual-pipeline-stage must be >= 1")
         # Megatron counts the embedding and the loss as layers here when they are accounted
-        accounted = args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
+        accounted = (
+            args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
+        )
         per_stage = (args.num_layers + accounted) // pp
         if per_stage % per_chunk:
             raise UserError(
@@ -419,7 +421,9 @@ def layers_by_chunk(args: argparse.Namespace, pp: int, chunks: int) -> list[list
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     uneven = args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers
-    accounted = args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
+    accounted = (
+        args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
+    )
     if not uneven and (args.num_layers + accounted) % (pp * chunks):
         counted = f" (+{accounted} for the embedding and loss)" if accounted else ""
         raise UserError(
@@ -442,7 +446,10 @@ def check_virtual_microbatches(args: argparse.Namespace) -> None:
     chunks = args.virtual_pipeline_model_parallel_size
     if not chunks:
         return
-    pp, group = args.pipeline_model_parallel_size, args.microbatch_group_size_per_virtual_pipeline_stage
+    pp, group = (
+        args.pipeline_model_parallel_size,
+        args.microbatch_group_size_per_virtual_pipeline_stage,
+    )
     if group is not None and group < 1:
         raise UserError("--microbatch-group-size-per-virtual-pipeline-stage must be >= 1")
     schedule = virtual_schedule(args.pipeline_schedule, group)

@@ -23,12 +23,12 @@ from megatron.pipeline.audit import (
     audit_requested,
     record_cross_stage_collectives,
 )
+from megatron.pipeline.chunked_runtime import ChunkedStageRuntime
 from megatron.pipeline.forward_backward import (
     attach_stage_runtime,
     get_forward_backward_func,
     set_pipeline_schedule,
 )
-from megatron.pipeline.chunked_runtime import ChunkedStageRuntime
 from megatron.pipeline.parallel import (
     build_chunk_channels,
     build_pipeline_context,
@@ -36,9 +36,9 @@ from megatron.pipeline.parallel import (
 )
 from megatron.pipeline.runtime import StageRuntime
 from megatron.pipeline.schedules import get_schedule
-from megatron.pipeline.schedules.placement import interleaved
 from megatron.pipeline.schedules.paci import DEFAULT_INFLIGHT_LIMIT
 from megatron.pipeline.schedules.paci import window as inflight_window
+from megatron.pipeline.schedules.placement import interleaved
 from megatron.training import divergence, faults, launch, run_control
 from megatron.training.batch_schedule import BatchSchedule
 from megatron.training.checkpointing import save_load as checkpointing

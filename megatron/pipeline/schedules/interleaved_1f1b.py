@@ -103,4 +103,4 @@ def interleaved_1f1b(group_size: int | None = None) -> Schedule:
     )
 
 
-SCHEDULE = interleaved_1f1b()
+SCHEDULE = interleaved_1f1b(None)

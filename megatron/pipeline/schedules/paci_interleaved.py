@@ -10,24 +10,26 @@ flush; with accumulation a (microbatches per step, the `a` of PACI), rank r foll
 
 1. Order. The rank's forwards follow T of a microbatches, repeated step after step (the j-th
    forward of the run is entry j mod (a v), its microbatch that chunk's next); backwards
-   likewise with chunks reversed, each chunk FIFO.
-2. Admission. A forward starts only while the rank holds fewer than
+   likewise with chunks reversed, each chunk FIFO. So at any moment the rank has exactly two
+   candidates: its next forward and its next backward.
+2. Admission. The next forward is admitted only while the rank holds fewer than
 
        K_r = min(W_r + 1, a v)
 
    microbatch-chunks in flight (forwarded, not yet backwarded): interleaved flush's peak
    (it holds min(W_r + 1, m v) with m = a), so never more activation memory than flush.
-   Otherwise the rank runs its next backward (blocking until the gradient arrives). Decisions
-   depend on counters only: runs reproduce bit for bit, and tensor-parallel ranks agree
-   without messages.
+   Arrival rule (``forward-first``, the default): the admitted forward if its input has
+   arrived, else the backward if its gradient has, else wait for either. ``fixed`` (what
+   --deterministic-mode runs, reproducible bit for bit): the admitted forward, else the
+   backward, blocking on whichever input that needs.
 3. Step. After every a v backwards the rank steps the optimizer of all its chunks. By rule 1
    these are the backward entries of one table: each chunk has taken exactly a gradients,
    those of the same a microbatches, so a step applies the gradient of one batch, as PACI's
    per-stage step does. No flush, no collective beyond the rank's data-parallel group.
 
-Drift bound, per chunk. Let P = a v (backwards per step) and W'_r = K_r - 1. Rule 2 makes the
-j-th forward run with exactly b = max(0, j - W'_r) backwards done (a forward is taken as soon
-as it is admitted; a backward only when it is not). Take the microbatch at position i of its
+Drift bound, per chunk. Let P = a v (backwards per step) and W'_r = K_r - 1. Rule 2 admits the
+j-th forward only with b >= j - W'_r backwards done, under either arrival rule (the fixed
+order takes it exactly then). Take the microbatch at position i of its
 group (size g) in table t, on chunk c: its forward is entry j = t P + G g v + c g + i and its
 backward entry k = t P + G g v + (v - 1 - c) g + i (G its group in the table). Its backward
 runs with k backwards done, its forward with b >= j - W'_r, so the rank runs at most
@@ -46,13 +48,17 @@ never drifts; with v = 1 the rule is PACI's own order with Megatron's warm-up, b
 ceil(2(N - 1 - r) / a). Early chunks drift most: their gradient waits for the round trip
 through every later virtual stage.
 
-Pace. With uniform costs the admission cap costs nothing whenever W_r + 1 <= a v (rank r's
-window is then interleaved 1F1B's steady state, which never idles). It binds when a v < W_r + 1,
-on the first ranks with the fewest microbatches Megatron allows (a = g = N: a v = N v against
-W_0 + 1 = N v + N - 1). Simulated (f = 1, b = 2 per chunk pass, 40 steps, steady state):
-N = 4, v = 2, a = 4: 0.929 of the ideal pace (flush: 0.800); N = 4, v = 2, a = 8: 1.000 (flush
-0.889); N = 8, v = 2, a = 8: 0.939 (flush 0.696); N = 4, v = 4, a = 4: 0.968 (flush 0.842).
-`tests/unit_tests/pipeline/test_paci_interleaved.py` measures these.
+Pace (simulated: f = 1, b = 2 per chunk pass, 40 steps; ideal time over makespan; the same
+figures for interleaved flush of the same command line). When W_r + 1 <= a v on every rank
+(enough accumulation, e.g. N = 4, v = 2, a = 8) the cap does not bind, K_r is interleaved 1F1B's
+steady-state window and both rules run without bubble (0.995; flush 0.842). The cap binds on
+the first ranks with the fewest microbatches Megatron allows (a = g = N: a v = N v against
+W_0 + 1 = N v + N - 1). Then the memory rule costs the fixed order half its pace, a rank
+blocking on a forward whose input is a round trip away while its gradient waits (N = 4, v = 2,
+a = 4: 0.504; N = 8, v = 2, a = 8: 0.254; N = 4, v = 4, a = 4: 0.505), and costs forward-first
+nothing (0.991, 0.989, 0.995; flush 0.727, 0.696, 0.842): it runs the backward instead. Hence
+forward-first is the default here, while one-chunk PACI defaults to the fixed order.
+`tests/unit_tests/pipeline/test_paci_interleaved.py` checks these claims.
 """
 
 import functools
@@ -62,16 +68,23 @@ from .interleaved_1f1b import check_microbatches, chunk_order
 from .placement import interleaved
 
 
-def window(rank: int, num_ranks: int, accumulation: int, chunks: int,
-           group_size: int | None = None) -> int:  # fmt: skip
+def window(
+    rank: int, num_ranks: int, accumulation: int, chunks: int, group_size: int | None = None
+) -> int:
     """Rule 2's K_r: the most microbatch-chunks rank `rank` holds in flight."""
     group = num_ranks if group_size is None else group_size
     warmup = (num_ranks - rank - 1) * 2 + (chunks - 1) * group
     return min(warmup + 1, accumulation * chunks)
 
 
-def drift_bound(rank: int, chunk: int, num_ranks: int, accumulation: int, chunks: int,
-                group_size: int | None = None) -> int:  # fmt: skip
+def drift_bound(
+    rank: int,
+    chunk: int,
+    num_ranks: int,
+    accumulation: int,
+    chunks: int,
+    group_size: int | None = None,
+) -> int:
     """The most optimizer steps a microbatch crosses between its forward and its backward on
     chunk `chunk` of rank `rank` (the module docstring derives it)."""
     group = num_ranks if group_size is None else group_size
@@ -167,4 +180,4 @@ def paci_interleaved(group_size: int | None = None, rule: str = DEFAULT_ARRIVAL_
     )
 
 
-SCHEDULE = paci_interleaved()
+SCHEDULE = paci_interleaved(None, DEFAULT_ARRIVAL_RULE)
