@@ -407,11 +407,6 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
         virtual_schedule(name, None, *options)
     except ValueError as error:
         raise UserError(f"{error} is not supported yet") from None
-    if name == "paci" and not args.untie_embeddings_and_output_weights:
-        raise UserError(
-            "--pipeline-schedule paci with virtual pipeline stages and tied embeddings is not "
-            "supported yet (add --untie-embeddings-and-output-weights)"
-        )
     args.virtual_pipeline_model_parallel_size = chunks
 
 

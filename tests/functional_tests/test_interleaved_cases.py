@@ -142,3 +142,8 @@ def test_paci_over_virtual_stages_steps_without_cross_stage_collectives(case_res
     losses = summary["loss"]
     assert len(losses) == 8 and losses[-1] < losses[0]
     assert "validation loss at iteration 8" in summary["log"]
+    # the tied embedding's two copies (rank 0's first chunk, rank 3's last) agree at the end
+    first, last = summary["stages"][0], summary["stages"][-1]
+    assert first["tied_weight_sha256"] == last["tied_weight_sha256"]
+    exchange = last["tied_embedding"]
+    assert exchange["steps"] == 8 and exchange["max_lag"] <= exchange["lag_bound"]
