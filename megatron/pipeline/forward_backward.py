@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from .runtime import StageRuntime
-from .schedules import Schedule, get_schedule
+from .schedules import Schedule, get_schedule, virtual_schedule
 from .schedules.paci import with_paci_options
 
 _RUNTIMES: "weakref.WeakKeyDictionary[torch.nn.Module, StageRuntime]" = weakref.WeakKeyDictionary()
@@ -150,9 +150,11 @@ def _check_process_groups(p2p_communicator, pg_collection) -> None:
 
 
 def _single_chunk(model):
+    """The module the stage runtime is attached to: Megatron passes a list of model chunks,
+    of one (a rank's chunks are one `ModelChunks` module here)."""
     if isinstance(model, (list, tuple)):
         if len(model) != 1:
-            raise NotImplementedError("interleaved (virtual pipeline) chunks are not supported")
+            raise ValueError("pass the rank's model chunks as one ModelChunks module")
         return model[0]
     return model
 
@@ -230,18 +232,36 @@ def _run_registered(schedule: Schedule, **kwargs) -> list[dict]:
     return _run_schedule(schedule, **kwargs)
 
 
-_CONFIGURED = {"schedule": "1f1b", "arrival_rule": None, "inflight_limit": None}
+_CONFIGURED = {"schedule": "1f1b", "arrival_rule": None, "inflight_limit": None,
+               "virtual_stages": 1, "group_size": None}  # fmt: skip
 
 
 def set_pipeline_schedule(
-    pipeline_schedule: str, arrival_rule: str | None = None, inflight_limit: str | None = None
+    pipeline_schedule: str,
+    arrival_rule: str | None = None,
+    inflight_limit: str | None = None,
+    *,
+    virtual_stages: int = 1,
+    microbatch_group_size: int | None = None,
 ) -> None:
     """What `get_forward_backward_func()` returns from now on (the training loop sets it from
-    --pipeline-schedule, --paci-arrival-rule and --paci-inflight-limit)."""
-    with_paci_options(get_schedule(pipeline_schedule), arrival_rule, inflight_limit)  # errors
+    --pipeline-schedule, --paci-arrival-rule, --paci-inflight-limit and the virtual-pipeline
+    flags: `virtual_stages` model chunks per rank, `microbatch_group_size` microbatches per
+    group of interleaved 1F1B)."""
+    _select(pipeline_schedule, arrival_rule, inflight_limit, virtual_stages,
+            microbatch_group_size)  # fmt: skip  # errors
     _CONFIGURED.update(
-        schedule=pipeline_schedule, arrival_rule=arrival_rule, inflight_limit=inflight_limit
-    )
+        schedule=pipeline_schedule, arrival_rule=arrival_rule, inflight_limit=inflight_limit,
+        virtual_stages=virtual_stages, group_size=microbatch_group_size,
+    )  # fmt: skip
+
+
+def _select(name, arrival_rule, inflight_limit, virtual_stages, group_size) -> Schedule:
+    """The schedule `name` with its options; with several model chunks per rank, the variant
+    with virtual stages (1F1B: Megatron's interleaved 1F1B)."""
+    if virtual_stages > 1:
+        return virtual_schedule(name, group_size, arrival_rule, inflight_limit)
+    return with_paci_options(get_schedule(name), arrival_rule, inflight_limit)
 
 
 def get_forward_backward_func(
@@ -251,19 +271,22 @@ def get_forward_backward_func(
     pp_size=None,
     arrival_rule: str | None = None,
     inflight_limit: str | None = None,
+    microbatch_group_size: int | None = None,
 ) -> Callable[..., list[dict]]:
     """The schedule function for `--pipeline-schedule` (the selector): any schedule of the
     runtime's registry (`megatron.pipeline.schedules.SCHEDULES`); `arrival_rule` and
     `inflight_limit` pick PACI's (`--paci-arrival-rule`, `--paci-inflight-limit`; None: the
-    default). Called as Megatron calls it (no argument, or `pp_size, vp_size`), it returns the
-    configured schedule."""
-    if vp_size is not None and vp_size > 1:
-        raise NotImplementedError("interleaved (virtual pipeline) schedules are not supported")
+    default); `vp_size` > 1 model chunks per rank its variant with virtual stages. Called as
+    Megatron calls it (no argument, or `pp_size, vp_size`), it returns the configured
+    schedule."""
     if pipeline_schedule is None or isinstance(pipeline_schedule, int):
         pipeline_schedule = _CONFIGURED["schedule"]
         arrival_rule = arrival_rule or _CONFIGURED["arrival_rule"]
         inflight_limit = inflight_limit or _CONFIGURED["inflight_limit"]
-    schedule = with_paci_options(get_schedule(pipeline_schedule), arrival_rule, inflight_limit)
+        vp_size = vp_size or _CONFIGURED["virtual_stages"]
+        microbatch_group_size = microbatch_group_size or _CONFIGURED["group_size"]
+    schedule = _select(pipeline_schedule, arrival_rule, inflight_limit, vp_size or 1,
+                       microbatch_group_size)  # fmt: skip
     return functools.partial(_run_registered, schedule)
 
 

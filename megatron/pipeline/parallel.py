@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from .chunked_runtime import ChunkChannels
 from .runtime import PipelineContext
 
 
@@ -52,6 +53,43 @@ def build_pipeline_context(device: torch.device) -> PipelineContext:
         decision_leader=min(tp_ranks),
         is_decision_leader=dist.get_rank() == min(tp_ranks),
     )
+
+
+def build_chunk_channels(placement) -> list[ChunkChannels]:
+    """Collective over the world: the streams of this rank's model chunks (`placement`, the
+    interleaved one). Activations into chunk c come on one group per c for the hops between
+    ranks r - 1 -> r and on another for the wrap-around N - 1 -> 0 (chunk c - 1 -> c), so a
+    group never carries two streams between the same two ranks; gradients the same way back.
+    """
+    pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    rank, n = parallel_state.get_pipeline_model_parallel_rank(), placement.num_ranks
+    v, last = placement.chunks_per_rank, placement.num_virtual_stages - 1
+    groups = {}  # (direction, receiving chunk, wrap) -> group
+    for direction in ("activation", "gradient"):
+        for chunk in range(v):
+            for wrap in (False, True):
+                # nothing wraps into the first chunk's input or the last chunk's gradient
+                if wrap and chunk == (0 if direction == "activation" else v - 1):
+                    continue
+                groups[(direction, chunk, wrap)] = _new_groups(pp_ranks, backend=None)
+    channels = []
+    for chunk in range(v):
+        stage = placement.virtual_stage(rank, chunk)
+        links = ChunkChannels()
+        if stage > 0:
+            peer, _ = placement.locate(stage - 1)
+            links.input_peer = pp_ranks[peer]
+            links.input_group = groups[("activation", chunk, rank == 0)]
+            links.grad_out_peer = pp_ranks[peer]
+            links.grad_out_group = groups[("gradient", placement.locate(stage - 1)[1], rank == 0)]
+        if stage < last:
+            peer, next_chunk = placement.locate(stage + 1)
+            links.output_peer = pp_ranks[peer]
+            links.output_group = groups[("activation", next_chunk, rank == n - 1)]
+            links.grad_in_peer = pp_ranks[peer]
+            links.grad_in_group = groups[("gradient", chunk, rank == n - 1)]
+        channels.append(links)
+    return channels
 
 
 def ranks_of_my_stage() -> set[int]:

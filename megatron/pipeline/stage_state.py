@@ -228,6 +228,11 @@ class RankState:
         return self.forwards - self.backwards
 
     @property
+    def forward_limit(self) -> int:
+        """The call's forward limit over all chunks (the view's)."""
+        return min(self.chunks[0].forward_limit * len(self.chunks), NO_LIMIT)
+
+    @property
     def held(self) -> int:
         return self.forwards - (self.weight_grads if self.splits_backward else self.backwards)
 

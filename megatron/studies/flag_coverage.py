@@ -129,6 +129,10 @@ def classify(flags: list) -> tuple[str, list[str]]:
         with unittest.mock.patch("torch.cuda.is_available", return_value=True):
             validate_args(args, world_size=world_size_of(flags), check_files=False)
     except UserError as error:
+        # a combination of supported flags that is not (`--foo with ... is not supported yet`)
+        unsupported = re.match(r"^(.*) is not supported yet", str(error))
+        if unsupported:
+            return "not supported yet", [unsupported.group(1)]
         return "other error", [str(error)]
     return "accepted", []
 

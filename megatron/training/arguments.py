@@ -7,7 +7,12 @@ with one line naming the problem.
 import argparse
 import os
 
-from megatron.pipeline.schedules import SCHEDULES, get_schedule
+from megatron.pipeline.schedules import (
+    SCHEDULES,
+    VIRTUAL_STAGE_SCHEDULES,
+    get_schedule,
+    virtual_schedule,
+)
 from megatron.pipeline.schedules.paci import (
     ARRIVAL_RULES,
     DEFAULT_ARRIVAL_RULE,
@@ -126,6 +131,14 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         "t transformer layer, L loss, | between stages, (..)*n repeats)")  # fmt: skip
     add("--pipeline-schedule", default="1f1b",
         help=f"one of: {', '.join(sorted(SCHEDULES))}")  # fmt: skip
+    add("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+        help="Megatron's virtual pipeline: layers per model chunk (several chunks per rank; "
+        "1f1b then runs interleaved 1F1B)")  # fmt: skip
+    add("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+        help="Megatron's virtual pipeline: model chunks per pipeline rank")  # fmt: skip
+    add("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+        help="interleaved 1F1B: microbatches run through each chunk in a row (default: the "
+        "pipeline size)")  # fmt: skip
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -324,6 +337,7 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
         known = ", ".join(sorted(SCHEDULES))
         raise UserError(f"unknown --pipeline-schedule {args.pipeline_schedule!r} (known: {known})")
     _validate_layer_split(args, pp)
+    _validate_virtual_pipeline(args, pp)
     tied = not args.untie_embeddings_and_output_weights
     if tied and pp > 1 and not get_schedule(args.pipeline_schedule).flushes_every_call:
         for flag in ("async_sync_warmup_iters", "async_sync_cooldown_iters"):
@@ -332,6 +346,118 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
                     f"--{flag.replace('_', '-')} with tied embeddings is not supported yet "
                     "(add --untie-embeddings-and-output-weights)"
                 )
+
+
+def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
+    """Megatron's rules for the virtual pipeline flags, which set
+    `args.virtual_pipeline_model_parallel_size` (None: one model chunk per rank)."""
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    chunks = args.num_virtual_stages_per_pipeline_rank
+    given = [flag for flag, value in (
+        ("--num-layers-per-virtual-pipeline-stage", per_chunk),
+        ("--num-virtual-stages-per-pipeline-rank", chunks),
+        ("--pipeline-model-parallel-layout", args.pipeline_model_parallel_layout),
+    ) if value is not None]  # fmt: skip
+    if len(given) > 1:
+        raise UserError(f"no more than one of {', '.join(given)} can be set at the same time")
+    args.virtual_pipeline_model_parallel_size = args.chunk_layers = None
+    if per_chunk is not None:
+        if args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers:
+            raise UserError(
+                "please use --num-virtual-stages-per-pipeline-rank to specify virtual pipeline "
+                "parallel degree when enable uneven pipeline parallelism"
+            )
+        if per_chunk < 1:
+            raise UserError("--num-layers-per-virtual-pipeline-stage must be >= 1")
+        # Megatron counts the embedding and the loss as layers here when they are accounted
+        accounted = (
+            args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
+        )
+        per_stage = (args.num_layers + accounted) // pp
+        if per_stage % per_chunk:
+            raise UserError(
+                f"number of layers per pipeline stage ({per_stage}) must be divisible by "
+                f"--num-layers-per-virtual-pipeline-stage {per_chunk}"
+            )
+        chunks = per_stage // per_chunk
+    elif chunks is not None and chunks < 1:
+        raise UserError("--num-virtual-stages-per-pipeline-rank must be >= 1")
+    if chunks is None or chunks == 1:
+        return
+    if pp < 2:
+        raise UserError(
+            "When interleaved schedule is used, pipeline-model-parallel size should be greater "
+            "than 1"
+        )
+    for flag, value in (
+        ("--rampup-batch-size", args.rampup_batch_size),
+        ("--emulated-forward-ms", args.emulated_forward_ms),
+        ("--async-sync-warmup-iters", getattr(args, "async_sync_warmup_iters", 0)),
+        ("--async-sync-cooldown-iters", getattr(args, "async_sync_cooldown_iters", 0)),
+    ):  # fmt: skip
+        if value:
+            raise UserError(f"{flag} with virtual pipeline stages is not supported yet")
+    args.chunk_layers = layers_by_chunk(args, pp, chunks)
+    args.stage_layers = [sum(layers) for layers in args.chunk_layers]
+    name = args.pipeline_schedule
+    if name not in VIRTUAL_STAGE_SCHEDULES:
+        raise UserError(
+            f"--num-virtual-stages-per-pipeline-rank with --pipeline-schedule {name} is not "
+            "supported yet"
+        )
+    try:
+        options = (args.paci_arrival_rule, args.paci_inflight_limit) if name == "paci" else ()
+        virtual_schedule(name, None, *options)
+    except ValueError as error:
+        raise UserError(f"{error} is not supported yet") from None
+    args.virtual_pipeline_model_parallel_size = chunks
+
+
+def layers_by_chunk(args: argparse.Namespace, pp: int, chunks: int) -> list[list[int]]:
+    """Transformer layers of each rank's chunks, as megatron-core assigns them
+    (`get_num_layers_to_build` with `vp_stage`); one line where they do not split evenly."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    uneven = args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers
+    accounted = (
+        args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
+    )
+    if not uneven and (args.num_layers + accounted) % (pp * chunks):
+        counted = f" (+{accounted} for the embedding and loss)" if accounted else ""
+        raise UserError(
+            f"--num-layers {args.num_layers}{counted} is not divisible by "
+            f"--pipeline-model-parallel-size {pp} x {chunks} virtual stages per pipeline rank"
+        )
+    config = layout_config(args, chunks)
+    layers = [[get_num_layers_to_build(config, vp_stage=c, pp_rank=r) for c in range(chunks)]
+              for r in range(pp)]  # fmt: skip
+    if sum(map(sum, layers)) != args.num_layers:
+        raise UserError(
+            f"--num-layers {args.num_layers} does not split over {pp} pipeline ranks x {chunks} "
+            f"virtual stages (megatron-core assigns {layers})"
+        )
+    return layers
+
+
+def check_virtual_microbatches(args: argparse.Namespace) -> None:
+    """megatron-core's rule on the microbatches of an interleaved step, as one line."""
+    chunks = args.virtual_pipeline_model_parallel_size
+    if not chunks:
+        return
+    pp, group = (
+        args.pipeline_model_parallel_size,
+        args.microbatch_group_size_per_virtual_pipeline_stage,
+    )
+    if group is not None and group < 1:
+        raise UserError("--microbatch-group-size-per-virtual-pipeline-stage must be >= 1")
+    schedule = virtual_schedule(args.pipeline_schedule, group)
+    try:
+        schedule.check_microbatches(pp, chunks, args.num_microbatches)
+    except ValueError as error:
+        raise UserError(
+            f"--global-batch-size {args.global_batch_size} gives {args.num_microbatches} "
+            f"microbatches per step: {error}"
+        ) from None
 
 
 def _validate_weight_stashing(args: argparse.Namespace) -> None:
@@ -431,6 +557,7 @@ def _validate_batch_and_run_length(args: argparse.Namespace) -> None:
             f"{args.data_parallel_size}"
         )
     args.num_microbatches = args.global_batch_size // per_microbatch
+    check_virtual_microbatches(args)
     _validate_run_length(args)
     validate_rampup(args)
     if args.exit_interval is not None and args.exit_interval < 1:
@@ -570,9 +697,9 @@ def layers_by_stage(args: argparse.Namespace) -> list[int]:
     return [get_num_layers_to_build(config, pp_rank=s) for s in range(pp)]
 
 
-def layout_config(args: argparse.Namespace):
+def layout_config(args: argparse.Namespace, chunks: int | None = None):
     """The layer-split settings as a megatron-core TransformerConfig, which checks a layout
-    string by megatron-core's own rules (one line each)."""
+    string by megatron-core's own rules (one line each); `chunks`: model chunks per rank."""
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -588,6 +715,7 @@ def layout_config(args: argparse.Namespace):
             account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
             account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
             pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
+            virtual_pipeline_model_parallel_size=chunks,
         )
     except (AssertionError, ValueError, KeyError) as error:
         layout = args.pipeline_model_parallel_layout

@@ -99,13 +99,10 @@ NOT_SUPPORTED = [
     Flag("--megatron-fsdp-grad-comm-dtype", str),
     Flag("--tp-comm-overlap-cfg", str),
     Flag("--wgrad-deferral-limit", int, 0),
-    # sequence, context, expert parallelism; virtual pipeline; other layouts
+    # context, expert parallelism
     Flag("--cp-comm-type", str),
     Flag("--hierarchical-context-parallel-sizes", str, nargs="+"),
     Flag("--expert-tensor-parallel-size", int),
-    Flag("--num-layers-per-virtual-pipeline-stage", int),
-    Flag("--num-virtual-stages-per-pipeline-rank", int),
-    Flag("--microbatch-group-size-per-virtual-pipeline-stage", int),
     # mixture of experts and other attention variants
     Flag("--num-experts", int),
     Flag("--moe-ffn-hidden-size", int),

@@ -13,6 +13,7 @@ Two things here are ours rather than megatron-core's:
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import math
 import re
@@ -223,7 +224,8 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: bool = True):
+def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: bool = True,
+                   vp_stage: int | None = None):  # fmt: skip
     """Transformer Engine's spec on CUDA when TE is installed (and `use_te`), else the portable
     spec; the portable one as a block (the layers of this stage and the final norm) when the
     norms are zero-centered or sequence-parallel, which megatron-core's default final norm
@@ -239,7 +241,7 @@ def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: b
     spec = portable_layer_spec(config.normalization, qk_layernorm, own_norms)
     if not own_norms:
         return spec
-    layers = get_num_layers_to_build(config)
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=PortableNorm)
 
 
@@ -298,6 +300,12 @@ class StageLayout:
     tensor_size: int
     num_layers: int
     stage_layers: tuple[int, ...] | None = None  # None: an even split
+    # Virtual stages: this chunk's id on the rank, of `chunks`; its layers and its first global
+    # layer, as megatron-core assigns them (`chunk_layout`).
+    chunk: int = 0
+    chunks: int = 1
+    chunk_layers: int | None = None
+    chunk_offset: int | None = None
 
     def layers_on(self, stage: int) -> int:
         if self.stage_layers is not None:
@@ -306,19 +314,74 @@ class StageLayout:
 
     @property
     def layers_per_stage(self) -> int:
+        """The layers of this model chunk (of the rank's stage, with one chunk per rank)."""
+        if self.chunk_layers is not None:
+            return self.chunk_layers
         return self.layers_on(self.pipeline_rank)
 
     @property
     def layer_offset(self) -> int:
+        if self.chunk_offset is not None:
+            return self.chunk_offset
         return sum(self.layers_on(stage) for stage in range(self.pipeline_rank))
 
     @property
     def is_first(self) -> bool:
-        return self.pipeline_rank == 0
+        """Whether this chunk holds the embedding: the first chunk of the first rank."""
+        return self.pipeline_rank == 0 and self.chunk == 0
 
     @property
     def is_last(self) -> bool:
-        return self.pipeline_rank == self.pipeline_size - 1
+        """Whether this chunk holds the output layer: the last chunk of the last rank."""
+        return self.pipeline_rank == self.pipeline_size - 1 and self.chunk == self.chunks - 1
+
+
+def chunk_layout(layout: StageLayout, config: TransformerConfig, chunk: int) -> StageLayout:
+    """The layout of model chunk `chunk` of the rank (config.virtual_pipeline_model_parallel_size
+    chunks): its layers and first layer from megatron-core's `get_num_layers_to_build` and
+    `get_transformer_layer_offset` with `vp_stage`, the functions its GPTModel builds from."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    rank = layout.pipeline_rank
+    return dataclasses.replace(
+        layout,
+        chunk=chunk,
+        chunks=config.virtual_pipeline_model_parallel_size,
+        chunk_layers=get_num_layers_to_build(config, vp_stage=chunk, pp_rank=rank),
+        chunk_offset=get_transformer_layer_offset(config, vp_stage=chunk, pp_rank=rank),
+    )
+
+
+class ModelChunks(torch.nn.Module):
+    """A rank's model chunks with virtual pipeline stages: chunk c is virtual stage c * N + r
+    (megatron-core's GPTModel built with `vp_stage=c`). One module, so that whatever works on a
+    stage's parameters (the optimizer, its step, the data-parallel reduction, the accounting)
+    covers every chunk; the pipeline runtime runs the chunks themselves (`chunks[c]`).
+
+    Its sharded state dict merges the chunks' with the state-dict keys of this module
+    (``chunks.<c>.``) and megatron-core's global sharded keys, so a torch_dist checkpoint
+    reshards between interleaved and plain layouts."""
+
+    def __init__(self, chunks: list[torch.nn.Module]):
+        super().__init__()
+        self.chunks = torch.nn.ModuleList(chunks)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, index: int) -> torch.nn.Module:
+        return self.chunks[index]
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a rank's model chunks run one by one: call model[chunk]")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        merged = {}
+        for index, chunk in enumerate(self.chunks):
+            own = chunk.sharded_state_dict(prefix, sharded_offsets, metadata)
+            merged.update({f"{prefix}chunks.{index}.{key[len(prefix):]}": v
+                           for key, v in own.items()})  # fmt: skip
+        return merged
 
 
 def build_gpt_stage(
@@ -335,12 +398,16 @@ def build_gpt_stage(
     rotary_base: int = 10000,
     use_transformer_engine: bool = True,
 ) -> GPTModel:
-    """Build this rank's GPT stage on `device`, initialized independently of the layout."""
+    """Build this rank's GPT stage on `device`, initialized independently of the layout. With
+    virtual stages (`layout.chunks` > 1) it is one of the rank's chunks (`chunk_layout`)."""
+    vp_stage = layout.chunk if layout.chunks > 1 else None
     if config.recompute_granularity is not None:
         use_host_rng_states()  # megatron-core's checkpoint reads the CUDA generator otherwise
     model = GPTStageModel(
         config=config,
-        transformer_layer_spec=layer_spec_for(device, config, use_te=use_transformer_engine),
+        transformer_layer_spec=layer_spec_for(
+            device, config, use_te=use_transformer_engine, vp_stage=vp_stage
+        ),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=layout.is_first,
@@ -349,6 +416,7 @@ def build_gpt_stage(
         position_embedding_type=position_embedding_type,
         rotary_percent=rotary_percent,
         rotary_base=rotary_base,
+        vp_stage=vp_stage,
     )
     if device.type != "cuda" and isinstance(
         getattr(model, "rotary_pos_emb", None), RotaryEmbedding
@@ -357,8 +425,8 @@ def build_gpt_stage(
     built = len(model.decoder.layers)
     if built != layout.layers_per_stage:  # megatron-core's assignment and ours must agree
         raise RuntimeError(
-            f"stage {layout.pipeline_rank}: megatron-core built {built} layers, the layout "
-            f"says {layout.layers_per_stage}"
+            f"stage {layout.pipeline_rank} chunk {layout.chunk}: megatron-core built {built} "
+            f"layers, the layout says {layout.layers_per_stage}"
         )
     initialize_layout_independent(model, layout, seed=seed, init_method_std=config.init_method_std)
     return model.to(device)

@@ -23,16 +23,22 @@ from megatron.pipeline.audit import (
     audit_requested,
     record_cross_stage_collectives,
 )
+from megatron.pipeline.chunked_runtime import ChunkedStageRuntime
 from megatron.pipeline.forward_backward import (
     attach_stage_runtime,
     get_forward_backward_func,
     set_pipeline_schedule,
 )
-from megatron.pipeline.parallel import build_pipeline_context, ranks_of_my_stage
+from megatron.pipeline.parallel import (
+    build_chunk_channels,
+    build_pipeline_context,
+    ranks_of_my_stage,
+)
 from megatron.pipeline.runtime import StageRuntime
 from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.schedules.paci import DEFAULT_INFLIGHT_LIMIT
 from megatron.pipeline.schedules.paci import window as inflight_window
+from megatron.pipeline.schedules.placement import interleaved
 from megatron.training import divergence, faults, launch, run_control
 from megatron.training.batch_schedule import BatchSchedule
 from megatron.training.checkpointing import save_load as checkpointing
@@ -42,8 +48,10 @@ from megatron.training.emulation import EmulatedStage
 from megatron.training.errors import RunFailed, UserError
 from megatron.training.host_memory import unmap_large_blocks_when_freed
 from megatron.training.model import (
+    ModelChunks,
     StageLayout,
     build_gpt_stage,
+    chunk_layout,
     run_sequence_parallel_on_host,
 )
 from megatron.training.optimizer.build import (
@@ -164,7 +172,7 @@ def model_switches(args) -> dict:
 
 
 def transformer_config(args, device: torch.device) -> TransformerConfig:
-    dtype = model_dtype(args)
+    dtype, chunks = model_dtype(args), virtual_chunks(args)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -182,6 +190,10 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
+        virtual_pipeline_model_parallel_size=None if chunks == 1 else chunks,
+        microbatch_group_size_per_vp_stage=getattr(
+            args, "microbatch_group_size_per_virtual_pipeline_stage", None
+        ),
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=args.bf16,
@@ -210,16 +222,33 @@ def stage_layout(args) -> StageLayout:
     )
 
 
+def virtual_chunks(args) -> int:
+    """Model chunks per rank: Megatron's virtual_pipeline_model_parallel_size (1 without)."""
+    return getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+
+
 def build_stage_model(args, vocab_size: int, device: torch.device) -> torch.nn.Module:
+    """This rank's model: its stage, or with virtual stages its chunks as one `ModelChunks`."""
     if args.emulated_forward_ms is not None:
         return EmulatedStage(
             args.emulated_forward_ms, args.emulated_backward_ms, args.hidden_size,
             noise_cv=args.emulated_noise_cv, seed=args.seed,
         )  # fmt: skip
     config = transformer_config(args, device)
+    layout = stage_layout(args)
+    if virtual_chunks(args) == 1:
+        return _build_chunk(args, config, layout, vocab_size, device)
+    chunks = [
+        _build_chunk(args, config, chunk_layout(layout, config, c), vocab_size, device)
+        for c in range(virtual_chunks(args))
+    ]
+    return ModelChunks(chunks)
+
+
+def _build_chunk(args, config, layout, vocab_size: int, device: torch.device) -> torch.nn.Module:
     model = build_gpt_stage(
         config,
-        stage_layout(args),
+        layout,
         vocab_size=vocab_size,
         max_sequence_length=args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type,
@@ -281,8 +310,8 @@ def _note_inflight_window(args) -> None:
     """PACI's window is N - s whatever the microbatches per step; with fewer than the stages,
     that is more than flush holds, so more activation memory: say so, and how to cap it."""
     n, m = args.pipeline_model_parallel_size, args.num_microbatches
-    if args.pipeline_schedule != "paci" or m >= n:
-        return
+    if args.pipeline_schedule != "paci" or m >= n or virtual_chunks(args) > 1:
+        return  # over virtual stages PACI holds at most interleaved flush's
     limit = args.paci_inflight_limit or DEFAULT_INFLIGHT_LIMIT
     windows = " ".join(str(inflight_window(s, n, m, limit)) for s in range(n))
     flush = " ".join(str(min(m, n - s)) for s in range(n))
@@ -428,18 +457,31 @@ def boundary_sequence_length(args) -> int:
 def _build_stage_runtime(args, model, device) -> StageRuntime:
     """The stage's pipeline runtime, attached to the model, with the schedule selected."""
     dtype = model_dtype(args)
-    runtime = StageRuntime(
-        build_pipeline_context(device),
-        model,
+    options = dict(
         tensor_shape=(boundary_sequence_length(args), args.micro_batch_size, args.hidden_size),
         dtype=dtype,
         record_trace=args.timeline_file is not None,
         deterministic=args.deterministic_mode,
         per_token_loss=args.calculate_per_token_loss,
     )
+    context = build_pipeline_context(device)
+    chunks = virtual_chunks(args)
+    if chunks == 1:
+        runtime = StageRuntime(context, model, **options)
+    else:  # Megatron's virtual pipeline: chunk c of rank r is virtual stage c * N + r
+        placement = interleaved(args.pipeline_model_parallel_size, chunks)
+        runtime = ChunkedStageRuntime(context, model, placement=placement,
+                                      channels=build_chunk_channels(placement), **options)  # fmt: skip
     attach_stage_runtime(model, runtime)
-    set_pipeline_schedule(args.pipeline_schedule, args.paci_arrival_rule, args.paci_inflight_limit)
+    set_pipeline_schedule(
+        args.pipeline_schedule, args.paci_arrival_rule, args.paci_inflight_limit,
+        virtual_stages=chunks, microbatch_group_size=_group_size(args),
+    )  # fmt: skip
     return runtime
+
+
+def _group_size(args) -> int | None:
+    return getattr(args, "microbatch_group_size_per_virtual_pipeline_stage", None)
 
 
 def _build_train_valid_iterators(args, tokenizer, state: TrainingState):
@@ -703,7 +745,9 @@ def _agree_on_stop(control, plan: IterationPlan, iteration: int, runtime) -> Non
     agreed = control.stop_before(iteration, plan.cumulative)
     if agreed is None or agreed >= plan.stop:
         return
-    if agreed < iteration or runtime.state.forwards > plan.cumulative(agreed):
+    # microbatches this rank has started: its first chunk's forwards with virtual stages
+    started = getattr(runtime.state, "chunks", [runtime.state])[0].forwards
+    if agreed < iteration or started > plan.cumulative(agreed):
         # the agreement's margin rules this out: a bug if it happens
         raise RuntimeError(
             f"stop after iteration {agreed} agreed too late for iteration {iteration}: "
@@ -720,8 +764,10 @@ def _train_iteration(args, forward_step_func, model, train_iter, step_func, plan
     paci = name == "paci"  # the other schedules of a run's phases take no PACI option
     schedule_function = get_forward_backward_func(
         name,
+        virtual_chunks(args),
         arrival_rule=args.paci_arrival_rule if paci else None,
         inflight_limit=args.paci_inflight_limit if paci else None,
+        microbatch_group_size=_group_size(args),
     )
     if plan.ramp:  # Megatron's LR schedule of a ramp is in samples
         getattr(step_func, "step_func", step_func).scheduler_increment = plan.batch(iteration)

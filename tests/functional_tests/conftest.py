@@ -1,9 +1,13 @@
+import os
+
 import pytest
 import run_cases  # beside this file; pyproject.toml puts this directory on pytest's pythonpath
 
 
 @pytest.fixture(scope="session")
 def case_results(tmp_path_factory):
-    """Every functional case, run once per session (grouped into one launch per world size)."""
+    """Every functional case, run once per session (grouped into one launch per world size).
+    FUNCTIONAL_CASES=a,b,... runs only those (for a targeted run of one test file)."""
     output = tmp_path_factory.mktemp("functional")
-    return run_cases.run(list(run_cases.discover_cases()), str(output))
+    only = [name for name in os.environ.get("FUNCTIONAL_CASES", "").split(",") if name]
+    return run_cases.run(only or list(run_cases.discover_cases()), str(output))

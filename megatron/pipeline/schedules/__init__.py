@@ -3,7 +3,10 @@
 `SCHEDULES` holds what the runtime runs: 1F1B-flush, PACI, and the weight-stashing
 PipeDream-2BW and PipeDream. `SIMULATED_SCHEDULES` adds the references only the simulator runs
 (GPipe, ZB-H1), for comparisons and projections, and the schedules with virtual stages, several
-model chunks per rank (interleaved 1F1B, ZB-V, DualPipeV: `Schedule.placement` is set).
+model chunks per rank (interleaved 1F1B, ZB-V, DualPipeV, PACI over virtual stages:
+`Schedule.placement` is set). The runtime runs interleaved 1F1B and PACI over virtual stages
+when --pipeline-schedule 1f1b or paci comes with Megatron's virtual-pipeline flags
+(`virtual_schedule`).
 """
 
 from . import (
@@ -12,6 +15,7 @@ from . import (
     gpipe,
     interleaved_1f1b,
     paci,
+    paci_interleaved,
     pipedream,
     pipedream_2bw,
     zb_h1,
@@ -27,8 +31,33 @@ SCHEDULES: dict[str, Schedule] = {
 SIMULATED_SCHEDULES: dict[str, Schedule] = {
     **SCHEDULES,
     **{s.name: s for s in (gpipe.SCHEDULE, zb_h1.SCHEDULE)},
-    **{s.name: s for s in (interleaved_1f1b.SCHEDULE, zb_v.SCHEDULE, dualpipe_v.SCHEDULE)},
+    **{s.name: s for s in (interleaved_1f1b.SCHEDULE, zb_v.SCHEDULE, dualpipe_v.SCHEDULE,
+                           paci_interleaved.SCHEDULE)},  # fmt: skip
 }
+
+
+# Schedules the runtime runs with virtual stages: the one a --pipeline-schedule name becomes
+# when the virtual-pipeline flags give several model chunks per rank (as Megatron's 1F1B
+# becomes its interleaved schedule).
+VIRTUAL_STAGE_SCHEDULES = ("1f1b", "paci")
+
+
+def virtual_schedule(name: str, group_size: int | None = None, arrival_rule: str | None = None,
+                     inflight_limit: str | None = None) -> Schedule:  # fmt: skip
+    """The schedule that --pipeline-schedule `name` runs with several model chunks per rank;
+    `group_size`: microbatches per group (--microbatch-group-size-per-virtual-pipeline-stage,
+    None: the number of ranks); PACI's options as `paci.with_paci_options` takes them.
+    ValueError for a schedule without such a variant."""
+    if name not in VIRTUAL_STAGE_SCHEDULES:
+        raise ValueError(f"--pipeline-schedule {name} with virtual pipeline stages")
+    paci.with_paci_options(get_schedule(name), arrival_rule, inflight_limit)  # errors
+    if name == "paci":
+        # its own default rule (forward-first); "fixed" is its counter-only order
+        rule = arrival_rule or paci_interleaved.DEFAULT_ARRIVAL_RULE
+        if rule not in paci_interleaved.ARRIVAL_RULES:
+            raise ValueError(f"--paci-arrival-rule {rule} with virtual pipeline stages")
+        return paci_interleaved.paci_interleaved(group_size, rule)
+    return interleaved_1f1b.interleaved_1f1b(group_size)
 
 
 def get_schedule(name: str, *, simulated: bool = False) -> Schedule:
@@ -49,4 +78,5 @@ __all__ = [
     "SCHEDULES",
     "SIMULATED_SCHEDULES",
     "get_schedule",
+    "virtual_schedule",
 ]

@@ -198,6 +198,10 @@ class Schedule:
     placement: "Callable[[int, int], Placement] | None" = None
     default_chunks_per_rank: int = 1
     check_microbatches: Callable[[int, int, int], None] | None = None
+    # Asynchronous schedules with virtual stages: how many forwards of a chunk may run beyond
+    # its backwards, from (rank, chunk, placement, microbatches per step); the runtime posts
+    # that many receives ahead. None: up to the call's forward limit.
+    chunk_lookahead: Callable | None = None
 
     @property
     def global_grad_norm(self) -> bool:

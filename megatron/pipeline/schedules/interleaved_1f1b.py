@@ -26,7 +26,9 @@ Megatron's rule on m: g must lie in [N, m], and the last group must not be short
 (m % g is 0 or at least N), or a rank waits on a dependency inside a group; with the default
 g = N that is m % N == 0. `check_microbatches` rejects other m with one ValueError.
 
-Decisions depend on counters only. A reference for the simulator; the runtime does not run it.
+Decisions depend on counters only, so the runtime (`megatron.pipeline.chunked_runtime`) runs
+the very same function as the simulator: what --pipeline-schedule 1f1b becomes with Megatron's
+virtual-pipeline flags.
 """
 
 import functools
@@ -86,6 +88,7 @@ def next_action(view: StageView, group_size: int | None = None) -> Action:
     return backward(view, v - 1 - order[backwards])
 
 
+@functools.cache
 def interleaved_1f1b(group_size: int | None = None) -> Schedule:
     """The schedule with microbatch groups of `group_size` (None: N, Megatron's default)."""
     return Schedule(
@@ -100,4 +103,4 @@ def interleaved_1f1b(group_size: int | None = None) -> Schedule:
     )
 
 
-SCHEDULE = interleaved_1f1b()
+SCHEDULE = interleaved_1f1b(None)
