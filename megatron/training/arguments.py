@@ -401,10 +401,7 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
     args.stage_layers = [sum(layers) for layers in args.chunk_layers]
     name = args.pipeline_schedule
     if name not in VIRTUAL_STAGE_SCHEDULES:
-        raise UserError(
-            f"--num-virtual-stages-per-pipeline-rank with --pipeline-schedule {name} is not "
-            "supported yet"
-        )
+        raise UserError(f"{given[0]} with --pipeline-schedule {name} is not supported yet")
     try:
         options = (args.paci_arrival_rule, args.paci_inflight_limit) if name == "paci" else ()
         virtual_schedule(name, None, *options)

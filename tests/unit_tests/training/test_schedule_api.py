@@ -24,8 +24,13 @@ def test_selector_returns_the_configured_schedule_when_called_as_megatron_does()
         assert schedule_name(fb.get_forward_backward_func()) == "paci"
         assert schedule_name(fb.get_forward_backward_func(4, 1)) == "paci"  # pp_size, vp_size
         assert schedule_name(fb.get_forward_backward_func("1f1b")) == "1f1b"
-        with pytest.raises(NotImplementedError):
-            fb.get_forward_backward_func(4, 2)  # interleaved virtual pipeline
+        # Megatron's virtual pipeline (vp_size 2): the schedule's variant over virtual stages
+        assert schedule_name(fb.get_forward_backward_func(4, 2)) == "paci-interleaved"
+        assert schedule_name(fb.get_forward_backward_func("1f1b", 2)) == "interleaved-1f1b"
+        fb.set_pipeline_schedule("1f1b", virtual_stages=2, microbatch_group_size=4)
+        assert schedule_name(fb.get_forward_backward_func()) == "interleaved-1f1b"
+        with pytest.raises(ValueError, match="--pipeline-schedule 2bw with virtual pipeline"):
+            fb.get_forward_backward_func("2bw", 2)
     finally:
         fb.set_pipeline_schedule("1f1b")
 

@@ -22,6 +22,7 @@ def error_of(extra: list[str], world_size: int = 4) -> str:
     [
         (["--num-layers-per-virtual-pipeline-stage", "1"], 2),
         (["--num-virtual-stages-per-pipeline-rank", "2"], 2),
+        (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "paci"], 2),
         (["--num-layers", "16", "--num-layers-per-virtual-pipeline-stage", "1"], 4),
         (["--num-virtual-stages-per-pipeline-rank", "1"], None),  # one chunk: plain 1F1B
         (["--num-layers-per-virtual-pipeline-stage", "2"], None),
@@ -76,8 +77,12 @@ REFUSED = [
     (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "pipedream"],
      "--num-virtual-stages-per-pipeline-rank with --pipeline-schedule pipedream is not "
      "supported yet"),
-    (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "2bw"],
-     "--num-virtual-stages-per-pipeline-rank with --pipeline-schedule 2bw is not supported yet"),
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "2bw"],
+     "--num-layers-per-virtual-pipeline-stage with --pipeline-schedule 2bw is not supported "
+     "yet"),
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "paci",
+      "--paci-arrival-rule", "backward-first"],
+     "--paci-arrival-rule backward-first with virtual pipeline stages is not supported yet"),
     (["--num-layers", "10", "--num-virtual-stages-per-pipeline-rank", "2",
       "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2"],
      "the layer split: number of layers on each middle pipeline rank:3 must be divisible by "
