@@ -189,7 +189,8 @@ def _run_schedule(
         if optimizer_step_func is None:
             raise ValueError("a per-token loss needs optimizer_step_func (it scales the step)")
         optimizer_step_func = _divided_by_step_tokens(optimizer_step_func, runtime)
-    config = getattr(model, "config", None)
+    first = model.chunks[0] if hasattr(model, "chunks") else model  # a rank's model chunks
+    config = getattr(first, "config", None)
     if getattr(config, "sequence_parallel", False):  # stages exchange [s / tp, b, h]
         seq_length //= config.tensor_model_parallel_size
     expected_shape = (seq_length, micro_batch_size)

@@ -23,6 +23,7 @@ from megatron.training.training import transformer_config
 FLUSH = {  # case -> its one-process reference
     "gpt_pp4vp2_1f1b": "gpt_pp1_8layers_1f1b",
     "gpt_tp2pp2vp2_1f1b": "gpt_pp1_1f1b",
+    "gpt_tp2pp2vp2_1f1b_sp": "gpt_pp1_1f1b",  # sequence parallelism too
     "gpt_dp2pp2vp2_1f1b": "gpt_pp1_1f1b",
     # the embedding and the loss counted as layers: chunks of 0, 1 and 2 layers
     "gpt_dp2pp2vp2_1f1b_account": "gpt_pp1_tied_6layers_1f1b",
