@@ -42,14 +42,15 @@ DEMO_MODEL = [
 ]  # fmt: skip
 NUM_PROCESSES = 4
 
-# The long-horizon study's model, sized for the single-process engine on one CPU core: the
-# demo's shape at half the width and sequence, on the default corpus tokenized with a 1,024-
-# token SentencePiece model (8k logits would cost more than the 4 layers). Build its data with
-# the commands of docs/convergence.md; 4 stages, micro batch 4, global batch 16 (a = 4).
+# The long-horizon study's model, sized for the single-process engine on one shared CPU core
+# (about 40 ms an iteration): the demo's shape at half the width and a quarter of the
+# sequence, on the default corpus tokenized with a 1,024-token SentencePiece model (8k logits
+# would cost more than the 4 layers). Build its data with the commands of docs/convergence.md;
+# 4 stages, micro batch 4, global batch 16 (a = 4).
 SMALL_DATA = "runs/data_v1k"
 SMALL_MODEL = [
     "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "256",
-    "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
+    "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
     "--micro-batch-size", "4", "--global-batch-size", "16",
     "--lr-decay-style", "cosine",
     "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1.0",
