@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     add("--model", choices=sorted(tta.MODELS), default="demo")
     add("--eval-iters", type=int, default=5)
     add("--warmup-iters", type=int, default=None, help="default: the model's (demo: 10)")
+    add("--reference", action="append", default=[], metavar="NAME=REFERENCE",
+        help="also print the long-horizon table: NAME's final loss over REFERENCE's, by seed")  # fmt: skip
     options = parser.parse_args(argv)
     if options.engine == "torchrun" and (options.model, options.eval_iters,
                                          options.warmup_iters) != ("demo", 5, None):  # fmt: skip
@@ -73,6 +75,10 @@ def main(argv=None) -> int:
     }
     print(json.dumps(report, indent=2))
     print(tta.markdown(report, targets))
+    if options.reference:
+        references = dict(text.split("=", 1) for text in options.reference)
+        print()
+        print(tta.long_horizon_markdown(runs, targets, references))
     return 0
 
 

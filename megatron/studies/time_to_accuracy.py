@@ -312,3 +312,28 @@ def markdown(report: dict, targets: list[float]) -> str:
                 row.append("-" if value is None else f"{value:.2f}x")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def long_horizon_markdown(runs: list[Run], targets: list[float], references: dict) -> str:
+    """Final validation loss, the paired gap to each configuration's reference (`references`:
+    {configuration: reference configuration}), and iterations and tokens (millions) to each
+    target: median [min, max] over seeds."""
+    table = iteration_table(runs, targets)
+    head = ["configuration", "seeds", "final valid. loss", "gap vs reference"]
+    head += [f"it. to {t}" for t in targets] + [f"Mtokens to {t}" for t in targets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, entry in table.items():
+        reference = references.get(name)
+        gap = paired_gaps(runs, name, reference) if reference else None
+        gap_text = "-" if gap is None else (
+            f"{100 * gap['median']:+.2f}% [{100 * gap['min']:+.2f}, {100 * gap['max']:+.2f}] "
+            f"vs {reference}"
+        )  # fmt: skip
+        row = [name, str(entry["seeds"]), _cell(entry["final"], 3), gap_text]
+        row += [_cell(entry[str(t)], 0) for t in targets]
+        for target in targets:
+            tokens = entry.get(f"{target} tokens")
+            row.append("not reached" if tokens is None else _cell(
+                {k: v / 1e6 for k, v in tokens.items()}, 2))  # fmt: skip
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)

@@ -79,3 +79,14 @@ def test_a_value_with_commas_is_written_with_semicolons():
                        warmup_iters=40)  # fmt: skip
     assert args[args.index("--lr-warmup-iters") + 1] == "40"
     assert "runs/data_v1k/stdlib_text_document" in args
+
+
+def test_long_horizon_table_pairs_each_configuration_with_its_reference():
+    runs = [
+        tta.Run("flush", 1, [(10, 6.0), (20, 5.0)], tokens=[100, 200]),
+        tta.Run("paci", 1, [(10, 6.0), (20, 5.5)], tokens=[150, 300]),
+    ]
+    text = tta.long_horizon_markdown(runs, [5.5], {"paci": "flush"})
+    paci = next(line for line in text.splitlines() if line.startswith("| paci"))
+    assert "+10.00% [+10.00, +10.00] vs flush" in paci
+    assert paci.endswith("| 20 [20, 20] | 0.00 [0.00, 0.00] |")
