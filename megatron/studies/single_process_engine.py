@@ -6,7 +6,10 @@ gradient clipping, as PACI's ranks have them. Between two drain points (evaluati
 ends of `--paci-accumulation-schedule`, the end) each stage replays its own order of forwards,
 backwards and steps, taken from the simulator with uniform costs; a stage's numbers depend only
 on that order, so any global order that respects the data dependencies gives what the
-distributed runtime gives. Activations and gradients are handed over as plain tensors.
+distributed runtime gives. Activations and gradients are handed over as plain tensors. That is
+the runtime's order exactly under the default `fixed` arrival rule (and --deterministic-mode);
+a reactive rule's order depends on timing, and the engine replays the one it takes with uniform
+stage costs.
 
 1F1B-flush: every step is synchronous, so the pipeline split does not change the numbers
 (the functional tests check 4 stages against 1); the engine trains the whole model as one
@@ -96,18 +99,6 @@ def phases_of(args) -> list[tuple[int, int]]:
     from megatron.training.batch_schedule import accumulation_phases
 
     return accumulation_phases(args)
-
-
-def drain_points(args) -> list[int]:
-    """Iterations after which the pipeline is empty: evaluations, phase ends, the end."""
-    points = {args.train_iters}
-    if args.eval_iters:
-        points.update(range(args.eval_interval, args.train_iters + 1, args.eval_interval))
-    end = 0
-    for _, iterations in phases_of(args)[:-1]:
-        end += iterations
-        points.add(end)
-    return sorted(p for p in points if 0 < p <= args.train_iters)
 
 
 @functools.cache
@@ -268,7 +259,9 @@ def train(args, *, log=None) -> EngineRun:
         end += iterations
         phase_ends.append((a, end))
         result.phases.append({"a": a, "iterations": iterations, "max_drift": [0] * stages.count})
-    for point in drain_points(args):
+    from megatron.training.training import drain_points
+
+    for point in drain_points(args, 0):
         while iteration < point:  # a segment never spans a phase end: those are drain points
             index = next(i for i, (_, e) in enumerate(phase_ends) if e > iteration)
             a, phase_end = phase_ends[index]
