@@ -5,10 +5,12 @@ configuration the median over seeds, with the range over seeds shaded.
         --config "flush, AdamW=flush-adam-lr3e-3" --config "PACI, AdamW=paci-adam-lr3e-3" \
         --png docs/convergence_long.png
 
-Each --config is LABEL=RUN NAME (the name under --output, without -seedN).
+Each --config is LABEL=RUN NAME (the name under --output, without -seedN); seeds not run yet
+are left out, and the legend gives each curve's number of seeds.
 """
 
 import argparse
+import os
 import statistics
 import sys
 
@@ -32,7 +34,11 @@ def main(argv=None) -> int:
     figure, axes = plt.subplots(figsize=(8, 5))
     for spec in options.config:
         label, _, name = spec.partition("=")
-        runs = [tta._read_run(options.output, name, seed) for seed in seeds]
+        done = [s for s in seeds if os.path.exists(os.path.join(
+            tta.run_directory(options.output, name, s), "summary.json"))]  # fmt: skip
+        if not done:
+            continue  # not run yet: a partial study plots what it has
+        runs = [tta._read_run(options.output, name, seed) for seed in done]
         tokens = runs[0].tokens
         losses = list(zip(*[[loss for _, loss in run.validation] for run in runs]))
         middle = [statistics.median(values) for values in losses]
