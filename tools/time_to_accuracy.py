@@ -8,6 +8,10 @@ paper's scale. The logic is in megatron/studies/time_to_accuracy.py.
 
 Runs that already have a summary.json under --output are reused (the study resumes); --report
 only reads them. Prints one JSON object and a markdown table.
+
+`--engine single-process` trains each run in this process with the exact single-process engine
+(megatron/studies/single_process_engine.py: 1f1b and paci) instead of a 4-process torchrun;
+`--model small` is the long-horizon study's model (docs/convergence.md).
 """
 
 import argparse
@@ -28,12 +32,28 @@ def main(argv=None) -> int:
     add("--targets", default="6.0,5.6", help="comma list of validation losses")
     add("--output", default="runs/time_to_accuracy")
     add("--report", action="store_true", help="do not train: read the runs under --output")
+    add("--engine", choices=("torchrun", "single-process"), default="torchrun")
+    add("--model", choices=sorted(tta.MODELS), default="demo")
+    add("--eval-iters", type=int, default=5)
+    add("--warmup-iters", type=int, default=None, help="default: the model's (demo: 10)")
+    add("--reference", action="append", default=[], metavar="NAME=REFERENCE",
+        help="also print the long-horizon table: NAME's final loss over REFERENCE's, by seed")  # fmt: skip
     options = parser.parse_args(argv)
+    if options.engine == "torchrun" and (options.model, options.eval_iters,
+                                         options.warmup_iters) != ("demo", 5, None):  # fmt: skip
+        parser.error("--model, --eval-iters and --warmup-iters need --engine single-process")
     seeds = [int(s) for s in options.seeds.split(",")]
     targets = [float(t) for t in options.targets.split(",")]
     configs = options.config
     if options.report:
         runs = [tta._read_run(options.output, c.name, s) for c in configs for s in seeds]
+    elif options.engine == "single-process":
+        runs = tta.run_all_single_process(
+            configs, seeds, options.output, iterations=options.iterations,
+            eval_interval=options.eval_interval, model=options.model,
+            eval_iters=options.eval_iters, warmup_iters=options.warmup_iters,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )  # fmt: skip
     else:
         runs = tta.run_all(configs, seeds, options.iterations, options.eval_interval,
                            options.output)  # fmt: skip
@@ -55,6 +75,10 @@ def main(argv=None) -> int:
     }
     print(json.dumps(report, indent=2))
     print(tta.markdown(report, targets))
+    if options.reference:
+        references = dict(text.split("=", 1) for text in options.reference)
+        print()
+        print(tta.long_horizon_markdown(runs, targets, references))
     return 0
 
 

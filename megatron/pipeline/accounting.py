@@ -55,6 +55,8 @@ class StageStats:
 
     stage: int
     drift_histogram: collections.Counter = field(default_factory=collections.Counter)
+    # The most steps crossed under each accumulation factor a (it changes at drain points).
+    max_drift_by_accumulation: dict = field(default_factory=dict)
     # Weight stashing: steps between a microbatch's forward and its backward, i.e. how stale
     # its gradient is when applied (the backward itself sees the forward's weights: drift 0).
     delay_histogram: collections.Counter = field(default_factory=collections.Counter)
@@ -73,8 +75,11 @@ class StageStats:
         self.process_memory = ProcessPeakMemory(device)
         self.process_memory.reset()
 
-    def record_drift(self, drift: int) -> None:
+    def record_drift(self, drift: int, accumulation: int | None = None) -> None:
         self.drift_histogram[drift] += 1
+        if accumulation is not None:
+            known = self.max_drift_by_accumulation.get(accumulation, 0)
+            self.max_drift_by_accumulation[accumulation] = max(known, drift)
 
     def record_delay(self, delay: int) -> None:
         self.delay_histogram[delay] += 1
@@ -102,6 +107,9 @@ class StageStats:
             "max_drift": self.max_drift,
             "mean_drift": self.mean_drift,
             "drift_histogram": {str(d): n for d, n in sorted(self.drift_histogram.items())},
+            "max_drift_by_accumulation": {
+                str(a): d for a, d in sorted(self.max_drift_by_accumulation.items())
+            },
             "peak_inflight_microbatches": self.peak_inflight_microbatches,
             "peak_activation_bytes": self.peak_activation_bytes,
             "extra_weight_versions": self.extra_weight_versions,

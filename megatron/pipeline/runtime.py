@@ -469,7 +469,7 @@ class StageRuntime:
         forward_version = self.state.record_backward()
         steps_since_forward = self.state.steps - forward_version
         if self.stash is None:
-            self.stats.record_drift(steps_since_forward)
+            self.stats.record_drift(steps_since_forward, self.state.microbatches_per_step)
         else:  # the backward ran on its forward's weights; the gradient is that stale
             self.stats.record_drift(0)
             self.stats.record_delay(steps_since_forward)

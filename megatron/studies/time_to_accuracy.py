@@ -30,7 +30,7 @@ DEMO_MODEL = [
     "--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "512",
     "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
     "--micro-batch-size", "4", "--global-batch-size", "16",
-    "--lr-decay-style", "cosine", "--lr-warmup-iters", "10",
+    "--lr-decay-style", "cosine",
     "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1.0",
     "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
     "--data-path", "data/stdlib_text_document", "--split", "969,30,1",
@@ -42,6 +42,28 @@ DEMO_MODEL = [
 ]  # fmt: skip
 NUM_PROCESSES = 4
 
+# The long-horizon study's model, sized for the single-process engine on one shared CPU core
+# (about 40 ms an iteration): the demo's shape at half the width and a quarter of the
+# sequence, on the default corpus tokenized with a 1,024-token SentencePiece model (8k logits
+# would cost more than the 4 layers). Build its data with the commands of docs/convergence.md;
+# 4 stages, micro batch 4, global batch 16 (a = 4).
+SMALL_DATA = "runs/data_v1k"
+SMALL_MODEL = [
+    "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "256",
+    "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "4", "--global-batch-size", "16",
+    "--lr-decay-style", "cosine",
+    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1.0",
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+    "--data-path", f"{SMALL_DATA}/stdlib_text_document", "--split", "969,30,1",
+    "--data-cache-path", f"{SMALL_DATA}/cache",
+    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+    f"{SMALL_DATA}/tokenizer/stdlib1k.model",
+    "--pipeline-model-parallel-size", "4",
+    "--untie-embeddings-and-output-weights",
+]  # fmt: skip
+MODELS = {"demo": DEMO_MODEL + ["--lr-warmup-iters", "10"], "small": SMALL_MODEL}
+
 
 @dataclass(frozen=True)
 class Configuration:
@@ -52,26 +74,32 @@ class Configuration:
     lr: float
     flags: tuple = ()
 
-    def args(self, iterations: int, eval_interval: int, seed: int) -> list[str]:
-        return DEMO_MODEL + [
+    def args(self, iterations: int, eval_interval: int, seed: int, *, model: str = "demo",
+             eval_iters: int = 5, warmup_iters: int | None = None) -> list[str]:  # fmt: skip
+        """The run's flags; the configuration's own flags last, so they override (e.g. a
+        shorter --train-iters for the same tokens)."""
+        warmup = [] if warmup_iters is None else ["--lr-warmup-iters", str(warmup_iters)]
+        return MODELS[model] + warmup + [
             "--pipeline-schedule", self.schedule,
             "--lr", str(self.lr), "--min-lr", str(self.lr / 10),
             "--train-iters", str(iterations), "--eval-interval", str(eval_interval),
-            "--eval-iters", "5", "--log-interval", str(eval_interval), "--seed", str(seed),
+            "--eval-iters", str(eval_iters), "--log-interval", str(eval_interval),
+            "--seed", str(seed),
             *self.flags,
         ]  # fmt: skip
 
 
 def parse_configuration(text: str) -> Configuration:
     """'NAME=SCHEDULE:LR[:flag,flag,...]', e.g. 'paci-ef=paci:1e-3:--async-error-feedback'.
-    Flags with values are written with '=': '--optimizer=muon'."""
+    Flags with values are written with '=': '--optimizer=muon'; a value's own commas as ';'
+    ('--paci-accumulation-schedule=8:100;6:100')."""
     name, _, spec = text.partition("=")
     parts = spec.split(":", 2)
     if not name or len(parts) < 2:
         raise ValueError(f"configuration {text!r}: expected NAME=SCHEDULE:LR[:FLAGS]")
     flags = []
     for flag in parts[2].split(",") if len(parts) == 3 and parts[2] else []:
-        flags.extend(flag.split("=", 1))
+        flags.extend(part.replace(";", ",") for part in flag.split("=", 1))
     return Configuration(name, parts[0], float(parts[1]), tuple(flags))
 
 
@@ -80,6 +108,11 @@ class Run:
     configuration: str
     seed: int
     validation: list = field(default_factory=list)  # [(iteration, lm loss)]
+    tokens: list = field(default_factory=list)  # tokens consumed at each evaluation
+
+    @property
+    def by_tokens(self) -> list[tuple[int, float]]:
+        return [(t, loss) for t, (_, loss) in zip(self.tokens, self.validation)]
 
 
 def run_directory(output: str, configuration: str, seed: int) -> str:
@@ -119,11 +152,40 @@ def _launch(cases: list[dict], output: str) -> None:
         raise RuntimeError(f"the runs failed (exit {completed.returncode}): see {log}")
 
 
+def run_all_single_process(configurations, seeds, output, *, log=print, **run_options):
+    """`run_all` with the single-process engine (`single_process_engine`), one run after the
+    other in this process; `run_options` go to `Configuration.args`. Each finished run writes
+    its summary.json at once, so a cut-short study resumes where it stopped."""
+    import time
+
+    from megatron.studies.single_process_engine import parse_engine_args, train
+
+    for seed in seeds:  # seed-major, as run_all
+        for config in configurations:
+            directory = run_directory(output, config.name, seed)
+            if os.path.exists(os.path.join(directory, "summary.json")):
+                continue
+            flags = config.args(seed=seed, **run_options)
+            cpu = time.process_time()
+            result = train(parse_engine_args(flags))
+            summary = {**result.to_dict(), "cpu_s": time.process_time() - cpu, "args": flags}
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, "summary.json.tmp"), "w") as f:
+                json.dump(summary, f)
+            os.replace(os.path.join(directory, "summary.json.tmp"),
+                       os.path.join(directory, "summary.json"))  # fmt: skip
+            final = result.validation[-1]["lm loss"] if result.validation else float("nan")
+            log(f"{config.name} seed {seed}: validation {final:.4f}, "
+                f"{summary['cpu_s']:.0f} s CPU, {result.wall_s:.0f} s wall")  # fmt: skip
+    return [_read_run(output, c.name, s) for c in configurations for s in seeds]
+
+
 def _read_run(output: str, configuration: str, seed: int) -> Run:
     with open(os.path.join(run_directory(output, configuration, seed), "summary.json")) as f:
         summary = json.load(f)
     curve = [(entry["iteration"], entry["lm loss"]) for entry in summary["validation"]]
-    return Run(configuration, seed, curve)
+    tokens = [entry.get("tokens") for entry in summary["validation"]]
+    return Run(configuration, seed, curve, tokens if None not in tokens else [])
 
 
 def iterations_to(curve: list[tuple[int, float]], target: float) -> float | None:
@@ -147,7 +209,8 @@ def spread(values: list[float]) -> dict | None:
 
 
 def iteration_table(runs: list[Run], targets: list[float]) -> dict:
-    """{configuration: {"final": spread of the last validation loss, str(target): spread}}."""
+    """{configuration: {"final": spread of the last validation loss, str(target): spread of
+    the iterations to it, f"{target} tokens": of the tokens to it (runs that count them)}}."""
     table = {}
     for name in dict.fromkeys(r.configuration for r in runs):
         mine = [r for r in runs if r.configuration == name]
@@ -156,8 +219,19 @@ def iteration_table(runs: list[Run], targets: list[float]) -> dict:
             reached = [iterations_to(r.validation, target) for r in mine]
             entry[str(target)] = spread(reached)
             entry[f"{target} reached"] = sum(v is not None for v in reached)
+            if all(r.tokens for r in mine):
+                entry[f"{target} tokens"] = spread([iterations_to(r.by_tokens, target)
+                                                    for r in mine])  # fmt: skip
         table[name] = entry
     return table
+
+
+def paired_gaps(runs: list[Run], name: str, reference: str) -> dict | None:
+    """Final validation loss of `name` over `reference`'s on the same seed, minus one:
+    spread over the seeds both have."""
+    finals = {(r.configuration, r.seed): r.validation[-1][1] for r in runs}
+    seeds = sorted(s for (c, s) in finals if c == name and (reference, s) in finals)
+    return spread([finals[(name, s)] / finals[(reference, s)] - 1 for s in seeds])
 
 
 def projected_speed(schedules=("1f1b", "paci"), global_batches=(128, 256)) -> dict:
@@ -236,5 +310,30 @@ def markdown(report: dict, targets: list[float]) -> str:
             for gb in gbs:
                 value = ratios.get(name, {}).get(target, {}).get(gb)
                 row.append("-" if value is None else f"{value:.2f}x")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def long_horizon_markdown(runs: list[Run], targets: list[float], references: dict) -> str:
+    """Final validation loss, the paired gap to each configuration's reference (`references`:
+    {configuration: reference configuration}), and iterations and tokens (millions) to each
+    target: median [min, max] over seeds."""
+    table = iteration_table(runs, targets)
+    head = ["configuration", "seeds", "final valid. loss", "gap vs reference"]
+    head += [f"it. to {t}" for t in targets] + [f"Mtokens to {t}" for t in targets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, entry in table.items():
+        reference = references.get(name)
+        gap = paired_gaps(runs, name, reference) if reference else None
+        gap_text = "-" if gap is None else (
+            f"{100 * gap['median']:+.2f}% [{100 * gap['min']:+.2f}, {100 * gap['max']:+.2f}] "
+            f"vs {reference}"
+        )  # fmt: skip
+        row = [name, str(entry["seeds"]), _cell(entry["final"], 3), gap_text]
+        row += [_cell(entry[str(t)], 0) for t in targets]
+        for target in targets:
+            tokens = entry.get(f"{target} tokens")
+            row.append("not reached" if tokens is None else _cell(
+                {k: v / 1e6 for k, v in tokens.items()}, 2))  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

@@ -20,7 +20,7 @@ from megatron.pipeline.schedules.paci import (
     INFLIGHT_LIMITS,
 )
 from megatron.pipeline.simulation.costs import stage_values
-from megatron.training.batch_schedule import validate_rampup
+from megatron.training.batch_schedule import validate_accumulation_schedule, validate_rampup
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
@@ -262,6 +262,10 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         help="most microbatches a PACI stage s holds: depth = N - s (default), flush = "
         "min(N - s, microbatches per step), flush's activation memory also when there are fewer "
         "microbatches per step than stages")  # fmt: skip
+    add("--paci-accumulation-schedule", default=None, metavar="A:ITERS[,A:ITERS...]",
+        help="PACI's accumulation factor a by phase: a = A for the next ITERS iterations, "
+        "phase after phase, then the a of --global-batch-size; the global batch of an "
+        "iteration is a x micro batch x data parallel; the pipeline drains at each change")  # fmt: skip
 
 
 def _add_benchmark_args(parser: argparse.ArgumentParser) -> None:
@@ -311,6 +315,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     _validate_optimizer_suite_args(args)
     _validate_weight_stashing(args)
     _validate_precision_args(args)
+    validate_accumulation_schedule(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise UserError(
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "

@@ -11,6 +11,15 @@ and the number of iterations counts the ramp's iterations one by one (`train_ite
 The number of microbatches of an iteration is its batch / (micro batch x data parallel), so a
 ramp changes the schedules' `num_microbatches` (PACI's accumulation factor `a`) between
 iterations; resuming from a checkpoint picks the ramp up from its consumed samples.
+
+`--paci-accumulation-schedule A1:K1,A2:K2,...` (PACI only) sets the accumulation factor by
+iteration instead: a = A1 for the first K1 iterations, A2 for the next K2, ..., then the a of
+`--global-batch-size` for the rest of the run. In Megatron's terms an iteration stays one
+optimizer step of every stage over `num_microbatches` = a microbatches, so the global batch of
+an iteration is a x micro batch x data parallel: a larger a early is a larger global batch
+early. Each phase end is a drain point (the pipeline is empty there), so no microbatch is in
+flight when a changes and each phase keeps its own drift bound ceil((N - 1 - s) / a). The LR
+schedule counts iterations, as without the flag.
 """
 
 import argparse
@@ -40,12 +49,24 @@ class BatchRamp:
 
 
 class BatchSchedule:
-    """Global batch and microbatch count of each iteration, from the samples consumed."""
+    """Global batch and microbatch count of each iteration, from the samples consumed (a ramp)
+    or from the iteration (an accumulation schedule)."""
 
     def __init__(self, args: argparse.Namespace):
         self.final = args.global_batch_size
         self.per_microbatch = args.micro_batch_size * args.data_parallel_size
         self.ramp = ramp_of(args)
+        self.phases = getattr(args, "paci_accumulation_schedule", None) or []
+
+    def batch_of_iteration(self, iteration: int) -> int | None:
+        """The accumulation schedule's global batch of `iteration` (1-based); None past its
+        phases or without one."""
+        end = 0
+        for a, iterations in self.phases:
+            end += iterations
+            if iteration <= end:
+                return a * self.per_microbatch
+        return None
 
     def batch_size(self, consumed_samples: int) -> int:
         return self.final if self.ramp is None else self.ramp.batch_size(consumed_samples)
@@ -53,11 +74,13 @@ class BatchSchedule:
     def num_microbatches(self, consumed_samples: int) -> int:
         return self.batch_size(consumed_samples) // self.per_microbatch
 
-    def batches(self, consumed_samples: int, iterations: int) -> list[int]:
-        """The global batch of each of the next `iterations` iterations."""
+    def batches(self, consumed_samples: int, iterations: int, first_iteration: int = 1) -> list:
+        """The global batch of each of the next `iterations` iterations, the first of which
+        is `first_iteration`."""
         sizes = []
-        for _ in range(iterations):
-            sizes.append(self.batch_size(consumed_samples))
+        for iteration in range(first_iteration, first_iteration + iterations):
+            by_iteration = self.batch_of_iteration(iteration)
+            sizes.append(by_iteration or self.batch_size(consumed_samples))
             consumed_samples += sizes[-1]
         return sizes
 
@@ -121,3 +144,71 @@ def validate_rampup(args: argparse.Namespace) -> None:
         )
     args.rampup_batch_size = [start, increment, samples]
     args.train_iters = train_iterations(ramp_of(args), args.train_samples)
+
+
+def parse_accumulation_schedule(text: str) -> list[tuple[int, int]]:
+    """'A1:K1,A2:K2' as [(A1, K1), (A2, K2)]: integers >= 1."""
+    phases = []
+    for part in text.split(","):
+        a, colon, iterations = part.strip().partition(":")
+        try:
+            phase = (int(a), int(iterations)) if colon else None
+        except ValueError:
+            phase = None
+        if phase is None or min(phase) < 1:
+            raise UserError(
+                f"--paci-accumulation-schedule: expected A:ITERATIONS[,A:ITERATIONS...] with "
+                f"integers >= 1, got {text!r}"
+            )
+        phases.append(phase)
+    return phases
+
+
+def validate_accumulation_schedule(args: argparse.Namespace) -> None:
+    """Check --paci-accumulation-schedule; set ``args.paci_accumulation_schedule`` to its
+    [(a, iterations)] phases. Call after the global batch and --train-iters are known."""
+    text = getattr(args, "paci_accumulation_schedule", None)
+    if text is None or isinstance(text, list):
+        return
+    if args.pipeline_schedule != "paci":
+        raise UserError("--paci-accumulation-schedule applies to --pipeline-schedule paci only")
+    if args.rampup_batch_size is not None or args.train_samples is not None:
+        raise UserError(
+            "--paci-accumulation-schedule counts iterations: it excludes --rampup-batch-size "
+            "and --train-samples (use --train-iters)"
+        )
+    for flag in ("async_sync_warmup_iters", "async_sync_cooldown_iters"):
+        if getattr(args, flag, 0):
+            raise UserError(
+                f"--paci-accumulation-schedule with --{flag.replace('_', '-')} is not supported "
+                "yet"
+            )
+    phases = parse_accumulation_schedule(text)
+    if sum(iterations for _, iterations in phases) >= args.train_iters:
+        raise UserError(
+            f"--paci-accumulation-schedule: its phases ({sum(k for _, k in phases)} iterations) "
+            f"must end before --train-iters {args.train_iters}, which runs the a of "
+            "--global-batch-size last"
+        )
+    args.paci_accumulation_schedule = phases
+
+
+def accumulation_phases(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(a, iterations) of every phase of the run, the configured a's last."""
+    phases = list(getattr(args, "paci_accumulation_schedule", None) or [])
+    rest = args.train_iters - sum(iterations for _, iterations in phases)
+    return phases + [(args.num_microbatches, rest)]
+
+
+def accumulation_phase_ends(args: argparse.Namespace) -> list[int]:
+    """Iterations after which a changes: drain points."""
+    ends, end = [], 0
+    for _, iterations in getattr(args, "paci_accumulation_schedule", None) or []:
+        end += iterations
+        ends.append(end)
+    return ends
+
+
+def total_train_samples(args: argparse.Namespace) -> int:
+    """Samples the whole run reads."""
+    return sum(BatchSchedule(args).batches(0, args.train_iters))

@@ -40,7 +40,12 @@ from megatron.pipeline.schedules.paci import DEFAULT_INFLIGHT_LIMIT
 from megatron.pipeline.schedules.paci import window as inflight_window
 from megatron.pipeline.schedules.placement import interleaved
 from megatron.training import divergence, faults, launch, run_control
-from megatron.training.batch_schedule import BatchSchedule
+from megatron.training.batch_schedule import (
+    BatchSchedule,
+    accumulation_phase_ends,
+    accumulation_phases,
+    total_train_samples,
+)
 from megatron.training.checkpointing import save_load as checkpointing
 from megatron.training.checkpointing.writer_lock import WriterLock, describe, new_run_id
 from megatron.training.data.datasets import data_iterators_from_args, parse_data_path
@@ -489,7 +494,7 @@ def _build_train_valid_iterators(args, tokenizer, state: TrainingState):
     return data_iterators_from_args(
         args,
         tokenizer,
-        train_samples=sum(BatchSchedule(args).batches(0, args.train_iters)),
+        train_samples=total_train_samples(args),
         valid_samples=_eval_samples(args),
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
         data_parallel_size=args.data_parallel_size,
@@ -571,10 +576,11 @@ class MegatronStep:
 
 def _tied_exchange(weight, step_func: StageOptimizerStep, args) -> TiedEmbeddingExchange:
     """This rank's side of the tied-embedding exchange with its embedding-group peer. The lag
-    is set for the fewest microbatches per step of the run (a batch ramp's first)."""
+    is set for the fewest microbatches per step of the run (a batch ramp's first, or the
+    smallest a of --paci-accumulation-schedule)."""
     group = parallel_state.get_embedding_group()
     peer = next(r for r in dist.get_process_group_ranks(group) if r != dist.get_rank())
-    microbatches = args.num_microbatches
+    microbatches = min(a for a, _ in accumulation_phases(args))
     if args.rampup_batch_size is not None:
         start = int(args.rampup_batch_size[0])
         microbatches = start // (args.micro_batch_size * args.data_parallel_size)
@@ -648,9 +654,11 @@ def stop_iteration(args, start_iteration: int) -> int:
 
 
 def drain_points(args, start_iteration: int) -> list[int]:
-    """Iterations after which the pipeline must be empty: evaluation, checkpoint, the end."""
+    """Iterations after which the pipeline must be empty: evaluation, checkpoint, the end, and
+    where the schedule or PACI's accumulation factor changes."""
     stop = stop_iteration(args, start_iteration)
-    points = {stop, *(p for p in synchronous_phase_ends(args) if p <= stop)}
+    phase_ends = synchronous_phase_ends(args) + accumulation_phase_ends(args)
+    points = {stop, *(p for p in phase_ends if p <= stop)}
     for interval in (args.eval_interval if args.eval_iters else None, args.save_interval):
         if interval:
             points.update(range(interval, stop + 1, interval))
@@ -668,7 +676,8 @@ class IterationPlan:
         self.stop = self.drains[-1] if self.drains else state.iteration
         schedule = BatchSchedule(args)
         self.per_microbatch = schedule.per_microbatch
-        self.sizes = schedule.batches(state.consumed_train_samples, self.stop - state.iteration)
+        self.sizes = schedule.batches(state.consumed_train_samples, self.stop - state.iteration,
+                                      first_iteration=self.first)  # fmt: skip
         self.ramp = schedule.ramp is not None
         self.final_microbatches = args.num_microbatches
         # microbatches of the first i iterations, for O(1) sums over any range

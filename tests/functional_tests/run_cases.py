@@ -23,11 +23,11 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 CASES_DIR = os.path.join(HERE, "test_cases")
 
 
-def discover_cases() -> dict[str, dict]:
+def discover_cases(cases_dir: str = CASES_DIR) -> dict[str, dict]:
     cases = {}
-    for model in sorted(os.listdir(CASES_DIR)):
-        for name in sorted(os.listdir(os.path.join(CASES_DIR, model))):
-            directory = os.path.join(CASES_DIR, model, name)
+    for model in sorted(os.listdir(cases_dir)):
+        for name in sorted(os.listdir(os.path.join(cases_dir, model))):
+            directory = os.path.join(cases_dir, model, name)
             config = yaml.safe_load(open(os.path.join(directory, "model_config.yaml")))
             cases[name] = {"directory": directory, **config}
     return cases
@@ -82,9 +82,10 @@ def launches(groups: dict[tuple, list[str]]):
             yield key, names[start : start + CASES_PER_LAUNCH]
 
 
-def run(case_names: list[str], output: str) -> dict[str, dict]:
-    """Run the cases; return each case's summary.json (plus its log under 'log')."""
-    cases = discover_cases()
+def run(case_names: list[str], output: str, cases_dir: str = CASES_DIR) -> dict[str, dict]:
+    """Run the cases (of `cases_dir`); return each case's summary.json (plus its log under
+    'log')."""
+    cases = discover_cases(cases_dir)
     os.makedirs(output, exist_ok=True)
     if any("{gpt2}" in str(cases[name]["MODEL_ARGS"]) for name in case_names):
         prepare_gpt2_data(output)

@@ -55,3 +55,38 @@ def test_configuration_text():
     assert args[args.index("--seed") + 1] == "3" and args[-2:] == ["--optimizer", "muon"]
     with pytest.raises(ValueError, match="expected NAME=SCHEDULE:LR"):
         tta.parse_configuration("paci:1e-3")
+
+
+def test_tokens_to_target_and_paired_gaps():
+    runs = [
+        tta.Run("flush", 1, [(10, 6.0), (20, 5.0)], tokens=[100, 200]),
+        tta.Run("paci", 1, [(10, 6.0), (20, 5.5)], tokens=[150, 300]),
+        tta.Run("flush", 2, [(10, 6.0), (20, 4.0)], tokens=[100, 200]),
+        tta.Run("paci", 2, [(10, 6.0), (20, 4.4)], tokens=[150, 300]),
+    ]
+    table = tta.iteration_table(runs, [5.5])
+    assert table["flush"]["5.5 tokens"]["max"] == pytest.approx(150.0)
+    assert table["paci"]["5.5 tokens"]["max"] == pytest.approx(300.0)
+    gaps = tta.paired_gaps(runs, "paci", "flush")
+    assert [gaps[k] for k in ("min", "max")] == pytest.approx([0.1, 0.1])
+    assert tta.paired_gaps(runs, "paci", "missing") is None
+
+
+def test_a_value_with_commas_is_written_with_semicolons():
+    config = tta.parse_configuration("a=paci:1e-3:--paci-accumulation-schedule=8:100;6:50")
+    assert config.flags == ("--paci-accumulation-schedule", "8:100,6:50")
+    args = config.args(iterations=400, eval_interval=50, seed=1, model="small", eval_iters=8,
+                       warmup_iters=40)  # fmt: skip
+    assert args[args.index("--lr-warmup-iters") + 1] == "40"
+    assert "runs/data_v1k/stdlib_text_document" in args
+
+
+def test_long_horizon_table_pairs_each_configuration_with_its_reference():
+    runs = [
+        tta.Run("flush", 1, [(10, 6.0), (20, 5.0)], tokens=[100, 200]),
+        tta.Run("paci", 1, [(10, 6.0), (20, 5.5)], tokens=[150, 300]),
+    ]
+    text = tta.long_horizon_markdown(runs, [5.5], {"paci": "flush"})
+    paci = next(line for line in text.splitlines() if line.startswith("| paci"))
+    assert "+10.00% [+10.00, +10.00] vs flush" in paci
+    assert paci.endswith("| 20 [20, 20] | 0.00 [0.00, 0.00] |")

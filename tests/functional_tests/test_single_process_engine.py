@@ -1,0 +1,105 @@
+"""The single-process engine (megatron/studies/single_process_engine.py) against real
+4-process runs, and PACI's accumulation schedule in the runtime.
+
+The engine replays each stage's order in one process without the runtime; the 4-process run
+exchanges activations and gradients over gloo. Both must give the same training and validation
+losses: PACI with error feedback and drains at each evaluation, PACI whose a changes
+(`--paci-accumulation-schedule`), and flush (which the engine trains as one stage). The cases
+live in engine_cases/ so that only this module runs them.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import run_cases
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CASES_DIR = os.path.join(HERE, "engine_cases")
+CASES = ["engine_pp4_paci_ef", "engine_pp4_1f1b", "engine_pp4_paci_accumulation_schedule"]
+
+
+@pytest.fixture(scope="module")
+def runtime_results(tmp_path_factory):
+    return run_cases.run(CASES, str(tmp_path_factory.mktemp("engine")), cases_dir=CASES_DIR)
+
+
+@pytest.fixture(scope="module")
+def engine_results():
+    """Every case trained by the engine, in one subprocess (a fresh process per module, as the
+    engine sets up torch.distributed for itself)."""
+    cases = run_cases.discover_cases(CASES_DIR)
+    spec = {name: run_cases.flags(cases[name]["MODEL_ARGS"], output="unused") for name in CASES}
+    script = (
+        "import json, sys\n"
+        "from megatron.studies.single_process_engine import parse_engine_args, train\n"
+        "spec = json.loads(sys.argv[1])\n"
+        "print(json.dumps({n: train(parse_engine_args(f)).to_dict() for n, f in spec.items()}))\n"
+    )
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run([sys.executable, "-c", script, json.dumps(spec)],
+                               capture_output=True, text=True, env=environment)  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def validation_losses(entries: list[dict]) -> list[float]:
+    return [entry["lm loss"] for entry in entries]
+
+
+@pytest.mark.parametrize("name", ["engine_pp4_paci_ef", "engine_pp4_paci_accumulation_schedule"])
+def test_engine_equals_the_paci_runtime(runtime_results, engine_results, name):
+    runtime, engine = runtime_results[name], engine_results[name]
+    assert len(engine["loss"]) == runtime["iterations"]
+    assert run_cases.relative_difference(engine["loss"], runtime["loss"]) <= 1e-6
+    assert len(runtime["validation"]) == 3
+    assert [e["iteration"] for e in engine["validation"]] == [4, 8, 12]
+    assert (
+        run_cases.relative_difference(
+            validation_losses(engine["validation"]), validation_losses(runtime["validation"])
+        )
+        <= 1e-6
+    )
+
+
+def test_engine_flush_equals_the_four_stage_flush(runtime_results, engine_results):
+    """The engine trains flush as one stage; 4 stages sum the same gradients in another order."""
+    runtime, engine = runtime_results["engine_pp4_1f1b"], engine_results["engine_pp4_1f1b"]
+    assert run_cases.relative_difference(engine["loss"], runtime["loss"]) <= 1e-5
+    assert (
+        run_cases.relative_difference(
+            validation_losses(engine["validation"]), validation_losses(runtime["validation"])
+        )
+        <= 1e-5
+    )
+
+
+def drift_bound(stage: int, num_stages: int, a: int) -> int:
+    return math.ceil((num_stages - 1 - stage) / a)
+
+
+def test_accumulation_schedule_drift_equals_each_phases_bound(runtime_results, engine_results):
+    """a = 4, 1, 2 in turn: each phase's measured max drift per stage is its own bound
+    ceil((N - 1 - s) / a), in the runtime's summary and in the engine."""
+    runtime = runtime_results["engine_pp4_paci_accumulation_schedule"]
+    stages = runtime["pipeline_stages"]
+    for report in runtime["stages"]:
+        measured = {int(a): d for a, d in report["max_drift_by_accumulation"].items()}
+        expected = {a: drift_bound(report["stage"], stages, a) for a in (4, 1, 2)}
+        assert measured == expected, report["stage"]
+        assert report["optimizer_steps"] == runtime["iterations"] == 14
+    phases = engine_results["engine_pp4_paci_accumulation_schedule"]["phases"]
+    assert [(p["a"], p["iterations"]) for p in phases] == [(4, 3), (1, 6), (2, 5)]
+    for phase in phases:
+        assert phase["max_drift"] == [drift_bound(s, stages, phase["a"]) for s in range(stages)]
+
+
+def test_accumulation_schedule_sets_each_iterations_batch(runtime_results):
+    """Global batch = a x micro batch (2): 8 samples per iteration for 3 iterations, 2 for the
+    next 6, then 4 (Megatron's consumed-samples log field)."""
+    log = runtime_results["engine_pp4_paci_accumulation_schedule"]["log"]
+    for iteration, consumed in ((1, 8), (3, 24), (4, 26), (9, 36), (10, 40), (14, 56)):
+        assert f" iteration {iteration:8d}/      14 | consumed samples: {consumed:12d} |" in log
