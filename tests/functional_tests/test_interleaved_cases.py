@@ -30,8 +30,9 @@ FLUSH = {  # case -> its one-process reference
 }
 SAVED, LOADED = "gpt_vpp_1_dp2pp2vp2_tied_save", "gpt_vpp_2_pp4_tied_load"
 TIED_REFERENCE = "gpt_pp1_tied_1f1b"
-PACI = "gpt_pp4vp2_paci"
-NEEDED = sorted({*FLUSH, *FLUSH.values(), SAVED, LOADED, TIED_REFERENCE, PACI})
+PACI = "gpt_pp4vp2_paci"  # the GPT-2 BPE corpus, tied embeddings, the memory cap binds
+PACI_CASES = [PACI, "gpt_tp2pp2vp2_paci"]  # the second: decisions shared over TP ranks
+NEEDED = sorted({*FLUSH, *FLUSH.values(), SAVED, LOADED, TIED_REFERENCE, *PACI_CASES})
 
 
 def parsed(name: str, world_size: int = 4):
@@ -107,12 +108,13 @@ def test_tied_embedding_over_chunks_and_a_checkpoint_to_the_plain_pipeline(case_
     assert ends[0]["tied_weight_sha256"] == ends[1]["tied_weight_sha256"]
 
 
-def test_paci_over_virtual_stages_keeps_its_drift_bound_per_chunk(case_results):
+@pytest.mark.parametrize("name", PACI_CASES)
+def test_paci_over_virtual_stages_keeps_its_drift_bound_per_chunk(case_results, name):
     """Measured steps between each microbatch's forward and backward, per chunk, never exceed
     paci_interleaved.drift_bound; the early chunks of the first ranks do cross a step."""
-    summary = case_results[PACI]
-    args = parsed(PACI)
-    n, v, a = 4, 2, args.num_microbatches
+    summary = case_results[name]
+    args = parsed(name)
+    n, v, a = args.pipeline_model_parallel_size, 2, args.num_microbatches
     assert summary["num_microbatches"] == a == 4 and args.virtual_pipeline_model_parallel_size == v
     for report in summary["stages"]:
         r = report["stage"]
@@ -123,27 +125,36 @@ def test_paci_over_virtual_stages_keeps_its_drift_bound_per_chunk(case_results):
     assert summary["stages"][-1]["chunk_max_drift"][-1] == 0  # the last virtual stage never
 
 
-def test_paci_over_virtual_stages_holds_at_most_interleaved_flushs_activations(case_results):
+@pytest.mark.parametrize("name", PACI_CASES)
+def test_paci_over_virtual_stages_holds_at_most_interleaved_flushs_activations(case_results, name):
     """Per rank, the most microbatch-chunks in flight is at most interleaved 1F1B-flush's peak
     for the same command line (simulated: min(2(N - r - 1) + (v - 1) g + 1, m v))."""
-    summary = case_results[PACI]
-    n, v, m = 4, 2, summary["num_microbatches"]
+    summary = case_results[name]
+    n, v, m = summary["pipeline_stages"], 2, summary["num_microbatches"]
     flush = simulate(virtual_schedule("1f1b"), num_stages=n, microbatches_per_step=m, steps=2,
                      chunks_per_rank=v, forward_cost=1.0, backward_cost=2.0,
                      record_timeline=False).to_dict()["virtual_stages"]  # fmt: skip
     peaks = [r["peak_inflight_microbatches"] for r in summary["stages"]]
     assert all(p <= f for p, f in zip(peaks, flush["peak_activation_chunks_per_rank"]))
-    assert peaks[0] == m * v  # the cap binds on rank 0 (Megatron's warm-up would hold 11)
+    assert peaks == [paci_interleaved.window(r, n, m, v) for r in range(n)]
+    if n == 4:
+        assert peaks[0] == m * v  # the cap binds on rank 0 (Megatron's warm-up would hold 11)
 
 
-def test_paci_over_virtual_stages_steps_without_cross_stage_collectives(case_results):
-    summary = case_results[PACI]
+@pytest.mark.parametrize("name", PACI_CASES)
+def test_paci_over_virtual_stages_steps_without_cross_stage_collectives(case_results, name):
+    summary = case_results[name]
     assert summary["cross_stage_collectives"] == 0
     assert all(r["optimizer_steps"] == summary["iterations"] for r in summary["stages"])
     losses = summary["loss"]
     assert len(losses) == 8 and losses[-1] < losses[0]
     assert "validation loss at iteration 8" in summary["log"]
+
+
+def test_paci_over_virtual_stages_ties_its_embedding_point_to_point(case_results):
+    summary = case_results[PACI]
     # the tied embedding's two copies (rank 0's first chunk, rank 3's last) agree at the end
+    assert summary["cross_stage_collectives"] == 0
     first, last = summary["stages"][0], summary["stages"][-1]
     assert first["tied_weight_sha256"] == last["tied_weight_sha256"]
     exchange = last["tied_embedding"]
