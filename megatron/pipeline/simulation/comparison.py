@@ -53,7 +53,7 @@ MODELS = {
 # (schedule, chunks per rank or None for the model's interleaved v); PACI steps every m.
 SCHEDULES = [
     ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", None), ("zb-h1", 1), ("zb-v", 2),
-    ("dualpipe-v", 2), ("2bw", 1), ("pipedream", 1), ("paci", 1),
+    ("dualpipe-v", 2), ("2bw", 1), ("pipedream", 1), ("paci", 1), ("paci-interleaved", None),
 ]  # fmt: skip
 
 
@@ -124,7 +124,8 @@ def _steps_for(ranks: int, m: int) -> int:
 def compare(model: Model, schedule: str, chunks: int | None, m: int) -> Row:
     definition = SIMULATED_SCHEDULES[schedule]
     chunks = model.interleaved_chunks if chunks is None else chunks
-    shape = "v" if definition.placement is not None and schedule != "interleaved-1f1b" else "il"
+    placed = definition.placement is not None
+    shape = definition.placement(model.ranks, chunks).shape if placed else "interleaved"
     forward, backward, wgrad = virtual_stage_costs(model, chunks, shape)
     if not definition.splits_backward:  # one backward pass: input and weight gradients
         backward, wgrad = [b + w for b, w in zip(backward, wgrad)], [0.0] * len(wgrad)
