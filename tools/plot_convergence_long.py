@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in options.seeds.split(",")]
     figure, axes = plt.subplots(figsize=(8, 5))
     for spec in options.config:
-        label, _, name = spec.partition("=")
+        label, _, name = spec.rpartition("=")  # a label may hold "=", a run name not
         done = [s for s in seeds if os.path.exists(os.path.join(
             tta.run_directory(options.output, name, s), "summary.json"))]  # fmt: skip
         if not done:
