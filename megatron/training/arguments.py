@@ -399,6 +399,7 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
         ("--emulated-forward-ms", args.emulated_forward_ms),
         ("--async-sync-warmup-iters", getattr(args, "async_sync_warmup_iters", 0)),
         ("--async-sync-cooldown-iters", getattr(args, "async_sync_cooldown_iters", 0)),
+        ("--paci-accumulation-schedule", getattr(args, "paci_accumulation_schedule", None)),
     ):  # fmt: skip
         if value:
             raise UserError(f"{flag} with virtual pipeline stages is not supported yet")

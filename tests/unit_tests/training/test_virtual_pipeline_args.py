@@ -92,6 +92,9 @@ REFUSED = [
      "parallel degree when enable uneven pipeline parallelism"),
     (["--num-virtual-stages-per-pipeline-rank", "2", "--rampup-batch-size", "4", "4", "8"],
      "--rampup-batch-size with virtual pipeline stages is not supported yet"),
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "paci",
+      "--paci-accumulation-schedule", "8:4"],
+     "--paci-accumulation-schedule with virtual pipeline stages is not supported yet"),
 ]  # fmt: skip
 
 
