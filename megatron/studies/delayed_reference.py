@@ -169,14 +169,23 @@ def run_delayed(args, *, delay: int, sync_warmup_iters: int = 0, sync_cooldown_i
 def parse_reference_args(argv: list[str]):
     """pretrain_gpt.py flags, validated for one process (parallel sizes are set to 1: the
     reference is the whole model on one rank)."""
-    from megatron.training.arguments import build_parser, validate_args
+    from megatron.training.arguments import build_parser
 
     args = build_parser().parse_args(argv)
-    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
+    args.tensor_model_parallel_size = 1
+    as_one_stage(args)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return args
+
+
+def as_one_stage(args) -> None:
+    """The flags of the whole model on one pipeline stage (the layer-split flags cleared),
+    validated again for one process."""
+    from megatron.training.arguments import validate_args
+
+    args.pipeline_model_parallel_size = 1
     args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
     args.account_for_embedding_in_pipeline_split = False
     args.account_for_loss_in_pipeline_split = False
     args.pipeline_model_parallel_layout = None
     validate_args(args, world_size=1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return args

@@ -84,12 +84,9 @@ def parse_engine_args(argv: list[str]):
             raise UserError(f"{flag} is not supported yet by the single-process engine")
     validate_args(args, world_size=args.pipeline_model_parallel_size)
     if args.pipeline_schedule == "1f1b":
-        args.pipeline_model_parallel_size = 1
-        args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
-        args.account_for_embedding_in_pipeline_split = False
-        args.account_for_loss_in_pipeline_split = False
-        args.pipeline_model_parallel_layout = None
-        validate_args(args, world_size=1)
+        from megatron.studies.delayed_reference import as_one_stage
+
+        as_one_stage(args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return args
 
