@@ -143,7 +143,7 @@ def portable_layer_spec(
 
 class _HostCuda:
     """`torch.cuda` with the host as its current device, for megatron-core modules that
-    allocate their tensor-parallel buffers on `torch.cuda.current_device()` (which raises
+    allocate their tensor-parallel buffers on CUDA's current device (asking for it raises
     where there is no CUDA)."""
 
     def __getattr__(self, name):
