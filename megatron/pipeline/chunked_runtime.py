@@ -29,10 +29,17 @@ import torch
 import torch.distributed as dist
 
 from .p2p import Outbox, make_inbox
-from .runtime import _ACTION_CODES, StageRuntime, _InFlight, _loss_dict, _split_loss
+from .runtime import (
+    _ACTION_CODES,
+    StageRuntime,
+    _InFlight,
+    _loss_dict,
+    _split_loss,
+    call_forward_limit,
+)
 from .schedules.base import Action, ActionKind, Schedule, StageView
 from .schedules.placement import Placement
-from .stage_state import NO_LIMIT, RankState
+from .stage_state import RankState
 
 
 @dataclass
@@ -133,14 +140,9 @@ class ChunkedStageRuntime(StageRuntime):
         state.schedule_name = schedule.name
         for chunk in state.chunks:
             chunk.schedule_name = schedule.name
-        if schedule.flushes_every_call:
-            microbatches_before_drain = num_microbatches
-        first = state.chunks[0]
-        forward_limit = NO_LIMIT
-        if microbatches_before_drain is not None:
-            if microbatches_before_drain < num_microbatches:
-                raise ValueError("microbatches_before_drain must cover this call's microbatches")
-            forward_limit = first.backward_target + microbatches_before_drain
+        forward_limit = call_forward_limit(
+            schedule, state.chunks[0].backward_target, num_microbatches, microbatches_before_drain
+        )
         state.begin_call(num_microbatches, forward_limit)
         self._expect_inputs(forward_limit)
 

@@ -77,6 +77,19 @@ def decode_count(digits: torch.Tensor) -> int:
     return sum(int(round(float(d))) << (8 * i) for i, d in enumerate(digits.tolist()))
 
 
+def call_forward_limit(schedule, backward_target: int, num_microbatches: int,
+                       microbatches_before_drain: int | None) -> int:  # fmt: skip
+    """No forward of this call beyond the next drain (a flush drains at every call's end):
+    the stage's backwards so far plus the microbatches before the drain; none without one."""
+    if schedule.flushes_every_call:
+        microbatches_before_drain = num_microbatches
+    if microbatches_before_drain is None:
+        return NO_LIMIT
+    if microbatches_before_drain < num_microbatches:
+        raise ValueError("microbatches_before_drain must cover this call's microbatches")
+    return backward_target + microbatches_before_drain
+
+
 class StageRuntime:
     """Executes schedule actions for one pipeline stage of `model`."""
 
@@ -211,13 +224,9 @@ class StageRuntime:
         """Set the call's backward target and forward limit, and post its receives."""
         state = self.state
         state.schedule_name, state.splits_backward = schedule.name, schedule.splits_backward
-        if schedule.flushes_every_call:
-            microbatches_before_drain = num_microbatches
-        forward_limit = NO_LIMIT
-        if microbatches_before_drain is not None:
-            if microbatches_before_drain < num_microbatches:
-                raise ValueError("microbatches_before_drain must cover this call's microbatches")
-            forward_limit = state.backward_target + microbatches_before_drain
+        forward_limit = call_forward_limit(
+            schedule, state.backward_target, num_microbatches, microbatches_before_drain
+        )
         state.begin_call(num_microbatches, forward_limit)
         self._expect_inputs(forward_limit)
 
