@@ -171,6 +171,14 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     add("--optimizer", default="adam", help=f"one of: {', '.join(OPTIMIZER_NAMES)}")
     add("--lr", type=float, required=True)
     add("--min-lr", type=float, default=0.0)
+    add(
+        "--decoupled-lr",
+        type=float,
+        default=None,
+        help="peak LR of the word embedding and the output layer (default: --lr)",
+    )
+    add("--decoupled-min-lr", type=float, default=None,
+        help="their LR floor (default: --min-lr); needs --decoupled-lr")  # fmt: skip
     add("--lr-decay-style", default="linear",
         choices=["constant", "linear", "cosine", "inverse-square-root"])  # fmt: skip
     add("--lr-decay-iters", type=int, default=None)

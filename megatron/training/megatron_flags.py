@@ -133,8 +133,6 @@ NOT_SUPPORTED = [
     Flag("--use-mup"),
     Flag("--mup-base-hidden-size", int),
     # optimizer and batch schedule variants
-    Flag("--decoupled-lr", float),
-    Flag("--decoupled-min-lr", float),
     Flag("--step-batch-size-schedule", str),
     Flag("--eval-global-batch-size", int),
     # data variants

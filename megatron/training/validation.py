@@ -33,6 +33,8 @@ _AT_LEAST_ZERO = ("eval_iters", "lr_warmup_iters", "seed")
 _FLOAT_RANGES = {
     "lr": (0.0, math.inf, False),
     "min_lr": (0.0, math.inf, False),
+    "decoupled_lr": (0.0, math.inf, False),
+    "decoupled_min_lr": (0.0, math.inf, False),
     "weight_decay": (0.0, math.inf, False),
     "clip_grad": (0.0, math.inf, False),
     "init_method_std": (0.0, math.inf, False),
@@ -84,9 +86,20 @@ def _check_float(args, name: str, low: float, high: float, high_ok: bool) -> Non
         raise UserError(f"{flag(name)} must be a number >= {low:g}{upper}{hint}, got {value}")
 
 
+def _check_decoupled_lr(args) -> None:
+    decoupled, floor = getattr(args, "decoupled_lr", None), getattr(args, "decoupled_min_lr", None)
+    if floor is not None and decoupled is None:
+        raise UserError("--decoupled-min-lr needs --decoupled-lr (it is the floor of that LR)")
+    floor = args.min_lr if floor is None else floor
+    if decoupled is not None and floor > decoupled:
+        which = "--decoupled-min-lr" if args.decoupled_min_lr is not None else "--min-lr"
+        raise UserError(f"{which} {floor:g} is above --decoupled-lr {decoupled:g}")
+
+
 def _check_relations(args) -> None:
     if args.min_lr > args.lr:
         raise UserError(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}")
+    _check_decoupled_lr(args)
     decay_iters = args.lr_decay_iters or args.train_iters
     if decay_iters is None:  # a sample-based run (--train-samples): checked in samples later
         return

@@ -27,6 +27,8 @@ FLUSH = {  # case -> its one-process reference
     "gpt_dp2pp2vp2_1f1b": "gpt_pp1_1f1b",
     # the embedding and the loss counted as layers: chunks of 0, 1 and 2 layers
     "gpt_dp2pp2vp2_1f1b_account": "gpt_pp1_tied_6layers_1f1b",
+    # the embedding and output layer on their own LR schedule, sharded optimizer state
+    "gpt_dp2pp2vp2_1f1b_decoupled_lr_distopt": "gpt_pp1_1f1b_decoupled_lr",
 }
 SAVED, LOADED = "gpt_vpp_1_dp2pp2vp2_tied_save", "gpt_vpp_2_pp4_tied_load"
 TIED_REFERENCE = "gpt_pp1_tied_1f1b"
@@ -48,6 +50,16 @@ def test_interleaved_flush_matches_one_process(case_results, name):
     reference = case_results[FLUSH[name]]["loss"]
     assert len(reference) == 8
     assert relative_difference(case_results[name]["loss"], reference) <= 1e-5
+
+
+def test_decoupled_lr_changes_the_run(case_results):
+    """The reference of the --decoupled-lr case is not the plain run: the flag changes the
+    numbers (so the match above checks where each stage's groups take their LR)."""
+    plain, decoupled = (
+        case_results[n]["loss"] for n in ("gpt_pp1_1f1b", "gpt_pp1_1f1b_decoupled_lr")
+    )
+    assert plain[0] == decoupled[0]  # the first loss is before any step
+    assert relative_difference(decoupled, plain) >= 1e-3
 
 
 @pytest.mark.parametrize("name", sorted(FLUSH))

@@ -535,3 +535,31 @@ def test_changed_batch_ramp_is_named_or_honoured(tmp_path):
     assert (
         load(tmp_path, ramp_args("16", "8", "64", extra=["--override-opt_param-scheduler"]))[0] == 2
     )
+
+
+def decoupled_lrs(scheduler) -> set[tuple[float, float]]:
+    groups = scheduler.optimizer.param_groups
+    return {(g["max_lr"], g["min_lr"]) for g in groups if g.get("is_decoupled_lr")}
+
+
+def test_changed_decoupled_lr_is_named_or_honoured(tmp_path):
+    """The embedding's and output layer's own LR bounds sit in the optimizer state: a changed
+    --decoupled-lr follows the LR schedule's rule, turning it off is refused."""
+    save_at(tmp_path, 2, make_args("--decoupled-lr", "2e-3", "--min-lr", "1e-4"))
+    message = load_error(tmp_path, "--decoupled-lr", "3e-3", "--min-lr", "1e-4")
+    assert "the learning-rate schedule differs: --decoupled-lr 0.003 (checkpoint 0.002)" in message
+    assert "--override-opt_param-scheduler" in message
+    override = make_args("--decoupled-lr", "3e-3", "--decoupled-min-lr", "2e-4", "--min-lr",
+                         "1e-4", "--override-opt_param-scheduler")  # fmt: skip
+    assert decoupled_lrs(load(tmp_path, override)[1]) == {(3e-3, 2e-4)}
+    keep = make_args("--decoupled-lr", "3e-3", "--min-lr", "1e-4",
+                     "--use-checkpoint-opt_param-scheduler")  # fmt: skip
+    assert decoupled_lrs(load(tmp_path, keep)[1]) == {(2e-3, 1e-4)}
+    same = load(tmp_path, make_args("--decoupled-lr", "2e-3", "--min-lr", "1e-4"))
+    assert same[0] == 2 and decoupled_lrs(same[1]) == {(2e-3, 1e-4)}
+    message = load_error(tmp_path, "--min-lr", "1e-4", "--override-opt_param-scheduler")
+    assert message == (
+        f"--load {tmp_path}: --decoupled-lr is not given here and 0.002 in the checkpoint, "
+        "which changes the optimizer's parameter groups; resume with the checkpoint's "
+        "setting, or add --no-load-optim"
+    )

@@ -95,7 +95,7 @@ def _rank_file(root: str, iteration: int) -> str:
 
 
 # Recorded too, and checked with the learning-rate schedule (`check_schedule`).
-RECORDED_SCHEDULE_ARGS = ("rampup_batch_size",)
+RECORDED_SCHEDULE_ARGS = ("rampup_batch_size", "decoupled_lr", "decoupled_min_lr")
 
 
 def recorded_args(args) -> dict:
@@ -405,6 +405,7 @@ def check_schedule(payload: dict, scheduler, args, path: str) -> None:
     ramp, like the LR, is a function of the samples consumed, and a new one applied halfway
     changes the run's remaining batches and its length in iterations."""
     _check_batch_ramp(payload, args, path)
+    _check_decoupled_groups(payload, args, path)
     if getattr(args, "override_opt_param_scheduler", False):
         scheduler.override_opt_param_scheduler = True
         return
@@ -419,12 +420,49 @@ def check_schedule(payload: dict, scheduler, args, path: str) -> None:
         for field, label in _SCHEDULE_FIELDS.items()
         if field in saved and saved[field] != getattr(scheduler, field)
     ]
+    differences += _differences(payload.get("args") or {}, args, _DECOUPLED_LR_ARGS)
     if differences:
         raise UserError(
             f"--load {path}: the learning-rate schedule differs: {', '.join(differences)}; "
             f"pass --override-opt_param-scheduler to use the new one or "
             f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
         )
+
+
+_DECOUPLED_LR_ARGS = ("decoupled_lr", "decoupled_min_lr")
+
+
+def _check_decoupled_groups(payload: dict, args, path: str) -> None:
+    """--decoupled-lr puts the embedding and output layer in optimizer groups of their own:
+    turning it on or off changes the optimizer state's groups, which a checkpoint keeps."""
+    recorded = payload.get("args") or {}
+    if "decoupled_lr" not in recorded or getattr(args, "no_load_optim", False):
+        return
+    saved, now = recorded["decoupled_lr"], getattr(args, "decoupled_lr", None)
+    if (saved is None) != (now is None) and not getattr(args, "finetune", False):
+        spell = lambda lr: "not given" if lr is None else f"{lr:g}"  # noqa: E731
+        raise UserError(
+            f"--load {path}: --decoupled-lr is {spell(now)} here and {spell(saved)} in the "
+            "checkpoint, which changes the optimizer's parameter groups; resume with the "
+            "checkpoint's setting, or add --no-load-optim"
+        )
+
+
+def apply_decoupled_lr(optimizer, scheduler, payload: dict, args) -> None:
+    """The embedding's and output layer's LR bounds after a load: the checkpoint's under
+    --use-checkpoint-opt_param-scheduler, else this run's (`check_schedule` refuses a
+    difference without one of Megatron's two flags). A torch checkpoint's optimizer state
+    brings the saved bounds and torch_dist's does not, so both are set here."""
+    values = {name: getattr(args, name, None) for name in _DECOUPLED_LR_ARGS}
+    if getattr(args, "use_checkpoint_opt_param_scheduler", False):
+        values = {name: (payload.get("args") or {}).get(name) for name in _DECOUPLED_LR_ARGS}
+    if values["decoupled_lr"] is None:
+        return
+    floor = values["decoupled_min_lr"]
+    floor = scheduler.min_lr if floor is None else floor
+    for group in optimizer.param_groups:
+        if group.get("is_decoupled_lr", False):
+            group["max_lr"], group["min_lr"] = values["decoupled_lr"], floor
 
 
 def _check_batch_ramp(payload: dict, args, path: str) -> None:
@@ -462,6 +500,7 @@ def restore(payload: dict, *, model, optimizer, scheduler, path: str, args=None)
                        load_optim=load_optim, load_rng=load_rng)  # fmt: skip
     if load_optim:
         scheduler.load_state_dict(payload["opt_param_scheduler"])
+        apply_decoupled_lr(optimizer, scheduler, payload, args)
 
 
 def _restore_torch(payload: dict, *, model, optimizer, path: str, load_optim, load_rng) -> None:

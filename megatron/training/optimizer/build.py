@@ -64,10 +64,11 @@ def build_main_params_optimizer(model: torch.nn.Module, config: OptimizerConfig)
     from megatron.training.optimizer.delay_mitigation import with_delay_mitigation
     from megatron.training.optimizer.distributed_optimizer import ShardedMainOptimizer
     from megatron.training.optimizer.loss_scaling import build_loss_scaler
-    from megatron.training.optimizer.suite import build_suite_optimizer
+    from megatron.training.optimizer.suite import build_suite_optimizer, decoupled_lr_of
 
     if config.use_distributed_optimizer:
-        wrapper = ShardedMainOptimizer(model, *_optimizer_shard_groups(config))
+        groups = _optimizer_shard_groups(config)
+        wrapper = ShardedMainOptimizer(model, *groups, decoupled_lr=decoupled_lr_of(config))
     else:
         wrapper = ReplicatedMainOptimizer(model)
     inner = build_suite_optimizer(wrapper.main_view(getattr(model, "config", None)), config)
@@ -97,6 +98,15 @@ def build_lr_scheduler(
         use_checkpoint_opt_param_scheduler=config.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=config.override_opt_param_scheduler,
     )
+
+
+def logged_learning_rate(param_groups: list[dict]) -> float:
+    """The learning rate the log shows: the first group on the --lr schedule (Megatron's
+    canonical LR), not an embedding group of --decoupled-lr nor a frozen copy."""
+    for group in param_groups:
+        if not (group.get("is_decoupled_lr") or group.get("frozen")):
+            return group["lr"]
+    return param_groups[0]["lr"]
 
 
 @dataclass
@@ -189,7 +199,7 @@ class StageOptimizerStep:
         self.consecutive_skips = 0
         if self.clip_grad > 0 and grad_norm > self.clip_grad:
             self.gradients.scale(self.clip_grad / (grad_norm + 1e-6))
-        learning_rate = self.optimizer.param_groups[0]["lr"]
+        learning_rate = logged_learning_rate(self.optimizer.param_groups)
         self.optimizer.step()
         self.scheduler.step(increment=self.scheduler_increment)
         self.optimizer.zero_grad(set_to_none=True)
@@ -209,7 +219,7 @@ class StageOptimizerStep:
         self.skipped_steps += 1
         if not overflow:
             self.consecutive_skips += 1
-        learning_rate = self.optimizer.param_groups[0]["lr"]
+        learning_rate = logged_learning_rate(self.optimizer.param_groups)
         self.last = StepReport(grad_norm=grad_norm, learning_rate=learning_rate, skipped=True)
         return self.last
 

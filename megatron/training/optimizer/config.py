@@ -28,6 +28,9 @@ class OptimizerConfig:
     optimizer: str = "adam"  # --optimizer: one of suite.OPTIMIZERS
     lr: float = 1e-3
     min_lr: float = 0.0
+    # --decoupled-lr / --decoupled-min-lr: the embedding's and output layer's own schedule
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999

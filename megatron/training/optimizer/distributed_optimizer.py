@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.optimizer.main_params import MainParamsOptimizer, main_copy
-from megatron.training.optimizer.suite import decay_groups
+from megatron.training.optimizer.suite import decay_groups, group_key
 
 
 @dataclass(eq=False)  # hashed by identity
@@ -51,10 +51,12 @@ class Piece:
 
 
 class ShardedMainOptimizer(MainParamsOptimizer):
-    def __init__(self, model: torch.nn.Module, group, replica_group=None):
+    def __init__(self, model: torch.nn.Module, group, replica_group=None, decoupled_lr=None):
         """Sharded over `group`; `replica_group` (--num-distributed-optimizer-instances > 1)
-        holds the ranks of the other optimizer copies that own the same range."""
+        holds the ranks of the other optimizer copies that own the same range; `decoupled_lr`
+        (suite.decoupled_lr_of) groups the parameters as the inner optimizer does."""
         self.group, self.replica_group = group, replica_group
+        self.decoupled_lr = decoupled_lr
         self.shards, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.replicas = 1 if replica_group is None else dist.get_world_size(replica_group)
         super().__init__(model, shards=self.shards)
@@ -175,10 +177,9 @@ class ShardedMainOptimizer(MainParamsOptimizer):
         by_number = {number: model_index for model_index, number in numbering.items()}
         return [self.params[by_number[k]] for k in range(len(by_number))]
 
-    def global_groups(self) -> list[tuple[float, list[int]]]:
-        """(weight-decay multiplier, parameter indices) of each optimizer group as the
-        unsharded optimizer builds them (its state numbers parameters in this order)."""
+    def global_groups(self) -> list[tuple[tuple, list[int]]]:
+        """(`group_key`, parameter indices) of each optimizer group as the unsharded optimizer
+        builds them (its state numbers parameters in this order)."""
         position = {id(p): i for i, p in enumerate(self.params)}
-        return [
-            (g["wd_mult"], [position[id(p)] for p in g["params"]]) for g in decay_groups(self.named)
-        ]
+        groups = decay_groups(self.named, self.decoupled_lr)
+        return [(group_key(g), [position[id(p)] for p in g["params"]]) for g in groups]

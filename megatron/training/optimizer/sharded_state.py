@@ -12,9 +12,11 @@ their shape (the piece's); others (Adam's step count) are the same on every piec
 import torch
 import torch.distributed as dist
 
+from megatron.training.optimizer.suite import group_key
 
-def _unsharded_numbering(optimizer) -> tuple[dict[int, int], list[tuple[float, list[int]]]]:
-    """(model index -> unsharded optimizer index, each group's (decay, model indices))."""
+
+def _unsharded_numbering(optimizer) -> tuple[dict[int, int], list[tuple[tuple, list[int]]]]:
+    """(model index -> unsharded optimizer index, each group's (group_key, model indices))."""
     groups = optimizer.global_groups()
     numbering = {}
     for model_index in (i for _, indices in groups for i in indices):
@@ -84,13 +86,11 @@ def _gathered_groups(optimizer, local_groups: list[dict], groups: list[list[int]
     """The unsharded optimizer's param_groups: settings from a rank that has the group (they
     are the same on all), indices in the unsharded numbering."""
     settings = [{k: v for k, v in g.items() if k != "params"} for g in local_groups]
-    by_decay = {}
+    by_key = {}
     for rank_settings in _all_ranks(optimizer, settings):
         for group in rank_settings:
-            by_decay.setdefault(group["wd_mult"], group)
-    return [
-        {**by_decay[decay], "params": [numbering[i] for i in indices]} for decay, indices in groups
-    ]
+            by_key.setdefault(group_key(group), group)
+    return [{**by_key[key], "params": [numbering[i] for i in indices]} for key, indices in groups]
 
 
 def gather_state_dict(optimizer) -> dict:
@@ -112,11 +112,11 @@ def gather_state_dict(optimizer) -> dict:
 def slice_state_dict(optimizer, state_dict: dict) -> dict:
     """This rank's part of an unsharded optimizer state dict, for the inner optimizer."""
     numbering, _ = _unsharded_numbering(optimizer)
-    saved_groups = {group["wd_mult"]: group for group in state_dict["param_groups"]}
+    saved_groups = {group_key(group): group for group in state_dict["param_groups"]}
     by_main = {id(piece.main): piece for piece in optimizer.pieces}
     state, param_groups, local_index = {}, [], 0
     for group in optimizer.inner.param_groups:
-        saved = saved_groups[group["wd_mult"]]
+        saved = saved_groups[group_key(group)]
         indices = []
         for main in group["params"]:
             piece = by_main[id(main)]

@@ -111,18 +111,50 @@ def follows_first_stage(param: torch.nn.Parameter) -> bool:
     return getattr(param, "follows_first_stage", False)
 
 
-def decay_groups(named: list[tuple[str, torch.nn.Parameter]], **extra) -> list[dict]:
-    """Weight decay on matrices, none on 1-D parameters, biases and norms; last, a group with
-    learning rate and weight decay 0 for a copy that follows the first stage."""
-    stepped = [(n, p) for n, p in named if not follows_first_stage(p)]
-    decay = [p for n, p in stepped if not no_weight_decay(n, p)]
-    no_decay = [p for n, p in stepped if no_weight_decay(n, p)]
-    groups = [{"params": decay, "wd_mult": 1.0, **extra}, {"params": no_decay, "wd_mult": 0.0}]
-    groups = [g for g in groups if g["params"]] or groups[:1]
+def is_embedding_or_output(param: torch.nn.Parameter) -> bool:
+    """megatron-core marks the word embedding and the output layer's weight (main copies keep
+    the mark); --decoupled-lr gives them a learning-rate schedule of their own."""
+    return getattr(param, "is_embedding_or_output_parameter", False)
+
+
+def decoupled_lr_of(config: OptimizerConfig) -> dict | None:
+    """The embedding's and output layer's schedule under --decoupled-lr (peak) and
+    --decoupled-min-lr (floor; --min-lr when not given), as megatron-core's param-group
+    overrides set it; None without --decoupled-lr."""
+    if config.decoupled_lr is None:
+        return None
+    floor = config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr
+    return {"max_lr": config.decoupled_lr, "min_lr": floor}
+
+
+def decay_groups(
+    named: list[tuple[str, torch.nn.Parameter]], decoupled_lr: dict | None = None
+) -> list[dict]:
+    """Weight decay on matrices, none on 1-D parameters, biases and norms; with `decoupled_lr`
+    (`decoupled_lr_of`), the embedding and output layer in groups of their own with that
+    schedule; last, a group with learning rate and weight decay 0 for a copy that follows the
+    first stage. `group_key` tells the groups apart in checkpoints."""
     frozen = [p for _, p in named if follows_first_stage(p)]
+    stepped = [(n, p) for n, p in named if not follows_first_stage(p)]
+    own = [(n, p) for n, p in stepped if decoupled_lr and is_embedding_or_output(p)]
+    shared = [(n, p) for n, p in stepped if not (decoupled_lr and is_embedding_or_output(p))]
+    own_settings = {"is_decoupled_lr": True, **(decoupled_lr or {})}
+    groups = []
+    for members, settings in ((shared, {}), (own, own_settings)):
+        for wd_mult in (1.0, 0.0):
+            params = [p for n, p in members if no_weight_decay(n, p) == (wd_mult == 0.0)]
+            groups.append({"params": params, "wd_mult": wd_mult, **settings})
+    groups = [g for g in groups if g["params"]] or groups[:1]
     if frozen:  # the LR scheduler reads max_lr / min_lr per group: 0 throughout
-        groups.append({"params": frozen, "wd_mult": 0.0, "max_lr": 0.0, "min_lr": 0.0})
+        groups.append(
+            {"params": frozen, "wd_mult": 0.0, "max_lr": 0.0, "min_lr": 0.0, "frozen": True}
+        )
     return groups
+
+
+def group_key(group: dict) -> tuple:
+    """What identifies a `decay_groups` group across ranks and checkpoints."""
+    return (group["wd_mult"], group.get("is_decoupled_lr", False), group.get("frozen", False))
 
 
 def adamw(groups: list[dict], config: OptimizerConfig) -> torch.optim.AdamW:
@@ -145,7 +177,7 @@ def elementwise_optimizer(named, config: OptimizerConfig) -> torch.optim.Optimiz
     """adam, sgd, lion, adan, mars over every parameter."""
     import pytorch_optimizer
 
-    groups = decay_groups(named)
+    groups = decay_groups(named, decoupled_lr_of(config))
     name, lr, wd = config.optimizer, config.lr, config.weight_decay
     beta1 = config.optimizer_beta1  # set by the delay study's momentum sweep
     if name == "adam":
@@ -274,7 +306,7 @@ def matrix_optimizer(
     """muon or soap for hidden matrices, AdamW (listed first) for everything else."""
     matrices = [(n, p) for n, p in named if is_hidden_matrix(n, p)]
     rest = [(n, p) for n, p in named if not is_hidden_matrix(n, p)]
-    optimizers = {"adamw": adamw(decay_groups(rest), config)}
+    optimizers = {"adamw": adamw(decay_groups(rest, decoupled_lr_of(config)), config)}
     if config.optimizer == "soap":
         optimizers["soap"] = build_soap(matrices, config)
         return OptimizerChain(optimizers)

@@ -32,6 +32,8 @@ class TinyGPT(torch.nn.Module):
         self.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
         self.decoder.layers[0].self_attention = Block()
         self.output_layer = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+        for weight in (self.embedding.word_embeddings.weight, self.output_layer.weight):
+            weight.is_embedding_or_output_parameter = True  # as megatron-core marks them
         self.config = SimpleNamespace(num_attention_heads=HEADS, num_query_groups=HEADS)
 
 

@@ -63,8 +63,8 @@ def test_pretrain_gpt_prints_one_error_line_and_exits_2(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     import pretrain_gpt
 
-    assert pretrain_gpt.main(BASE + ["--decoupled-lr", "1e-4"]) == 2
-    assert capsys.readouterr().err == "error: --decoupled-lr is not supported yet\n"
+    assert pretrain_gpt.main(BASE + ["--eval-global-batch-size", "8"]) == 2
+    assert capsys.readouterr().err == "error: --eval-global-batch-size is not supported yet\n"
 
 
 @pytest.mark.parametrize("schedule", ["paci", "2bw", "pipedream"])

@@ -49,11 +49,29 @@ def test_megatron_defaults_for_muon():
         (["--delay-compensation-lambda", "0.1"], "under 1f1b no gradient is stale"),
         (["--async-sync-warmup-iters", "5"], "--async-sync-warmup-iters needs an asynchronous"),
         (["--async-sync-cooldown-iters", "-1"], "--async-sync-cooldown-iters must be >= 0"),
+        (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr needs --decoupled-lr"),
+        (["--decoupled-lr", "-1"], "--decoupled-lr must be a number >= 0"),
+        (
+            ["--decoupled-lr", "1e-4", "--decoupled-min-lr", "2e-4"],
+            "--decoupled-min-lr 0.0002 is above --decoupled-lr 0.0001",
+        ),
+        (["--decoupled-lr", "1e-5", "--min-lr", "1e-4"], "--min-lr 0.0001 is above --decoupled-lr"),
     ],
 )
 def test_unsupported_settings_are_rejected(extra, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
         validated(extra)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "paci"])
+def test_decoupled_lr_reaches_the_optimizer_config(schedule):
+    from megatron.training.optimizer.config import OptimizerConfig
+
+    args = validated(["--decoupled-lr", "2e-3", "--decoupled-min-lr", "1e-5",
+                      "--pipeline-schedule", schedule])  # fmt: skip
+    config = OptimizerConfig.from_args(args)
+    assert (config.decoupled_lr, config.decoupled_min_lr) == (2e-3, 1e-5)
+    assert OptimizerConfig.from_args(validated([])).decoupled_lr is None
 
 
 def test_mitigations_are_accepted_where_they_apply():

@@ -8,6 +8,7 @@ import torch
 from conftest import TinyGPT, optimizer_config, schedule_config
 
 from megatron.training.optimizer.build import build_lr_scheduler, build_optimizer
+from megatron.training.optimizer.config import LRScheduleConfig
 from megatron.training.optimizer.suite import OPTIMIZERS, OptimizerChain
 
 NS = torch.optim._muon._zeropower_via_newtonschulz
@@ -199,3 +200,54 @@ def test_a_copy_that_follows_the_first_stage_is_never_moved(name, bf16):
     moved = [n for n in before if not torch.equal(after[n], before[n])]
     assert "embedding.word_embeddings.weight" in moved
     assert "decoder.layers.0.self_attention.linear_proj.weight" in moved
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("name", ["adam", "sgd", "muon"])
+def test_decoupled_lr_gives_the_embedding_and_output_layer_their_own_schedule(name, bf16):
+    """--decoupled-lr / --decoupled-min-lr: the parameters megatron-core marks (word
+    embedding, output layer) warm up to their own peak and decay to their own floor, the rest
+    follow --lr / --min-lr; fp32 main copies keep the mark."""
+    model = TinyGPT().to(torch.bfloat16 if bf16 else torch.float32)
+    config = optimizer_config(name, lr=1e-2, min_lr=1e-3, decoupled_lr=3e-2,
+                              decoupled_min_lr=2e-3, bf16=bf16)  # fmt: skip
+    optimizer = build_optimizer(model, config)
+    scheduler = build_lr_scheduler(optimizer, LRScheduleConfig(
+        max_lr=1e-2, min_lr=1e-3, warmup_steps=2, decay_steps=6, decay_style="cosine",
+        weight_decay=0.0))  # fmt: skip
+    marked = {id(p) for p in _stepped(optimizer, model, "embedding", "output_layer")}
+    own_lrs, shared_lrs = [], []
+    for step in range(8):
+        for group in optimizer.param_groups:
+            own = group.get("is_decoupled_lr", False)
+            assert own == any(id(p) in marked for p in group["params"])
+            assert own == all(id(p) in marked for p in group["params"])
+        own_lrs.append({g["lr"] for g in optimizer.param_groups if g.get("is_decoupled_lr")})
+        # groups on the --lr schedule (Muon's own groups scale it by their shape)
+        shared_lrs.append({g["lr"] for g in optimizer.param_groups if "max_lr" not in g})
+        scheduler.step(increment=1)
+    assert all(len(lrs) == 1 for lrs in own_lrs + shared_lrs)
+    own_lrs, shared_lrs = [lrs.pop() for lrs in own_lrs], [lrs.pop() for lrs in shared_lrs]
+    # warm-up from 0 over 2 steps, the peak, cosine decay until step 6, the floor
+    assert own_lrs[:3] == pytest.approx([0.0, 1.5e-2, 3e-2]) and own_lrs[-1] == 2e-3
+    assert shared_lrs[:3] == pytest.approx([0.0, 5e-3, 1e-2]) and shared_lrs[-1] == 1e-3
+    middle = 2e-3 + 0.5 * (3e-2 - 2e-3) * (1 + math.cos(math.pi * (4 - 2) / (6 - 2)))
+    assert own_lrs[4] == pytest.approx(middle)
+
+
+def _stepped(optimizer, model, *prefixes):
+    """What the optimizer steps for the model parameters whose names start with a prefix:
+    the parameters themselves, or their fp32 main copies."""
+    wanted = [p for n, p in model.named_parameters() if n.startswith(prefixes)]
+    mains = getattr(optimizer, "main", None)
+    if mains is None:
+        return wanted
+    by_param = {id(p): m for p, m in zip(optimizer.params, mains)}
+    return [by_param[id(p)] for p in wanted]
+
+
+def test_without_decoupled_lr_every_parameter_follows_lr():
+    model = TinyGPT()
+    optimizer = build_optimizer(model, optimizer_config("adam"))
+    assert not any(g.get("is_decoupled_lr") for g in optimizer.param_groups)
+    assert [g["wd_mult"] for g in optimizer.param_groups] == [1.0, 0.0]

@@ -174,8 +174,8 @@ def test_replicated_main_optimizer_checkpoint_restores_the_fp32_main_weights():
     assert _tensors_close(fresh.state_dict(), saved)
 
 
-def _compare_sharded_with_unsharded(rank: int, name: str, dtype: torch.dtype) -> None:
-    overrides = dict(weight_decay=0.1, bf16=dtype == torch.bfloat16)
+def _compare_sharded_with_unsharded(rank: int, name: str, dtype: torch.dtype, extra: dict) -> None:
+    overrides = dict(weight_decay=0.1, bf16=dtype == torch.bfloat16, **extra)
     plain_model, sharded_model = TinyGPT().to(dtype), TinyGPT().to(dtype)
     plain = build_optimizer(plain_model, optimizer_config(name, **overrides))
     sharded = build_optimizer(sharded_model, optimizer_config(name, use_distributed_optimizer=True,
@@ -226,8 +226,8 @@ def _worker(rank: int, port: int, cases: list) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)  # fmt: skip
     try:
-        for name, dtype in cases:
-            _compare_sharded_with_unsharded(rank, name, dtype)
+        for name, dtype, extra in cases:
+            _compare_sharded_with_unsharded(rank, name, dtype, extra)
         for dtype, sharded in ((torch.float32, False), (torch.bfloat16, False),
                                (torch.float32, True)):  # fmt: skip
             _compare_average_in_collective(rank, dtype, sharded)
@@ -237,14 +237,17 @@ def _worker(rank: int, port: int, cases: list) -> None:
 
 def test_distributed_optimizer_equals_the_unsharded_one_over_two_ranks():
     """Same gradient norm, weights and (gathered) state as the unsharded optimizer; half the
-    state per rank; its checkpoint format is the unsharded one, both ways. And
+    state per rank; its checkpoint format is the unsharded one, both ways (also with the
+    embedding and output layer in groups of their own, --decoupled-lr). And
     --ddp-average-in-collective gives the same steps as the sum and division (plain, bf16 main
     weights, sharded)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cases = [("adam", torch.float32), ("sgd", torch.float32), ("adam", torch.bfloat16),
-             ("lion", torch.float32), ("adan", torch.float32)]  # fmt: skip
+    cases = [("adam", torch.float32, {}), ("sgd", torch.float32, {}),
+             ("adam", torch.bfloat16, {}), ("lion", torch.float32, {}),
+             ("adan", torch.float32, {}),
+             ("adam", torch.float32, {"decoupled_lr": 3e-2, "decoupled_min_lr": 1e-3})]  # fmt: skip
     torch.multiprocessing.start_processes(_worker, args=(port, cases), nprocs=2,
                                           start_method="spawn")  # fmt: skip
 
