@@ -147,6 +147,14 @@ def with_schedule(flags: list, schedule: str) -> list:
     return [f for f in flags if f[0] != "--pipeline-schedule"] + [["--pipeline-schedule", schedule]]
 
 
+VIRTUAL_STAGE_FLAGS = ("--num-layers-per-virtual-pipeline-stage",
+                       "--num-virtual-stages-per-pipeline-rank")  # fmt: skip
+
+
+def uses_virtual_stages(flags: list) -> bool:
+    return any(flag[0] in VIRTUAL_STAGE_FLAGS for flag in flags)
+
+
 def report(command_lines: dict, schedule: str = "paci") -> str:
     """The outcomes of the command lines as they are, then with `--pipeline-schedule
     SCHEDULE` added (what a Megatron user who switches to it gets)."""
@@ -161,6 +169,11 @@ def report(command_lines: dict, schedule: str = "paci") -> str:
     changed = {name: with_schedule(flags, schedule) for name, flags in command_lines.items()}
     lines += ["", f"### With `--pipeline-schedule {schedule}` added", ""]
     lines += _outcome_report(changed)
+    virtual = [name for name, flags in command_lines.items() if uses_virtual_stages(flags)]
+    accepted = [sum(classify(lines_of[name])[0] == "accepted" for name in virtual)
+                for lines_of in (command_lines, changed)]  # fmt: skip
+    lines += ["", f"Command lines with virtual pipeline stages: {len(virtual)}; accepted as they "
+              f"are: {accepted[0]}, with `--pipeline-schedule {schedule}`: {accepted[1]}."]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -89,6 +89,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     add("--test-mode", action="store_true",
         help="megatron-core's realtime check: q/k layernorm weights equal on every TP and DP "
         "rank, at every attention forward")  # fmt: skip
+    add("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+        help="every N iterations (and at the start), check that the data-parallel replicas "
+        "of each stage hold bit-identical weights")  # fmt: skip
     add("--apply-residual-connection-post-layernorm", action="store_true")
     add("--swiglu", action="store_true")
     add("--squared-relu", action="store_true")
@@ -107,6 +110,8 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     add("--pipeline-model-parallel-size", type=int, default=1)
     add("--distributed-backend", default=None, choices=["nccl", "gloo"],
         help="default: nccl when CUDA is available, else gloo")  # fmt: skip
+    add("--disable-gloo-process-groups", action="store_true",
+        help="megatron-core creates no gloo twin of each process group (nothing here uses them)")  # fmt: skip
     add("--sequence-parallel", action="store_true",
         help="split the sequence over the tensor-parallel ranks outside the tensor-parallel "
         "layers (norms, dropout); stage boundaries carry [s/tp, b, h]")  # fmt: skip
@@ -541,6 +546,7 @@ def _validate_model_checks(args: argparse.Namespace) -> None:
             "--cross-entropy-fusion-impl te is disabled (Transformer Engine's fused cross entropy "
             "had stability issues): use --cross-entropy-fusion-impl native"
         )
+    _validate_weight_hash_check(args)
     if not (args.test_mode and args.qk_layernorm):
         return  # megatron-core's realtime test only checks the q/k layernorms
     if args.normalization != "LayerNorm":
@@ -551,6 +557,24 @@ def _validate_model_checks(args: argparse.Namespace) -> None:
             f"--test-mode with --paci-arrival-rule {args.paci_arrival_rule} and data parallelism "
             "is not supported yet (its check gathers over the data-parallel group at every "
             "forward, in an order that arrivals decide on each replica)"
+        )
+
+
+def _validate_weight_hash_check(args: argparse.Namespace) -> None:
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    if interval is None:
+        return
+    if interval < 1:
+        raise UserError(
+            f"--check-weight-hash-across-dp-replicas-interval must be >= 1, got {interval}"
+        )
+    reactive = args.paci_arrival_rule not in (None, DEFAULT_ARRIVAL_RULE)
+    if reactive and not args.deterministic_mode and args.data_parallel_size > 1:
+        raise UserError(
+            f"--check-weight-hash-across-dp-replicas-interval with --paci-arrival-rule "
+            f"{args.paci_arrival_rule} and data parallelism is not supported yet (arrivals "
+            "order each replica's steps on their own, so at an iteration's end the replicas "
+            "need not have taken the same steps)"
         )
 
 
@@ -831,6 +855,9 @@ def _add_precision_args(parser: argparse.ArgumentParser) -> None:
         help="accepted; gradients are reduced once the accumulation ends (no overlap)")  # fmt: skip
     add("--overlap-param-gather", action="store_true",
         help="accepted with --use-distributed-optimizer; parameters are gathered after the step")  # fmt: skip
+    add("--overlap-param-gather-with-optimizer-step", action="store_true",
+        help="accepted with --overlap-param-gather and virtual stages; the gather still follows "
+        "the whole step")  # fmt: skip
     add("--num-distributed-optimizer-instances", type=int, default=1,
         help="copies of the distributed optimizer over the stage's data-parallel ranks: each "
         "copy shards over data-parallel size / copies ranks")  # fmt: skip
@@ -871,6 +898,13 @@ def _validate_precision_args(args: argparse.Namespace) -> None:
     ):
         raise UserError(
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
+        )
+    if args.overlap_param_gather_with_optimizer_step and not (
+        args.overlap_param_gather and args.virtual_pipeline_model_parallel_size is not None
+    ):
+        raise UserError(  # Megatron's rules
+            "--overlap-param-gather-with-optimizer-step needs --overlap-param-gather (and so "
+            "--use-distributed-optimizer) and virtual pipeline stages"
         )
     _validate_optimizer_instances(args)
     if not args.use_distributed_optimizer:

@@ -85,12 +85,10 @@ NOT_SUPPORTED = [
     Flag("--fp8-amax-compute-algo", str),
     # distributed optimizer, overlap, FSDP
     *_switches(
-        "--overlap-param-gather-with-optimizer-step",
         "--use-torch-fsdp2",
         "--use-megatron-fsdp",
         "--tp-comm-overlap",
         "--defer-embedding-wgrad-compute",
-        "--disable-gloo-process-groups",
         "--use-tp-pp-dp-mapping",
     ),
     Flag("--data-parallel-sharding-strategy", str),
@@ -142,7 +140,6 @@ NOT_SUPPORTED = [
     Flag("--tiktoken-pattern", str),
     # checkpoints, fault tolerance, testing hooks
     Flag("--save-retain-interval", int),
-    Flag("--check-weight-hash-across-dp-replicas-interval", int),
     Flag("--error-injection-rate", int, 0),
     Flag("--error-injection-type", str),
     Flag("--export-te-mcore-model"),

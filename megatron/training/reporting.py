@@ -219,6 +219,7 @@ def write_summary(args, state, runtime, step_func, optimizer, wall_start) -> Non
         "nan_iterations": state.nan_iterations,
         "train_time_s": state.train_time_s,
         "cross_stage_collectives": state.cross_stage_collectives,
+        "weight_hash_checks": state.weight_hash_checks,
     }
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -248,6 +249,8 @@ def write_summary(args, state, runtime, step_func, optimizer, wall_start) -> Non
         "tokens_per_second": state.tokens / elapsed if elapsed > 0 else 0.0,
         "wall_s_including_setup": time.perf_counter() - wall_start,
         "stages": [g["report"] for g in stages],
+        # iterations whose --check-weight-hash-across-dp-replicas-interval check passed
+        "weight_hash_checks_by_stage": [g["weight_hash_checks"] for g in stages],
         # every rank's (the stage figures above are its first TP/DP rank's)
         "optimizer_state_bytes_by_rank": [g["optimizer_state_bytes"] for g in gathered],
     }

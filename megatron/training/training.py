@@ -74,6 +74,7 @@ from megatron.training.optimizer.tied_embeddings import TiedEmbeddingExchange, l
 from megatron.training.recompute import recompute_config_fields
 from megatron.training.reporting import (
     is_logging_rank,
+    is_stage_leader,
     log_iteration,
     print_rank_0,
     print_rank_last,
@@ -83,6 +84,7 @@ from megatron.training.reporting import (
 )
 from megatron.training.tokenizer.tokenizer import build_tokenizer_from_args
 from megatron.training.validation import check_token_ids
+from megatron.training.weight_hashes import check_replicas_match
 
 
 # ---------------------------------------------------------------------------- set-up
@@ -105,6 +107,8 @@ def initialize_distributed(args) -> torch.device:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        # megatron-core's extra gloo groups serve only its own distributed optimizer
+        create_gloo_process_groups=not getattr(args, "disable_gloo_process_groups", False),
     )
     torch.manual_seed(args.seed)
     if args.sequence_parallel and device.type == "cpu":  # megatron-core's CUDA-only parts
@@ -288,6 +292,7 @@ class TrainingState:
     diverged: str | None = None  # why the run ended diverged
     global_batch_size: int = 0  # of the last iteration (--rampup-batch-size changes it)
     exit_reason: str | None = None  # why training stopped before --train-iters
+    weight_hash_checks: list = field(default_factory=list)  # iterations whose check passed
 
 
 def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
@@ -717,6 +722,9 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
     plan = IterationPlan(args, state)
     interval_start, interval_losses = time.perf_counter(), []
     train_start = time.perf_counter()
+    hash_interval = args.check_weight_hash_across_dp_replicas_interval
+    if hash_interval is not None:  # as Megatron: once before the first iteration too
+        _check_weight_hashes(state, model, state.iteration)
     while state.iteration < plan.stop:
         iteration = state.iteration + 1
         if control is not None:
@@ -731,6 +739,8 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
                           fields)  # fmt: skip
             step_func.step_seconds = 0.0
             interval_start, interval_losses = time.perf_counter(), []
+        if hash_interval is not None and iteration % hash_interval == 0:
+            _check_weight_hashes(state, model, iteration)
         stopping = control is not None and control.stop_after(iteration)
         if iteration == plan.next_drain(iteration) or stopping:
             step_func.at_drain()
@@ -747,6 +757,19 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
             break
     state.train_time_s = time.perf_counter() - train_start
     _end_of_training(args, state, model, step_func, audit)
+
+
+def _check_weight_hashes(state, model, iteration: int) -> None:
+    """--check-weight-hash-across-dp-replicas-interval: a gather within the stage's
+    data-parallel group (the collective audit stays on: it is no cross-stage collective)."""
+    group = parallel_state.get_data_parallel_group()
+    check_replicas_match(model, group, iteration)
+    state.weight_hash_checks.append(iteration)
+    if is_stage_leader():
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        stages = parallel_state.get_pipeline_model_parallel_world_size()
+        print(f">>> Weight hashes match after {iteration} iterations... (stage {stage} of "
+              f"{stages}, {dist.get_world_size(group)} data-parallel replicas)", flush=True)  # fmt: skip
 
 
 def _agree_on_stop(control, plan: IterationPlan, iteration: int, runtime) -> None:

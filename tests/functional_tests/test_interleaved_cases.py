@@ -34,7 +34,8 @@ SAVED, LOADED = "gpt_vpp_1_dp2pp2vp2_tied_save", "gpt_vpp_2_pp4_tied_load"
 TIED_REFERENCE = "gpt_pp1_tied_1f1b"
 PACI = "gpt_pp4vp2_paci"  # the GPT-2 BPE corpus, tied embeddings, the memory cap binds
 PACI_CASES = [PACI, "gpt_tp2pp2vp2_paci"]  # the second: decisions shared over TP ranks
-NEEDED = sorted({*FLUSH, *FLUSH.values(), SAVED, LOADED, TIED_REFERENCE, *PACI_CASES})
+NEEDED = sorted({*FLUSH, *FLUSH.values(), SAVED, LOADED, TIED_REFERENCE, *PACI_CASES,
+                 "gpt_pp1_1f1b", "gpt_dp2pp2_paci"})  # fmt: skip
 
 
 def parsed(name: str, world_size: int = 4):
@@ -171,3 +172,16 @@ def test_paci_over_virtual_stages_ties_its_embedding_point_to_point(case_results
     assert first["tied_weight_sha256"] == last["tied_weight_sha256"]
     exchange = last["tied_embedding"]
     assert exchange["steps"] == 8 and exchange["max_lag"] <= exchange["lag_bound"]
+
+
+@pytest.mark.parametrize("name", ["gpt_dp2pp2vp2_1f1b_decoupled_lr_distopt", "gpt_dp2pp2_paci"])
+def test_replicas_weight_hashes_were_checked(case_results, name):
+    """--check-weight-hash-across-dp-replicas-interval 4 over 8 iterations: each stage checked
+    its two replicas at the start and after iterations 4 and 8 (a mismatch stops the run),
+    under interleaved flush with the distributed optimizer and under PACI."""
+    summary = case_results[name]
+    assert summary["data_parallel"] == 2
+    assert summary["weight_hash_checks_by_stage"] == [[0, 4, 8], [0, 4, 8]]
+    assert ">>> Weight hashes match after 8 iterations... (stage 1 of 2, 2 data-parallel" in (
+        summary["log"]
+    )

@@ -210,11 +210,16 @@ def test_flag_coverage_of_megatron_command_lines():
     outcomes = [coverage.classify(flags)[0] for flags in command_lines.values()]
     assert outcomes.count("parse error") == 0
     assert outcomes.count("other error") == 0
-    assert outcomes.count("accepted") >= 93  # docs/megatron_flags.md
+    assert outcomes.count("accepted") >= 103  # docs/megatron_flags.md
     # A Megatron user's switch to PACI: the same command lines start (tied embeddings too).
     paci = [coverage.classify(coverage.with_schedule(flags, "paci"))[0]
             for flags in command_lines.values()]  # fmt: skip
     assert paci == outcomes
+    # at least 90% of those with virtual pipeline stages, under both schedules
+    virtual = [
+        o for o, f in zip(outcomes, command_lines.values()) if coverage.uses_virtual_stages(f)
+    ]
+    assert len(virtual) == 26 and virtual.count("accepted") >= 0.9 * 26
 
 
 def _scheduler_for(extra: list[str]):
@@ -334,3 +339,44 @@ def test_layout_flags_follow_megatrons_rules(extra, message):
 def test_stage_layers_are_megatron_cores_assignment(extra, layers):
     args = validated(["--pipeline-model-parallel-size", "4"] + extra, 4)
     assert args.stage_layers == layers
+
+
+def test_overlap_param_gather_with_optimizer_step_follows_megatrons_rules():
+    overlap = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+               "--overlap-param-gather-with-optimizer-step"]  # fmt: skip
+    virtual = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
+               "2", "--num-layers", "4"]  # fmt: skip
+    assert validated(overlap + virtual, 2).overlap_param_gather_with_optimizer_step
+    message = (
+        "--overlap-param-gather-with-optimizer-step needs --overlap-param-gather (and so "
+        "--use-distributed-optimizer) and virtual pipeline stages"
+    )
+    assert error_of(overlap[:1] + overlap[3:] + virtual, 2) == message
+    assert error_of(overlap, 1) == message
+
+
+def _initialize(rank: int, port: int, disabled: bool, found) -> None:
+    from megatron.core import parallel_state
+
+    from megatron.training.training import initialize_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    args = validated(["--disable-gloo-process-groups"] if disabled else [])
+    initialize_distributed(args)
+    found[disabled] = parallel_state._DATA_PARALLEL_GROUP_GLOO is not None
+    parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_disable_gloo_process_groups_reaches_megatron_core(disabled):
+    import socket
+
+    import torch
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    found = torch.multiprocessing.Manager().dict()
+    torch.multiprocessing.start_processes(_initialize, args=(port, disabled, found), nprocs=1,
+                                          start_method="spawn")  # fmt: skip
+    assert found[disabled] is not disabled
