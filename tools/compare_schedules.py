@@ -7,7 +7,11 @@ Prints a markdown table per model: pace as a fraction of the physical limit, pea
 per rank, weight copies, drift and staleness, per schedule and microbatch count
 (`megatron/pipeline/simulation/comparison.py` defines every figure); with --stage-costs also
 the per-stage forward and backward costs of the one-chunk layout (relative units, one layer's
-forward = 1), for the emulated-runtime check.
+forward = 1), for the emulated-runtime check; with --png a figure of pace and peak
+activations against m, one row per model.
+
+    python tools/compare_schedules.py --model gpt2-medium --model llama-70b \
+        --microbatches 8,16,32,64 --png docs/schedule_comparison.png
 """
 
 import argparse
@@ -21,6 +25,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=sorted(MODELS), action="append", required=True)
     parser.add_argument("--microbatches", default="8,16,32", help="comma list of m per step")
     parser.add_argument("--stage-costs", action="store_true")
+    parser.add_argument("--png", help="write the figure here")
     args = parser.parse_args(argv)
     try:
         counts = [int(m) for m in args.microbatches.split(",")]
@@ -28,16 +33,62 @@ def main(argv=None) -> int:
         parser.error(f"--microbatches: a comma list of integers, got {args.microbatches!r}")
     if any(m < 1 for m in counts):
         parser.error("--microbatches: every count must be >= 1")
+    tables = {}
     for name in args.model:
         model = MODELS[name]
-        print(markdown(model, table(model, counts)))
+        tables[name] = table(model, counts)
+        print(markdown(model, tables[name]))
         if args.stage_costs:
             forward, backward, wgrad = virtual_stage_costs(model, 1, "interleaved")
             print("\nper-stage forward:", ",".join(f"{f:.3f}" for f in forward))
             print("per-stage backward (input + weight gradient):",
                   ",".join(f"{b + w:.3f}" for b, w in zip(backward, wgrad)))  # fmt: skip
         print()
+    if args.png:
+        plot(tables, args.png)
+        print(f"wrote {args.png}")
     return 0
+
+
+def plot(tables: dict, path: str) -> None:
+    """Per model: pace and peak activations per rank against m, one line per schedule (a
+    schedule missing at some m, DualPipeV below 2N, has no point there)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(tables), 2, figsize=(12, 4.2 * len(tables)), squeeze=False)
+    for row, (name, rows) in zip(axes, tables.items()):
+        schedules = list(dict.fromkeys(r.schedule for r in rows))
+        for schedule in schedules:
+            points = [r for r in rows if r.schedule == schedule and r.pace is not None]
+            style = dict(marker="o", linewidth=2.5 if schedule.startswith("paci") else 1.2,
+                         linestyle="-" if r_is_async(schedule) else "--")  # fmt: skip
+            for axis, value in zip(row, ("pace", "peak_activations")):
+                axis.plot([r.microbatches for r in points], [getattr(r, value) for r in points],
+                          label=schedule, **style)  # fmt: skip
+        row[0].set_title(f"{MODELS[name].name}: pace", fontsize=10)
+        row[0].set_ylabel("pace (of the physical limit)")
+        row[1].set_title(f"{MODELS[name].name}: peak activations", fontsize=10)
+        row[1].set_ylabel("per rank, in stage-microbatches (log)")
+        row[1].set_yscale("log", base=2)
+        counts = sorted({r.microbatches for r in rows})
+        for axis in row:
+            axis.set_xscale("log", base=2)
+            axis.set_xticks(counts, [str(m) for m in counts])
+            axis.set_xlabel("microbatches per step (m)")
+            axis.grid(alpha=0.3)
+        row[0].legend(fontsize=8, ncol=2)
+    figure.suptitle("Projected with the simulator (no communication, no optimizer step); "
+                    "solid: asynchronous, dashed: synchronous; 2BW is under PipeDream",
+                    fontsize=10)  # fmt: skip
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def r_is_async(schedule: str) -> bool:
+    return schedule in ("2bw", "pipedream") or schedule.startswith("paci")
 
 
 if __name__ == "__main__":
