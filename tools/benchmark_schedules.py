@@ -8,6 +8,8 @@ JSON object (also written to ``OUTPUT/report.json``).
     python tools/benchmark_schedules.py --stages 4 --microbatches 8 --fwd-ms 50 --bwd-ms 100
     python tools/benchmark_schedules.py --stages 4 --microbatches 4 --fwd-ms 20,40,20,20 \
         --bwd-ms 40,80,40,40 --noise-cv 0.2 --schedules 1f1b paci paci:backward-first
+    python tools/benchmark_schedules.py --stages 4 --virtual-stages 2 --microbatches 8 \
+        --fwd-ms 10 --bwd-ms 20      # interleaved 1F1B and PACI over virtual stages
 """
 
 import argparse
@@ -17,7 +19,12 @@ import sys
 from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.schedules.paci import with_paci_options
 from megatron.pipeline.simulation.costs import stage_values
-from megatron.pipeline.simulation.emulation import benchmark, schedule_and_rule
+from megatron.pipeline.simulation.emulation import (
+    benchmark,
+    has_noise,
+    schedule_and_rule,
+    simulated_definition,
+)
 from megatron.pipeline.simulation.results import steady_state_window
 
 
@@ -35,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--noise-cv", type=stage_values, default=0.0, help="lognormal CV per action (or per stage)"
     )
     parser.add_argument("--seed", type=int, default=1234, help="seeds the noise draws")
+    parser.add_argument(
+        "--virtual-stages", type=int, default=1, help="model chunks per rank (costs per chunk)"
+    )
     parser.add_argument("--steps", type=int, default=8, help="training iterations per run")
     parser.add_argument(
         "--repeats", type=int, default=1, help="runs per schedule; the median run is reported"
@@ -55,11 +65,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--stages must be >= 2 and --microbatches >= 1")
     if options.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if options.virtual_stages < 1:
+        parser.error("--virtual-stages must be >= 1")
+    count = options.stages * options.virtual_stages  # costs per (virtual) stage
+    if options.virtual_stages > 1 and has_noise(options.noise_cv):
+        parser.error("--noise-cv with --virtual-stages is not supported yet")
     for flag in ("fwd_ms", "bwd_ms", "noise_cv"):
         values = getattr(options, flag)
-        values = values if isinstance(values, list) else [values] * options.stages
-        if len(values) != options.stages:
-            parser.error(f"--{flag.replace('_', '-')}: one value, or one per stage")
+        values = values if isinstance(values, list) else [values] * count
+        if len(values) != count:
+            each = "virtual stage" if options.virtual_stages > 1 else "stage"
+            parser.error(f"--{flag.replace('_', '-')}: one value, or one per {each} ({count})")
         if flag != "noise_cv" and min(values) <= 0:
             parser.error("--fwd-ms and --bwd-ms must be > 0")
     try:
@@ -70,8 +86,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         name, rule = schedule_and_rule(schedule)
         try:
             with_paci_options(get_schedule(name), rule)
+            if options.virtual_stages > 1:
+                simulated_definition(schedule, options.virtual_stages)
         except ValueError as error:
-            parser.error(str(error))
+            parser.error(
+                f"{error} is not supported yet" if options.virtual_stages > 1 else str(error)
+            )
     return options
 
 

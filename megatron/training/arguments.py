@@ -409,7 +409,6 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
         )
     for flag, value in (
         ("--rampup-batch-size", args.rampup_batch_size),
-        ("--emulated-forward-ms", args.emulated_forward_ms),
         ("--async-sync-warmup-iters", getattr(args, "async_sync_warmup_iters", 0)),
         ("--async-sync-cooldown-iters", getattr(args, "async_sync_cooldown_iters", 0)),
         ("--paci-accumulation-schedule", getattr(args, "paci_accumulation_schedule", None)),
@@ -626,11 +625,11 @@ def _validate_emulation_and_rule(args: argparse.Namespace) -> None:
     ):
         if value not in (None, default) and args.pipeline_schedule != "paci":
             raise UserError(f"{flag} applies to --pipeline-schedule paci only")
+    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     for flag in ("emulated_forward_ms", "emulated_backward_ms", "emulated_noise_cv"):
-        if isinstance(getattr(args, flag), list) and len(getattr(args, flag)) != pp:
-            raise UserError(
-                f"--{flag.replace('_', '-')}: one value, or one per pipeline stage ({pp})"
-            )
+        if isinstance(getattr(args, flag), list) and len(getattr(args, flag)) != pp * chunks:
+            each = f"virtual stage ({pp * chunks})" if chunks > 1 else f"pipeline stage ({pp})"
+            raise UserError(f"--{flag.replace('_', '-')}: one value, or one per {each}")
 
 
 def _validate_layer_split(args: argparse.Namespace, pp: int) -> None:

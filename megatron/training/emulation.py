@@ -35,13 +35,18 @@ class _Sleep(torch.autograd.Function):
 
 
 class EmulatedStage(torch.nn.Module):
-    def __init__(self, forward_ms, backward_ms, hidden_size: int, noise_cv=0.0, seed: int = 0):
+    """With virtual stages, one per model chunk: chunk c of rank r is virtual stage c N + r,
+    and the times (and noise) are given per virtual stage, as the simulator takes them."""
+
+    def __init__(self, forward_ms, backward_ms, hidden_size: int, noise_cv=0.0, seed: int = 0,
+                 chunk: int = 0, chunks: int = 1):  # fmt: skip
         super().__init__()
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        ranks = parallel_state.get_pipeline_model_parallel_world_size()
         # Same attribute names as GPTModel's: does this stage embed / compute the loss?
-        self.pre_process = parallel_state.is_pipeline_first_stage()
-        self.post_process = parallel_state.is_pipeline_last_stage()
-        self.stage = parallel_state.get_pipeline_model_parallel_rank()
-        stages = parallel_state.get_pipeline_model_parallel_world_size()
+        self.pre_process = rank == 0 and chunk == 0
+        self.post_process = rank == ranks - 1 and chunk == chunks - 1
+        self.stage, stages = chunk * ranks + rank, ranks * chunks
         self.forward_s = value_of_stage(forward_ms, self.stage, stages, "forward ms") / 1000.0
         self.backward_s = value_of_stage(backward_ms, self.stage, stages, "backward ms") / 1000.0
         cv = value_of_stage(noise_cv, self.stage, stages, "noise cv")

@@ -178,10 +178,11 @@ def _stage_report(args, runtime, step_func, optimizer) -> dict:
         report["layers"] = len(decoder)
         report["first_layer"] = decoder[0].layer_number - 1 if len(decoder) else None
     chunks = getattr(runtime.model, "chunks", None)
-    if chunks is not None:  # virtual stages: per chunk, its global layer indices
-        report["chunk_layers"] = [[layer.layer_number - 1 for layer in chunk.decoder.layers]
-                                  for chunk in chunks]  # fmt: skip
-        report["layers"] = sum(len(layers) for layers in report["chunk_layers"])
+    if chunks is not None:  # virtual stages: per chunk, its global layer indices (GPT chunks)
+        if hasattr(chunks[0], "decoder"):
+            report["chunk_layers"] = [[layer.layer_number - 1 for layer in chunk.decoder.layers]
+                                      for chunk in chunks]  # fmt: skip
+            report["layers"] = sum(len(layers) for layers in report["chunk_layers"])
         report["chunk_max_drift"] = [max(h, default=0) for h in runtime.chunk_drift]
     tied = [p for p in params if getattr(p, "shared_embedding", False)]
     if tied:  # this stage's copy of the tied embedding: equal on both stages at a drain

@@ -239,10 +239,15 @@ def virtual_chunks(args) -> int:
 def build_stage_model(args, vocab_size: int, device: torch.device) -> torch.nn.Module:
     """This rank's model: its stage, or with virtual stages its chunks as one `ModelChunks`."""
     if args.emulated_forward_ms is not None:
-        return EmulatedStage(
-            args.emulated_forward_ms, args.emulated_backward_ms, args.hidden_size,
-            noise_cv=args.emulated_noise_cv, seed=args.seed,
-        )  # fmt: skip
+        chunks = [
+            EmulatedStage(
+                args.emulated_forward_ms, args.emulated_backward_ms, args.hidden_size,
+                noise_cv=args.emulated_noise_cv, seed=args.seed, chunk=c,
+                chunks=virtual_chunks(args),
+            )
+            for c in range(virtual_chunks(args))
+        ]  # fmt: skip
+        return chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
     config = transformer_config(args, device)
     layout = stage_layout(args)
     if virtual_chunks(args) == 1:

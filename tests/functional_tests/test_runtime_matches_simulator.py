@@ -4,7 +4,8 @@ One torchrun launch (gloo, 4 processes) runs 1F1B-flush and PACI under its react
 backward-first arrival rule (`--paci-arrival-rule backward-first`) with emulated compute: every
 stage sleeps F per forward and B per backward. A last run uses the default fixed-order rule with
 uneven, noisy stages and micro batch 2: its order depends on counters only, so it too must equal
-the simulation of the nominal costs. Each run writes its
+the simulation of the nominal costs. Two more run 2 model chunks per rank: interleaved 1F1B and
+PACI over virtual stages in its counter-only (`fixed`) order. Each run writes its
 Chrome trace (`--timeline-file`); `action_order` of that trace must equal `action_order` of
 `simulate` for the same stages, microbatches per step and steps. Evaluation is off, so the
 runtime drains only at the end of the run, as the simulator does: call k of both targets k*m
@@ -46,7 +47,10 @@ RUNS = [
     ("paci_m4", "paci", 4),
     ("paci_m2", "paci", 2),
     ("paci_fixed_uneven_mbs2", "paci", 4),
+    ("interleaved_flush_v2_m4", "1f1b", 4),
+    ("interleaved_paci_fixed_v2_m4", "paci", 4),
 ]
+CHUNKS = {"interleaved_flush_v2_m4": 2, "interleaved_paci_fixed_v2_m4": 2}
 REACTIVE = ["--paci-arrival-rule", "backward-first"]
 EXTRA_ARGS = {
     "paci_m4": REACTIVE,
@@ -55,18 +59,22 @@ EXTRA_ARGS = {
         "--emulated-forward-ms", "50,100,50,40", "--emulated-backward-ms", "100,200,100,80",
         "--emulated-noise-cv", "0.2", "--micro-batch-size", "2", "--global-batch-size", "8",
     ],
+    "interleaved_paci_fixed_v2_m4": ["--paci-arrival-rule", "fixed"],
 }  # fmt: skip
 
 
 def schedule_of(name: str, schedule: str):
+    if name in CHUNKS:
+        return bench.simulated_definition(schedule + (":fixed" if "fixed" in name else ""), 2)
     rule = "backward-first" if EXTRA_ARGS.get(name) == REACTIVE else None
     return with_paci_options(get_schedule(schedule), rule)
 
 
-def simulated_order(schedule, microbatches: int, **costs) -> dict[int, list[str]]:
+def simulated_order(schedule, microbatches: int, chunks: int = 1, **costs) -> dict:
     result = simulate(
         schedule,
         num_stages=STAGES,
+        chunks_per_rank=chunks if chunks > 1 else None,
         microbatches_per_step=microbatches,
         steps=STEPS,
         forward_cost=costs.pop("forward_cost", FWD_MS / 1000.0),
@@ -93,6 +101,7 @@ def real_traces(tmp_path_factory):
             metrics_dir=run_dir,
             timeline_file=os.path.join(run_dir, "timeline.json"),
             extra=EXTRA_ARGS.get(name),
+            virtual_stages=CHUNKS.get(name, 1),
         )
         cases.append({"name": name, "args": args, "metrics_dir": run_dir})
     spec = os.path.join(output, "cases.json")
@@ -125,11 +134,13 @@ def first_difference(real: list[str], expected: list[str]) -> str:
 def test_real_action_order_equals_simulated(real_traces, name, schedule, microbatches):
     events = real_traces[name]
     real = action_order(events)
-    expected = simulated_order(schedule_of(name, schedule), microbatches)
+    chunks = CHUNKS.get(name, 1)
+    expected = simulated_order(schedule_of(name, schedule), microbatches, chunks)
     assert sorted(real) == list(range(STAGES))
+    passes = STEPS * microbatches * chunks
     for stage in range(STAGES):
         counts = {k: sum(a.startswith(k) for a in real[stage]) for k in ("F", "B", "S")}
-        assert counts == {"F": STEPS * microbatches, "B": STEPS * microbatches, "S": STEPS}
+        assert counts == {"F": passes, "B": passes, "S": STEPS}
     differences = {
         stage: first_difference(real[stage], expected[stage])
         for stage in range(STAGES)
@@ -238,3 +249,21 @@ def test_p2p_latency_estimate_recovers_the_simulated_latency(schedule):
     samples = bench.p2p_latency_samples(result.timeline)
     assert len(samples) >= STAGES
     assert bench.estimate_p2p_latency(result.timeline) == pytest.approx(0.003, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "paci"])
+def test_replay_reads_virtual_stages_from_a_trace(schedule):
+    """With 2 chunks per rank the trace analysis finds the transfers between virtual stages
+    (the last rank's chunk 0 feeds the first rank's chunk 1) and each virtual stage's costs."""
+    forward = [0.01 * (1 + k) for k in range(2 * STAGES)]  # one per virtual stage
+    result = simulate(
+        bench.simulated_definition(schedule, 2), num_stages=STAGES, microbatches_per_step=4,
+        steps=4, forward_cost=forward, backward_cost=[2 * f for f in forward], p2p_latency=0.003,
+        chunks_per_rank=2,
+    )  # fmt: skip
+    samples = bench.p2p_latency_samples(result.timeline, chunks=2)
+    assert len(samples) >= 2 * STAGES
+    assert bench.estimate_p2p_latency(result.timeline, 2) == pytest.approx(0.003, rel=1e-9)
+    costs = bench.measured_costs(result.timeline, STAGES, 2)
+    assert costs["forward_cost"] == pytest.approx(forward)
+    assert costs["backward_cost"] == pytest.approx([2 * f for f in forward])

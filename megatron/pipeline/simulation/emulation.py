@@ -15,6 +15,11 @@ written to ``OUTPUT/report.json``, beside each run's log, trace and summary).
     python tools/benchmark_schedules.py --stages 4 --microbatches 4 --fwd-ms 20,40,20,20 \
         --bwd-ms 40,80,40,40 --noise-cv 0.2 --schedules 1f1b paci paci:backward-first
 
+Virtual stages: ``--virtual-stages v`` runs v model chunks per rank (interleaved 1F1B for
+``1f1b``, PACI over virtual stages for ``paci``); costs are then per chunk pass, one value or
+one per virtual stage (chunk c of rank r is virtual stage c N + r), and the replay measures
+them, and the transfers, per virtual stage.
+
 Uneven and noisy stages: ``--fwd-ms``/``--bwd-ms`` take one value per stage, and ``--noise-cv``
 draws each emulated action's time around them (seeded by ``--seed``; `CostNoise`). A schedule
 ``paci:RULE`` runs PACI with ``--paci-arrival-rule RULE``.
@@ -58,7 +63,7 @@ import sys
 import tempfile
 import time
 
-from ..schedules import get_schedule
+from ..schedules import get_schedule, virtual_schedule
 from ..schedules.base import ActionKind
 from ..schedules.paci import with_paci_options
 from ..trace import read_chrome_trace
@@ -101,11 +106,12 @@ def emulated_run_args(
     extra: list[str] | None = None,
     noise_cv: float | list[float] = 0.0,
     seed: int = 1234,
+    virtual_stages: int = 1,
 ) -> list[str]:
     """`pretrain_gpt.py` flags for an emulated run: no evaluation or checkpoint, so the only
     drain is at the end, as in the simulator (`forward_limit = steps * m` on every call)."""
     args = [
-        "--num-layers", str(stages),
+        "--num-layers", str(stages * virtual_stages),
         "--pipeline-model-parallel-size", str(stages),
         "--pipeline-schedule", schedule,
         "--global-batch-size", str(microbatches * MODEL_FLAGS["--micro-batch-size"]),
@@ -126,6 +132,8 @@ def emulated_run_args(
         args += [flag, str(value)]
     if timeline_file:
         args += ["--timeline-file", timeline_file]
+    if virtual_stages > 1:
+        args += ["--num-virtual-stages-per-pipeline-rank", str(virtual_stages)]
     return args + list(extra or [])
 
 
@@ -161,23 +169,31 @@ def launch(command: list[str], log_file: str, timeout_s: float) -> None:
 
 
 # ---------------------------------------------------------------------------- trace analysis
-def p2p_latency_samples(events) -> list[float]:
-    """(receiver start) - (sender end) for every transfer the receiver was idle for."""
+def virtual_stage_of(event, num_stages: int) -> int:
+    """Chunk c of rank r is virtual stage c N + r (one chunk: the stage itself)."""
+    return (event.action.chunk or 0) * num_stages + event.stage
+
+
+def p2p_latency_samples(events, chunks: int = 1) -> list[float]:
+    """(receiver start) - (sender end) for every transfer the receiver was idle for; a
+    forward comes from the previous virtual stage, a backward from the next."""
     stages = by_stage(events)
+    n = len(stages)
     ends: dict[tuple[int, ActionKind, int], float] = {}
-    for stage, stage_events in stages.items():
+    for stage_events in stages.values():
         for e in stage_events:
             if e.action.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
-                ends[(stage, e.action.kind, e.action.microbatch)] = e.end_s
-    last = max(stages)
+                ends[(virtual_stage_of(e, n), e.action.kind, e.action.microbatch)] = e.end_s
+    last = n * chunks - 1
     samples = []
-    for stage, stage_events in stages.items():
+    for stage_events in stages.values():
         for previous, event in zip(stage_events, stage_events[1:]):
             kind, microbatch = event.action.kind, event.action.microbatch
-            if kind is ActionKind.FORWARD and stage > 0:
-                sender = (stage - 1, kind, microbatch)
-            elif kind is ActionKind.BACKWARD and stage < last:
-                sender = (stage + 1, kind, microbatch)
+            here = virtual_stage_of(event, n)
+            if kind is ActionKind.FORWARD and here > 0:
+                sender = (here - 1, kind, microbatch)
+            elif kind is ActionKind.BACKWARD and here < last:
+                sender = (here + 1, kind, microbatch)
             else:
                 continue
             sent = ends.get(sender)
@@ -186,36 +202,52 @@ def p2p_latency_samples(events) -> list[float]:
     return samples
 
 
-def estimate_p2p_latency(events) -> float:
-    samples = p2p_latency_samples(events)
+def estimate_p2p_latency(events, chunks: int = 1) -> float:
+    samples = p2p_latency_samples(events, chunks)
     return statistics.fmean(samples) if samples else 0.0
 
 
-def measured_costs(events, num_stages: int) -> dict:
-    """Per-stage mean forward/backward durations and one step cost (see the docstring)."""
-    stages = by_stage(events)
+def measured_costs(events, num_stages: int, chunks: int = 1) -> dict:
+    """Per (virtual) stage mean forward/backward durations and one step cost (see the
+    docstring)."""
+    by_virtual: dict[tuple[ActionKind, int], list[float]] = {}
+    for e in events:
+        key = (e.action.kind, virtual_stage_of(e, num_stages))
+        by_virtual.setdefault(key, []).append(e.duration_s)
 
-    def means(kind: ActionKind) -> list[float]:
-        values = []
-        for s in range(num_stages):
-            durations = [e.duration_s for e in stages.get(s, []) if e.action.kind is kind]
-            values.append(statistics.fmean(durations) if durations else 0.0)
-        return values
+    def means(kind: ActionKind, count: int) -> list[float]:
+        durations = [by_virtual.get((kind, s), []) for s in range(count)]
+        return [statistics.fmean(d) if d else 0.0 for d in durations]
 
     return {
-        "forward_cost": means(ActionKind.FORWARD),
-        "backward_cost": means(ActionKind.BACKWARD),
-        "step_cost": min(means(ActionKind.STEP)),
+        "forward_cost": means(ActionKind.FORWARD, num_stages * chunks),
+        "backward_cost": means(ActionKind.BACKWARD, num_stages * chunks),
+        "step_cost": min(means(ActionKind.STEP, num_stages)),  # steps carry no chunk
     }
 
 
-def simulated_steady_throughput(
-    schedule: str, *, num_stages: int, microbatches: int, steps: int, p2p_latency: float, **costs
-) -> float:
+def simulated_definition(schedule: str, chunks: int = 1):
+    """What the runtime runs for `schedule` (with `chunks` model chunks per rank)."""
     name, rule = schedule_and_rule(schedule)
+    if chunks > 1:
+        return virtual_schedule(name, arrival_rule=rule)
+    return with_paci_options(get_schedule(name, simulated=True), rule)
+
+
+def simulated_steady_throughput(
+    schedule: str,
+    *,
+    num_stages: int,
+    microbatches: int,
+    steps: int,
+    p2p_latency: float,
+    chunks: int = 1,
+    **costs,
+) -> float:
     result = simulate(
-        with_paci_options(get_schedule(name, simulated=True), rule),
+        simulated_definition(schedule, chunks),
         num_stages=num_stages,
+        chunks_per_rank=chunks if chunks > 1 else None,
         microbatches_per_step=microbatches,
         steps=steps,
         p2p_latency=p2p_latency,
@@ -243,6 +275,7 @@ def run_schedule(schedule: str, options, run_dir: str) -> dict:
         extra=["--paci-arrival-rule", rule] if rule else None,
         noise_cv=options.noise_cv,
         seed=options.seed,
+        virtual_stages=options.virtual_stages,
     )
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
@@ -275,23 +308,25 @@ def run_schedule(schedule: str, options, run_dir: str) -> dict:
 def trace_figures(schedule: str, options, events) -> dict:
     """A run's measured steady-state throughput and the simulator's prediction of it from the
     costs and p2p latency measured in the same trace (and from the nominal costs)."""
-    n, m, steps = options.stages, options.microbatches, options.steps
+    n, m, steps, v = options.stages, options.microbatches, options.steps, options.virtual_stages
     measured = steady_state_throughput(events, n, m, steps)
-    latency_samples = p2p_latency_samples(events)
+    latency_samples = p2p_latency_samples(events, v)
     if options.p2p_ms is not None:
         latency = options.p2p_ms / 1000.0
     else:
-        latency = estimate_p2p_latency(events)
-    costs = measured_costs(events, n)
+        latency = estimate_p2p_latency(events, v)
+    costs = measured_costs(events, n, v)
     noise = CostNoise(options.noise_cv, options.seed) if has_noise(options.noise_cv) else None
-    shape = dict(num_stages=n, microbatches=m, steps=steps, p2p_latency=latency, noise=noise)
-    replayed = without_mean_noise(costs, noise, n, steps * m)
+    shape = dict(
+        num_stages=n, microbatches=m, steps=steps, p2p_latency=latency, noise=noise, chunks=v
+    )
+    replayed = without_mean_noise(costs, noise, n * v, steps * m)
     simulated = simulated_steady_throughput(schedule, **shape, **replayed)
     nominal = simulated_steady_throughput(
         schedule,
         **shape,
-        forward_cost=per_stage_seconds(options.fwd_ms, n),
-        backward_cost=per_stage_seconds(options.bwd_ms, n),
+        forward_cost=per_stage_seconds(options.fwd_ms, n * v),
+        backward_cost=per_stage_seconds(options.bwd_ms, n * v),
     )
     return {
         "measured": measured,
@@ -360,10 +395,14 @@ def ratio_figures(report, acceptance, name, measured, simulated, closed_form, un
     )
 
 
-def slowest_stage_bound(fwd_ms, bwd_ms, num_stages: int) -> float:
-    """Microbatches per second of the slowest stage (its forward + backward per microbatch)."""
-    per_stage = zip(per_stage_seconds(fwd_ms, num_stages), per_stage_seconds(bwd_ms, num_stages))
-    return 1.0 / max(forward + backward for forward, backward in per_stage)
+def slowest_stage_bound(fwd_ms, bwd_ms, num_stages: int, chunks: int = 1) -> float:
+    """Microbatches per second of the slowest rank (its chunks' forwards and backwards per
+    microbatch)."""
+    count = num_stages * chunks
+    passes = [
+        f + b for f, b in zip(per_stage_seconds(fwd_ms, count), per_stage_seconds(bwd_ms, count))
+    ]
+    return 1.0 / max(sum(passes[rank::num_stages]) for rank in range(num_stages))
 
 
 def benchmark(options) -> dict:
@@ -403,7 +442,10 @@ def benchmark(options) -> dict:
         },
         "runtime_overhead_us_per_action_max": overheads,
         "simulated_throughput_nominal": {s: r["simulated_nominal"] for s, r in runs.items()},
-        "slowest_stage_bound": slowest_stage_bound(options.fwd_ms, options.bwd_ms, n),
+        "virtual_stages": options.virtual_stages,
+        "slowest_stage_bound": slowest_stage_bound(
+            options.fwd_ms, options.bwd_ms, n, options.virtual_stages
+        ),
         "load_average_1min_before_runs": {
             s: [r["load_average_1min_before"] for r in rs] for s, rs in all_runs.items()
         },
