@@ -43,7 +43,9 @@ Definitions (the same functions read the real and the simulated timeline):
   gradient norm over the whole pipeline, so the other stages' steps include waiting for the
   last stage to get there). Means, not medians: throughput is linear in the durations, so the
   occasional slow action (another process had the CPU) must count with its weight.
-  ``simulated_throughput_nominal`` uses the nominal F and B and no step cost instead. With
+  ``simulated_throughput_nominal`` uses the nominal F and B and no step cost instead;
+  ``simulated_throughput_with_overhead`` adds each rank's runtime overhead per action (below)
+  to its passes, the work between actions the trace's durations leave out. With
   noise, the simulator replays the run's own draws (same `CostNoise` seed): each stage's
   nominal cost is its measured mean divided by the mean factor drawn for that stage and kind.
 * runtime overhead per action: ``runtime_overhead_us_per_action`` of summary.json
@@ -287,8 +289,8 @@ def run_schedule(schedule: str, options, run_dir: str) -> dict:
     launch_s = time.perf_counter() - started
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
-    figures = trace_figures(schedule, options, read_chrome_trace(timeline))
     overheads = [stage["runtime_overhead_us_per_action"] for stage in summary["stages"]]
+    figures = trace_figures(schedule, options, read_chrome_trace(timeline), overheads)
     total = summary["iterations"] * summary["num_microbatches"]
     return {
         **figures,
@@ -305,9 +307,10 @@ def run_schedule(schedule: str, options, run_dir: str) -> dict:
     }
 
 
-def trace_figures(schedule: str, options, events) -> dict:
+def trace_figures(schedule: str, options, events, overheads_us: list[float] | None = None) -> dict:
     """A run's measured steady-state throughput and the simulator's prediction of it from the
-    costs and p2p latency measured in the same trace (and from the nominal costs)."""
+    costs and p2p latency measured in the same trace (and from the nominal costs; and with
+    each rank's measured runtime work between actions, `overheads_us`, added to its passes)."""
     n, m, steps, v = options.stages, options.microbatches, options.steps, options.virtual_stages
     measured = steady_state_throughput(events, n, m, steps)
     latency_samples = p2p_latency_samples(events, v)
@@ -328,7 +331,17 @@ def trace_figures(schedule: str, options, events) -> dict:
         forward_cost=per_stage_seconds(options.fwd_ms, n * v),
         backward_cost=per_stage_seconds(options.bwd_ms, n * v),
     )
+    figures = {}
+    if overheads_us is not None:
+        with_overhead = {
+            key: [cost + overheads_us[k % n] / 1e6 for k, cost in enumerate(replayed[key])]
+            for key in ("forward_cost", "backward_cost")
+        }
+        figures["simulated_with_overhead"] = simulated_steady_throughput(
+            schedule, **shape, **{**replayed, **with_overhead}
+        )
     return {
+        **figures,
         "measured": measured,
         "simulated": simulated,
         "prediction_error": relative_error(simulated, measured),
@@ -442,6 +455,9 @@ def benchmark(options) -> dict:
         },
         "runtime_overhead_us_per_action_max": overheads,
         "simulated_throughput_nominal": {s: r["simulated_nominal"] for s, r in runs.items()},
+        "simulated_throughput_with_overhead": {
+            s: r["simulated_with_overhead"] for s, r in runs.items()
+        },
         "virtual_stages": options.virtual_stages,
         "slowest_stage_bound": slowest_stage_bound(
             options.fwd_ms, options.bwd_ms, n, options.virtual_stages
