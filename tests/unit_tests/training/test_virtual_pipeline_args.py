@@ -137,3 +137,13 @@ def test_pretrain_gpt_prints_one_error_line_and_exits_2(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("error: --global-batch-size 6 gives 6 microbatches per step: ")
     assert err.count("\n") == 1
+
+
+def test_emulated_costs_are_given_per_virtual_stage():
+    chunks = PP4 + ["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "8"]
+    costs = ["--emulated-forward-ms", ",".join(["5"] * 8), "--emulated-backward-ms", "10"]
+    assert validated(chunks + costs, 4).emulated_forward_ms == [5.0] * 8
+    per_rank = ["--emulated-forward-ms", "5,5,5,5", "--emulated-backward-ms", "10"]
+    assert error_of(chunks + per_rank) == (
+        "--emulated-forward-ms: one value, or one per virtual stage (8)"
+    )
