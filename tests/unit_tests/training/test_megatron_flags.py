@@ -355,20 +355,19 @@ def test_overlap_param_gather_with_optimizer_step_follows_megatrons_rules():
     assert error_of(overlap, 1) == message
 
 
-def _initialize(rank: int, port: int, disabled: bool, found) -> None:
+def _initialize(rank: int, port: int, found) -> None:
     from megatron.core import parallel_state
 
     from megatron.training.training import initialize_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    args = validated(["--disable-gloo-process-groups"] if disabled else [])
-    initialize_distributed(args)
-    found[disabled] = parallel_state._DATA_PARALLEL_GROUP_GLOO is not None
-    parallel_state.destroy_model_parallel()
+    for disabled in (False, True):
+        initialize_distributed(validated(["--disable-gloo-process-groups"] if disabled else []))
+        found[disabled] = parallel_state._DATA_PARALLEL_GROUP_GLOO is not None
+        parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("disabled", [False, True])
-def test_disable_gloo_process_groups_reaches_megatron_core(disabled):
+def test_disable_gloo_process_groups_reaches_megatron_core():
     import socket
 
     import torch
@@ -377,6 +376,6 @@ def test_disable_gloo_process_groups_reaches_megatron_core(disabled):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     found = torch.multiprocessing.Manager().dict()
-    torch.multiprocessing.start_processes(_initialize, args=(port, disabled, found), nprocs=1,
+    torch.multiprocessing.start_processes(_initialize, args=(port, found), nprocs=1,
                                           start_method="spawn")  # fmt: skip
-    assert found[disabled] is not disabled
+    assert dict(found) == {False: True, True: False}
