@@ -7,7 +7,7 @@ Results go to a JSON-lines file as each run finishes (rerunning resumes); `--rep
 the Markdown tables and writes the plot.
 
     .venv/bin/python tools/delay_study.py --output runs/delay_study \
-        [--optimizers adam muon ...] [--seeds 1 2 3] [--iterations 60]
+        [--optimizers adam muon ...] [--seeds 1 2 3] [--iterations 60] [--main-only]
     .venv/bin/python tools/delay_study.py --output runs/delay_study --report \
         --plot docs/delay_study.png
 
@@ -34,6 +34,8 @@ def parse_options(argv):
     parser.add_argument("--data-path", default=os.path.join(REPO, "data", "stdlib_text_document"))
     parser.add_argument("--tokenizer-model",
                         default=os.path.join(REPO, "data", "tokenizer", "stdlib.model"))  # fmt: skip
+    parser.add_argument("--main-only", action="store_true",
+                        help="only the main comparison (4 variants x seeds), no sweeps")  # fmt: skip
     parser.add_argument("--report", action="store_true", help="print tables from the results")
     parser.add_argument("--plot", default=None, help="with --report: write the plot here")
     return parser.parse_args(argv)
@@ -47,6 +49,8 @@ def ordered_plan(options):
 
     seeds = options.seeds
     runs = plan(options.optimizers, seeds, sweep_seed=seeds[0])
+    if options.main_only:
+        runs = [run for run in runs if run.purpose == "main"]
 
     def rank(run):
         if run.purpose == "main":

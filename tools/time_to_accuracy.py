@@ -11,7 +11,9 @@ only reads them. Prints one JSON object and a markdown table.
 
 `--engine single-process` trains each run in this process with the exact single-process engine
 (megatron/studies/single_process_engine.py: 1f1b and paci) instead of a 4-process torchrun;
-`--model small` is the long-horizon study's model (docs/convergence.md).
+`--model small` is the long-horizon study's model (docs/convergence.md). With `--reference`,
+`--calibration FILE.json` adds the projected time to each target: each run's segments between
+drain points simulated with the file's per-stage costs (projected, not measured).
 """
 
 import argparse
@@ -38,6 +40,9 @@ def main(argv=None) -> int:
     add("--warmup-iters", type=int, default=None, help="default: the model's (demo: 10)")
     add("--reference", action="append", default=[], metavar="NAME=REFERENCE",
         help="also print the long-horizon table: NAME's final loss over REFERENCE's, by seed")  # fmt: skip
+    add("--calibration", default=None, metavar="FILE.json",
+        help="with --reference: also the projected time to each target, the simulator's pace "
+        "for each run's pipeline with this calibration's costs (docs/calibration/)")  # fmt: skip
     options = parser.parse_args(argv)
     if options.engine == "torchrun" and (options.model, options.eval_iters,
                                          options.warmup_iters) != ("demo", 5, None):  # fmt: skip
@@ -79,6 +84,9 @@ def main(argv=None) -> int:
         references = dict(text.split("=", 1) for text in options.reference)
         print()
         print(tta.long_horizon_markdown(runs, targets, references))
+        if options.calibration:
+            print()
+            print(tta.projected_time_markdown(runs, targets, references, options.calibration))
     return 0
 
 

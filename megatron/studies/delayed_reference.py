@@ -58,6 +58,7 @@ def build_local_stage(args, layout, device, vocab_size: int):
         StageOptimizerStep,
         build_lr_scheduler,
         build_optimizer,
+        stage_lr_scale,
     )
     from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
     from megatron.training.training import transformer_config
@@ -72,10 +73,11 @@ def build_local_stage(args, layout, device, vocab_size: int):
         seed=args.seed,
     )
     optimizer = build_optimizer(model, OptimizerConfig.from_args(args))
+    scale = stage_lr_scale(args, layout.pipeline_rank)  # --paci-stage-lr-scale
     step = StageOptimizerStep(
         model,
         optimizer,
-        build_lr_scheduler(optimizer, LRScheduleConfig.from_args(args)),
+        build_lr_scheduler(optimizer, LRScheduleConfig.from_args(args), lr_scale=scale),
         data_parallel_group=None,
         grad_norm_group=None,
         tensor_parallel_rank=0,

@@ -18,6 +18,7 @@ iteration ratio measured here carries over to that scale: it is a projection, no
 measurement.
 """
 
+import functools
 import json
 import os
 import statistics
@@ -109,6 +110,7 @@ class Run:
     seed: int
     validation: list = field(default_factory=list)  # [(iteration, lm loss)]
     tokens: list = field(default_factory=list)  # tokens consumed at each evaluation
+    args: list = field(default_factory=list)  # the run's flags (single-process runs)
 
     @property
     def by_tokens(self) -> list[tuple[int, float]]:
@@ -185,7 +187,8 @@ def _read_run(output: str, configuration: str, seed: int) -> Run:
         summary = json.load(f)
     curve = [(entry["iteration"], entry["lm loss"]) for entry in summary["validation"]]
     tokens = [entry.get("tokens") for entry in summary["validation"]]
-    return Run(configuration, seed, curve, tokens if None not in tokens else [])
+    return Run(configuration, seed, curve, tokens if None not in tokens else [],
+               summary.get("args", []))  # fmt: skip
 
 
 def iterations_to(curve: list[tuple[int, float]], target: float) -> float | None:
@@ -336,4 +339,84 @@ def long_horizon_markdown(runs: list[Run], targets: list[float], references: dic
             row.append("not reached" if tokens is None else _cell(
                 {k: v / 1e6 for k, v in tokens.items()}, 2))  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+# Projected time: the simulator's pace for the run's own pipeline (N stages, its a by phase,
+# PACI drained at each of its drain points) with per-stage costs from a calibration file.
+@functools.cache
+def _segment_seconds(schedule: str, stages: int, a: int, steps: int, calibration: str,
+                     micro_batch: int) -> float:  # fmt: skip
+    """Simulated time of `steps` iterations of `schedule` from an empty pipeline to an empty
+    one (flush empties it every step; PACI only at the segment's end)."""
+    from megatron.pipeline.schedules import get_schedule
+    from megatron.pipeline.simulation import simulate
+    from megatron.pipeline.simulation.calibration import load_stage_costs
+
+    costs = load_stage_costs(calibration, stages, micro_batch)
+    result = simulate(get_schedule(schedule), num_stages=stages, microbatches_per_step=a,
+                      steps=steps, **costs.simulate_kwargs())  # fmt: skip
+    return result.makespan
+
+
+def simulated_times(flags: list[str], calibration: str) -> dict[int, float]:
+    """{iteration: projected seconds after it} at every drain point of the run `flags`
+    describe (evaluations, changes of a, the end): each segment between two drain points is
+    simulated with the calibration's costs for the run's pipeline size and micro batch."""
+    from megatron.training.arguments import build_parser, validate_args
+    from megatron.training.batch_schedule import accumulation_phases
+    from megatron.training.training import drain_points
+
+    args = build_parser().parse_args(flags)
+    validate_args(args, world_size=args.pipeline_model_parallel_size, check_files=False)
+    ends, end = [], 0
+    for a, iterations in accumulation_phases(args):
+        end += iterations
+        ends.append((end, a))
+    times, iteration, seconds = {}, 0, 0.0
+    for point in drain_points(args, 0):
+        while iteration < point:
+            phase_end, a = next((e, a) for e, a in ends if e > iteration)
+            count = min(point, phase_end) - iteration
+            seconds += _segment_seconds(args.pipeline_schedule, args.pipeline_model_parallel_size,
+                                        a, count, calibration, args.micro_batch_size)  # fmt: skip
+            iteration += count
+            times[iteration] = seconds
+    return times
+
+
+def by_projected_time(run: Run, calibration: str) -> list[tuple[float, float]]:
+    """The run's validation curve against projected seconds (`simulated_times`)."""
+    times = simulated_times(run.args, calibration)
+    return [(times[iteration], loss) for iteration, loss in run.validation]
+
+
+def projected_time_markdown(runs: list[Run], targets: list[float], references: dict,
+                            calibration: str) -> str:  # fmt: skip
+    """Projected seconds to each target (median [min, max] over seeds) and the speed-up over
+    the reference configuration, paired by seed: the reference's time over the
+    configuration's (> 1: faster)."""
+    curves = {(r.configuration, r.seed): by_projected_time(r, calibration) for r in runs}
+    head = ["configuration", "seeds"] + [f"projected s to {t}" for t in targets]
+    head += [f"speed-up vs reference at {t}" for t in targets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in dict.fromkeys(r.configuration for r in runs):
+        seeds = [s for (c, s) in curves if c == name]
+        reference = references.get(name)
+        row, speedups = [name, str(len(seeds))], []
+        for target in targets:
+            times = {s: iterations_to(curves[(name, s)], target) for s in seeds}
+            row.append(_cell(spread(list(times.values())), 0))
+            if not reference:
+                speedups.append("-")
+                continue
+            paired = []
+            for seed in seeds:
+                mine = times[seed]
+                theirs = iterations_to(curves.get((reference, seed), []), target)
+                paired.append(theirs / mine if mine and theirs else None)
+            value = spread(paired)
+            speedups.append("not reached" if value is None else (
+                f"{value['median']:.2f}x [{value['min']:.2f}, {value['max']:.2f}]"))  # fmt: skip
+        lines.append("| " + " | ".join(row + speedups) + " |")
     return "\n".join(lines)

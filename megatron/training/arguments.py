@@ -5,6 +5,7 @@ with one line naming the problem.
 """
 
 import argparse
+import math
 import os
 
 from megatron.pipeline.schedules import (
@@ -279,6 +280,10 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         help="PACI's accumulation factor a by phase: a = A for the next ITERS iterations, "
         "phase after phase, then the a of --global-batch-size; the global batch of an "
         "iteration is a x micro batch x data parallel; the pipeline drains at each change")  # fmt: skip
+    add("--paci-stage-lr-scale", type=float, default=None, metavar="C",
+        help="PACI: multiply pipeline stage s's LR (max and min, every param group) by "
+        "1 / (1 + C (N - 1 - s) / a), N stages, a microbatches per step: (N - 1 - s) / a is the "
+        "mean number of steps its gradients are stale; the last stage keeps its LR")  # fmt: skip
 
 
 def _add_benchmark_args(parser: argparse.ArgumentParser) -> None:
@@ -625,11 +630,35 @@ def _validate_emulation_and_rule(args: argparse.Namespace) -> None:
     ):
         if value not in (None, default) and args.pipeline_schedule != "paci":
             raise UserError(f"{flag} applies to --pipeline-schedule paci only")
+    _validate_stage_lr_scale(args)
     chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     for flag in ("emulated_forward_ms", "emulated_backward_ms", "emulated_noise_cv"):
         if isinstance(getattr(args, flag), list) and len(getattr(args, flag)) != pp * chunks:
             each = f"virtual stage ({pp * chunks})" if chunks > 1 else f"pipeline stage ({pp})"
             raise UserError(f"--{flag.replace('_', '-')}: one value, or one per {each}")
+
+
+def _validate_stage_lr_scale(args: argparse.Namespace) -> None:
+    """--paci-stage-lr-scale: PACI's per-stage staleness (N - 1 - s) / a with one a and one
+    model chunk per stage."""
+    scale = getattr(args, "paci_stage_lr_scale", None)
+    if scale is None:
+        return
+    if not math.isfinite(scale) or scale < 0:
+        raise UserError(f"--paci-stage-lr-scale {scale:g} must be finite and >= 0")
+    if args.pipeline_schedule != "paci":
+        raise UserError(
+            f"--paci-stage-lr-scale is not supported yet with --pipeline-schedule "
+            f"{args.pipeline_schedule}"
+        )
+    for flag, value in (
+        ("--paci-accumulation-schedule", getattr(args, "paci_accumulation_schedule", None)),
+        ("--rampup-batch-size", args.rampup_batch_size),
+        ("virtual pipeline stages", (getattr(args, "virtual_pipeline_model_parallel_size", None)
+                                     or 1) > 1),
+    ):  # fmt: skip
+        if value:
+            raise UserError(f"--paci-stage-lr-scale with {flag} is not supported yet")
 
 
 def _validate_layer_split(args: argparse.Namespace, pp: int) -> None:

@@ -63,6 +63,7 @@ from megatron.training.optimizer.build import (
     StageOptimizerStep,
     build_lr_scheduler,
     build_optimizer,
+    stage_lr_scale,
 )
 from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig, model_dtype
 from megatron.training.optimizer.delay_mitigation import (
@@ -402,7 +403,11 @@ def _set_up_and_train(args, forward_step_func, wall_start, requests, device, gro
     tokenizer = _build_checked_tokenizer(args)
     model = build_stage_model(args, args.padded_vocab_size, device)
     optimizer = build_optimizer(model, OptimizerConfig.from_args(args))
-    scheduler = build_lr_scheduler(optimizer, LRScheduleConfig.from_args(args))
+    scheduler = build_lr_scheduler(
+        optimizer,
+        LRScheduleConfig.from_args(args),
+        lr_scale=stage_lr_scale(args, parallel_state.get_pipeline_model_parallel_rank()),
+    )
     step_func = build_step(args, model, optimizer, scheduler)
     state = TrainingState()
     if args.load:

@@ -3,9 +3,10 @@
 
 The engine replays each stage's order in one process without the runtime; the 4-process run
 exchanges activations and gradients over gloo. Both must give the same training and validation
-losses: PACI with error feedback and drains at each evaluation, PACI whose a changes
-(`--paci-accumulation-schedule`), and flush (which the engine trains as one stage). The cases
-live in engine_cases/ so that only this module runs them.
+losses: PACI with error feedback, a per-stage LR (`--paci-stage-lr-scale`, which scales stage
+0's LR by 0.4 there: a runtime that ignored it would differ) and drains at each evaluation, PACI
+whose a changes (`--paci-accumulation-schedule`), and flush (which the engine trains as one
+stage). The cases live in engine_cases/ so that only this module runs them.
 """
 
 import json

@@ -458,11 +458,17 @@ def apply_decoupled_lr(optimizer, scheduler, payload: dict, args) -> None:
         values = {name: (payload.get("args") or {}).get(name) for name in _DECOUPLED_LR_ARGS}
     if values["decoupled_lr"] is None:
         return
+    from megatron.core import parallel_state
+
+    from megatron.training.optimizer.build import stage_lr_scale
+
+    # --paci-stage-lr-scale scales these bounds as it scales the scheduler's (min_lr included)
+    scale = stage_lr_scale(args, parallel_state.get_pipeline_model_parallel_rank())
     floor = values["decoupled_min_lr"]
-    floor = scheduler.min_lr if floor is None else floor
+    floor = scheduler.min_lr if floor is None else floor * scale
     for group in optimizer.param_groups:
         if group.get("is_decoupled_lr", False):
-            group["max_lr"], group["min_lr"] = values["decoupled_lr"], floor
+            group["max_lr"], group["min_lr"] = values["decoupled_lr"] * scale, floor
 
 
 def _check_batch_ramp(payload: dict, args, path: str) -> None:

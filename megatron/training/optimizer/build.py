@@ -77,14 +77,36 @@ def build_main_params_optimizer(model: torch.nn.Module, config: OptimizerConfig)
     return wrapper
 
 
+def stage_lr_scale(args, stage: int) -> float:
+    """`--paci-stage-lr-scale C`: pipeline stage `stage`'s LR factor 1 / (1 + C (N - 1 - s) / a),
+    N stages, a microbatches per optimizer step. (N - 1 - s) / a is the mean number of optimizer
+    steps a PACI gradient of stage s is stale (in steady state a microbatch's backward reaches
+    stage s N - 1 - s microbatch slots after its forward, and a step takes a slots); it is also
+    the fraction of the stage's microbatches that cross a step when a >= N - 1. The last stage
+    (no delay) keeps its LR; 1 without the flag."""
+    c = getattr(args, "paci_stage_lr_scale", None)
+    if not c:
+        return 1.0
+    stages = args.pipeline_model_parallel_size
+    return 1.0 / (1.0 + c * (stages - 1 - stage) / args.num_microbatches)
+
+
 def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, config: LRScheduleConfig
+    optimizer: torch.optim.Optimizer, config: LRScheduleConfig, *, lr_scale: float = 1.0
 ) -> OptimizerParamScheduler:
+    """megatron-core's scheduler over `optimizer`; `lr_scale` (`stage_lr_scale`) multiplies its
+    max and min LR and those of every param group that sets its own (Muon's per-shape ones), in
+    place: call it once per optimizer."""
+    if lr_scale != 1.0:
+        for group in optimizer.param_groups:
+            for key in ("max_lr", "min_lr"):
+                if key in group:
+                    group[key] *= lr_scale
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=config.max_lr,
-        min_lr=config.min_lr,
+        max_lr=config.max_lr * lr_scale,
+        min_lr=config.min_lr * lr_scale,
         lr_warmup_steps=config.warmup_steps,
         lr_decay_steps=config.decay_steps,
         lr_decay_style=config.decay_style,

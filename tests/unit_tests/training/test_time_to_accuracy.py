@@ -1,8 +1,12 @@
 """Time-to-accuracy arithmetic: target crossings, spreads and the projected ratios."""
 
+import os
+
 import pytest
 
 from megatron.studies import time_to_accuracy as tta
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_crossing_is_interpolated_between_the_evaluations_around_it():
@@ -90,3 +94,45 @@ def test_long_horizon_table_pairs_each_configuration_with_its_reference():
     paci = next(line for line in text.splitlines() if line.startswith("| paci"))
     assert "+10.00% [+10.00, +10.00] vs flush" in paci
     assert paci.endswith("| 20 [20, 20] | 0.00 [0.00, 0.00] |")
+
+
+CALIBRATION = os.path.join(REPO, "docs", "calibration", "cpu_demo.json")
+
+
+def _small_flags(schedule: str, *extra: str) -> list[str]:
+    return tta.Configuration("x", schedule, 1e-3, extra).args(
+        20, 5, 1, model="small", eval_iters=2, warmup_iters=2)  # fmt: skip
+
+
+def test_projected_time_simulates_each_segment_between_drain_points():
+    """Flush: every step empties the pipeline, so 5 steps take 5 one-step times; PACI: each
+    segment between evaluations is one simulated fill-run-drain, and a change of a is one
+    more drain point."""
+    seconds = tta._segment_seconds
+    flush = tta.simulated_times(_small_flags("1f1b"), CALIBRATION)
+    one = seconds("1f1b", 4, 4, 1, CALIBRATION, 4)
+    assert list(flush) == [5, 10, 15, 20]
+    assert flush[20] == pytest.approx(20 * one) and flush[5] == pytest.approx(5 * one)
+    paci = tta.simulated_times(_small_flags("paci"), CALIBRATION)
+    assert paci[20] == pytest.approx(4 * seconds("paci", 4, 4, 5, CALIBRATION, 4))
+    assert paci[20] < flush[20]  # no bubble in a segment's steady state
+    phased = tta.simulated_times(
+        _small_flags("paci", "--paci-accumulation-schedule", "8:3"), CALIBRATION)  # fmt: skip
+    assert list(phased) == [3, 5, 10, 15, 20]  # a = 8 until 3, then a = 4
+    assert phased[5] == pytest.approx(seconds("paci", 4, 8, 3, CALIBRATION, 4)
+                                      + seconds("paci", 4, 4, 2, CALIBRATION, 4))  # fmt: skip
+    run = tta.Run("x", 1, [(5, 6.0), (10, 5.0), (15, 4.5), (20, 4.0)], args=_small_flags("paci"))
+    assert tta.by_projected_time(run, CALIBRATION)[1] == (paci[10], 5.0)
+
+
+def test_projected_time_table_pairs_the_speed_up_by_seed():
+    flush = tta.Run("flush", 1, [(5, 6.0), (10, 5.0), (15, 4.5), (20, 4.0)],
+                    args=_small_flags("1f1b"))  # fmt: skip
+    paci = tta.Run("paci", 1, [(5, 6.0), (10, 5.0), (15, 4.5), (20, 4.2)],
+                   args=_small_flags("paci"))  # fmt: skip
+    text = tta.projected_time_markdown([flush, paci], [5.0, 4.0], {"paci": "flush"}, CALIBRATION)
+    flush_s = tta.simulated_times(flush.args, CALIBRATION)[10]
+    paci_s = tta.simulated_times(paci.args, CALIBRATION)[10]
+    row = text.splitlines()[-1]
+    assert row.startswith(f"| paci | 1 | {paci_s:.0f} [{paci_s:.0f}, {paci_s:.0f}] | not reached")
+    assert f"{flush_s / paci_s:.2f}x" in row and row.endswith("| not reached |")
