@@ -49,6 +49,7 @@ from megatron.training.batch_schedule import (
 from megatron.training.checkpointing import save_load as checkpointing
 from megatron.training.checkpointing.writer_lock import WriterLock, describe, new_run_id
 from megatron.training.data.datasets import data_iterators_from_args, parse_data_path
+from megatron.training.divergence import check_replicas_match
 from megatron.training.emulation import EmulatedStage
 from megatron.training.errors import RunFailed, UserError
 from megatron.training.host_memory import unmap_large_blocks_when_freed
@@ -85,7 +86,6 @@ from megatron.training.reporting import (
 )
 from megatron.training.tokenizer.tokenizer import build_tokenizer_from_args
 from megatron.training.validation import check_token_ids
-from megatron.training.weight_hashes import check_replicas_match
 
 
 # ---------------------------------------------------------------------------- set-up

@@ -6,8 +6,8 @@ import torch
 from conftest import TinyGPT
 
 from megatron.training.arguments import build_parser, validate_args
+from megatron.training.divergence import check_replicas_match, parameter_hashes
 from megatron.training.errors import RunFailed, UserError
-from megatron.training.weight_hashes import check_replicas_match, parameter_hashes
 
 
 def test_hashes_are_per_parameter_and_see_one_ulp():
@@ -40,10 +40,10 @@ class TwoReplicas:
 
 
 def test_a_replica_with_another_weight_is_named(monkeypatch):
-    from megatron.training import weight_hashes
+    from megatron.training import divergence
 
     model, other = TinyGPT(seed=0), TinyGPT(seed=0)
-    monkeypatch.setattr(weight_hashes, "dist", TwoReplicas(other))
+    monkeypatch.setattr(divergence, "dist", TwoReplicas(other))
     check_replicas_match(model, None, 4)  # equal: no error
     with torch.no_grad():
         other.output_layer.weight[3, 1] += 1e-6
