@@ -27,42 +27,41 @@ from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-DEMO_MODEL = [
-    "--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "512",
-    "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
+# What both study models train with: 4 stages, micro batch 4, global batch 16 (a = 4), AdamW
+# 0.9/0.95 with weight decay 0.1, cosine decay, clipping at 1, no dropout.
+RECIPE = [
     "--micro-batch-size", "4", "--global-batch-size", "16",
     "--lr-decay-style", "cosine",
     "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1.0",
     "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
-    "--data-path", "data/stdlib_text_document", "--split", "969,30,1",
-    "--data-cache-path", "data/cache",
-    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-    "data/tokenizer/stdlib.model",
-    "--pipeline-model-parallel-size", "4", "--distributed-backend", "gloo",
-    "--untie-embeddings-and-output-weights",
+    "--split", "969,30,1", "--tokenizer-type", "SentencePieceTokenizer",
+    "--pipeline-model-parallel-size", "4", "--untie-embeddings-and-output-weights",
 ]  # fmt: skip
+
+
+def study_model(hidden: int, seq: int, data: str, tokenizer_model: str) -> list[str]:
+    """A 4-layer GPT of width `hidden` on the corpus under the prefix `data`, with RECIPE."""
+    return [
+        "--num-layers", "4", "--hidden-size", str(hidden), "--ffn-hidden-size", str(4 * hidden),
+        "--num-attention-heads", "4", "--seq-length", str(seq),
+        "--max-position-embeddings", str(seq),
+        "--data-path", f"{data}/stdlib_text_document", "--data-cache-path", f"{data}/cache",
+        "--tokenizer-model", tokenizer_model, *RECIPE,
+    ]  # fmt: skip
+
+
+DEMO_MODEL = study_model(128, 128, "data", "data/tokenizer/stdlib.model") + [
+    "--distributed-backend",
+    "gloo",
+]
 NUM_PROCESSES = 4
 
 # The long-horizon study's model, sized for the single-process engine on one shared CPU core
 # (about 40 ms an iteration): the demo's shape at half the width and a quarter of the
 # sequence, on the default corpus tokenized with a 1,024-token SentencePiece model (8k logits
-# would cost more than the 4 layers). Build its data with the commands of docs/convergence.md;
-# 4 stages, micro batch 4, global batch 16 (a = 4).
+# would cost more than the 4 layers). Build its data with the commands of docs/convergence.md.
 SMALL_DATA = "runs/data_v1k"
-SMALL_MODEL = [
-    "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "256",
-    "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
-    "--micro-batch-size", "4", "--global-batch-size", "16",
-    "--lr-decay-style", "cosine",
-    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1.0",
-    "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
-    "--data-path", f"{SMALL_DATA}/stdlib_text_document", "--split", "969,30,1",
-    "--data-cache-path", f"{SMALL_DATA}/cache",
-    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-    f"{SMALL_DATA}/tokenizer/stdlib1k.model",
-    "--pipeline-model-parallel-size", "4",
-    "--untie-embeddings-and-output-weights",
-]  # fmt: skip
+SMALL_MODEL = study_model(64, 32, SMALL_DATA, f"{SMALL_DATA}/tokenizer/stdlib1k.model")
 MODELS = {"demo": DEMO_MODEL + ["--lr-warmup-iters", "10"], "small": SMALL_MODEL}
 
 
