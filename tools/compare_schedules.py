@@ -17,6 +17,7 @@ activations against m, one row per model.
 import argparse
 import sys
 
+from megatron.pipeline.schedules import SIMULATED_SCHEDULES
 from megatron.pipeline.simulation.comparison import MODELS, markdown, table, virtual_stage_costs
 
 
@@ -64,7 +65,8 @@ def plot(tables: dict, path: str) -> None:
         for schedule in schedules:
             points = [r for r in rows if r.schedule == schedule and r.pace is not None]
             style = dict(marker="o", linewidth=2.5 if schedule.startswith("paci") else 1.2,
-                         linestyle="-" if r_is_async(schedule) else "--")  # fmt: skip
+                         linestyle="--" if SIMULATED_SCHEDULES[schedule].flushes_every_call
+                         else "-")  # fmt: skip
             for axis, value in zip(row, ("pace", "peak_activations")):
                 axis.plot([r.microbatches for r in points], [getattr(r, value) for r in points],
                           label=schedule, **style)  # fmt: skip
@@ -85,10 +87,6 @@ def plot(tables: dict, path: str) -> None:
                     fontsize=10)  # fmt: skip
     figure.tight_layout()
     figure.savefig(path, dpi=110)
-
-
-def r_is_async(schedule: str) -> bool:
-    return schedule in ("2bw", "pipedream") or schedule.startswith("paci")
 
 
 if __name__ == "__main__":

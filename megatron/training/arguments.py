@@ -555,13 +555,19 @@ def _validate_model_checks(args: argparse.Namespace) -> None:
         return  # megatron-core's realtime test only checks the q/k layernorms
     if args.normalization != "LayerNorm":
         raise UserError("--test-mode compares the q/k layernorm biases: it needs LayerNorm")
-    reactive = args.paci_arrival_rule not in (None, DEFAULT_ARRIVAL_RULE)
-    if reactive and not args.deterministic_mode and args.data_parallel_size > 1:
+    if _replicas_order_on_their_own(args):
         raise UserError(
             f"--test-mode with --paci-arrival-rule {args.paci_arrival_rule} and data parallelism "
             "is not supported yet (its check gathers over the data-parallel group at every "
             "forward, in an order that arrivals decide on each replica)"
         )
+
+
+def _replicas_order_on_their_own(args: argparse.Namespace) -> bool:
+    """Data-parallel replicas under a reactive PACI arrival rule: each orders its forwards,
+    backwards and steps by its own arrivals."""
+    reactive = args.paci_arrival_rule not in (None, DEFAULT_ARRIVAL_RULE)
+    return reactive and not args.deterministic_mode and args.data_parallel_size > 1
 
 
 def _validate_weight_hash_check(args: argparse.Namespace) -> None:
@@ -572,8 +578,7 @@ def _validate_weight_hash_check(args: argparse.Namespace) -> None:
         raise UserError(
             f"--check-weight-hash-across-dp-replicas-interval must be >= 1, got {interval}"
         )
-    reactive = args.paci_arrival_rule not in (None, DEFAULT_ARRIVAL_RULE)
-    if reactive and not args.deterministic_mode and args.data_parallel_size > 1:
+    if _replicas_order_on_their_own(args):
         raise UserError(
             f"--check-weight-hash-across-dp-replicas-interval with --paci-arrival-rule "
             f"{args.paci_arrival_rule} and data parallelism is not supported yet (arrivals "
