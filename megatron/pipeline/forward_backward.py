@@ -11,11 +11,13 @@ other stages), so a Megatron training loop can call any of them. Two keywords ar
   call's included) may be forwarded before the pipeline must be empty; equal to
   `num_microbatches` for the call before evaluation, a checkpoint, or the end of training.
 
-The stage's persistent state (in-flight microbatches, receives, statistics) is the
-`StageRuntime` registered for the model with `attach_stage_runtime`.
+The rank's persistent state (in-flight microbatches, receives, statistics) is the
+`RankRuntime` attached to the model with `attach_stage_runtime`, together with the
+`PipelinePlan` it runs.
 
 Megatron's calling conventions are accepted as well: `get_forward_backward_func()` with no
-argument (or Megatron's `pp_size`, `vp_size`) returns the configured schedule; the keywords
+argument (or Megatron's `pp_size`, `vp_size`) returns the schedule of the plan attached to the
+model it is called with; the keywords
 `p2p_communicator`, `pg_collection` (when they name the pipeline group this stage runs on) and
 `force_all_reduce` (our step always all-reduces over data-parallel ranks); a `loss_func` that
 returns Megatron's 3-tuple `(loss sum, number of tokens, {'lm loss': [sum, tokens]})`; and
@@ -31,30 +33,30 @@ for the same microbatches, with no collective beyond its data-parallel group.
 """
 
 import functools
-import weakref
 from typing import Callable
 
 import torch
 
-from .runtime import StageRuntime
-from .schedules import Schedule, get_schedule, virtual_schedule
-from .schedules.paci import with_paci_options
-
-_RUNTIMES: "weakref.WeakKeyDictionary[torch.nn.Module, StageRuntime]" = weakref.WeakKeyDictionary()
+from .plan import PipelinePlan, resolve_plan
+from .runtime import RankRuntime
+from .schedules import Schedule
 
 
-def attach_stage_runtime(model: torch.nn.Module, runtime: StageRuntime) -> None:
-    _RUNTIMES[model] = runtime
+def attach_stage_runtime(model: torch.nn.Module, runtime: RankRuntime,
+                         plan: PipelinePlan | None = None) -> None:  # fmt: skip
+    """Bind the rank's runtime (and the plan `get_forward_backward_func()` runs) to `model`."""
+    model.pipeline_runtime = runtime
+    runtime.plan = plan
 
 
-def stage_runtime_of(model: torch.nn.Module) -> StageRuntime:
+def stage_runtime_of(model: torch.nn.Module) -> RankRuntime:
     """The runtime of `model` or of the model it wraps (`.module`, as megatron-core's DDP)."""
     while True:
-        runtime = _RUNTIMES.get(model)
+        runtime = model.__dict__.get("pipeline_runtime")
         if runtime is not None:
             return runtime
         if not isinstance(getattr(model, "module", None), torch.nn.Module):
-            raise RuntimeError("no StageRuntime attached to this model: call attach_stage_runtime")
+            raise RuntimeError("no RankRuntime attached to this model: call attach_stage_runtime")
         model = model.module
 
 
@@ -81,7 +83,7 @@ def _per_token_loss(loss_func: Callable, output):
     return result
 
 
-def _divided_by_step_tokens(optimizer_step_func: Callable, runtime: StageRuntime) -> Callable:
+def _divided_by_step_tokens(optimizer_step_func: Callable, runtime: RankRuntime) -> Callable:
     """The step, after dividing the stage's gradient by the step's token count (the counts of
     its accumulated microbatches, summed over the stage's data-parallel ranks)."""
 
@@ -160,7 +162,7 @@ def _single_chunk(model):
 
 
 def _run_schedule(
-    schedule: Schedule,
+    schedule: Schedule | None,
     *,
     forward_step_func: Callable,
     data_iterator,
@@ -182,8 +184,15 @@ def _run_schedule(
     if collect_non_loss_data or adjust_tensor_shapes_fn is not None:
         raise NotImplementedError("collect_non_loss_data / adjust_tensor_shapes_fn")
     _check_process_groups(p2p_communicator, pg_collection)
+    if schedule is not None:
+        _check_step_func(schedule, forward_only, optimizer_step_func)
     model = _single_chunk(model)
     runtime = stage_runtime_of(model)
+    if schedule is None:  # Megatron's call without a schedule: the plan's
+        if runtime.plan is None:
+            raise RuntimeError("no pipeline plan attached to this model: pass a schedule")
+        schedule = runtime.plan.schedule
+    _check_step_func(schedule, forward_only, optimizer_step_func)
     forward_step_func = _megatron_loss_contract(forward_step_func, runtime.per_token_loss)
     if runtime.per_token_loss and not forward_only:
         if optimizer_step_func is None:
@@ -214,55 +223,26 @@ def _run_schedule(
     )
 
 
+def _check_step_func(schedule: Schedule, forward_only: bool, optimizer_step_func) -> None:
+    if schedule.steps_within_call and not forward_only and optimizer_step_func is None:
+        raise ValueError(
+            f"{schedule.name} steps each stage inside the schedule: pass optimizer_step_func"
+        )
+
+
 def forward_backward_pipelining_1f1b(**kwargs) -> list[dict]:
     """Synchronous 1F1B with a flush (Megatron's default pipeline schedule)."""
-    return _run_schedule(get_schedule("1f1b"), **kwargs)
+    return _run_schedule(resolve_plan("1f1b", num_stages=1).schedule, **kwargs)
 
 
 def forward_backward_pipelining_paci(**kwargs) -> list[dict]:
     """PACI: asynchronous 1F1B, no flush, each stage steps after `num_microbatches` backwards."""
-    return _run_registered(get_schedule("paci"), **kwargs)
+    return _run_schedule(resolve_plan("paci", num_stages=1).schedule, **kwargs)
 
 
-def _run_registered(schedule: Schedule, **kwargs) -> list[dict]:
-    if schedule.steps_within_call and not kwargs.get("forward_only"):
-        if kwargs.get("optimizer_step_func") is None:
-            raise ValueError(
-                f"{schedule.name} steps each stage inside the schedule: pass optimizer_step_func"
-            )
-    return _run_schedule(schedule, **kwargs)
-
-
-_CONFIGURED = {"schedule": "1f1b", "arrival_rule": None, "inflight_limit": None,
-               "virtual_stages": 1, "group_size": None}  # fmt: skip
-
-
-def set_pipeline_schedule(
-    pipeline_schedule: str,
-    arrival_rule: str | None = None,
-    inflight_limit: str | None = None,
-    *,
-    virtual_stages: int = 1,
-    microbatch_group_size: int | None = None,
-) -> None:
-    """What `get_forward_backward_func()` returns from now on (the training loop sets it from
-    --pipeline-schedule, --paci-arrival-rule, --paci-inflight-limit and the virtual-pipeline
-    flags: `virtual_stages` model chunks per rank, `microbatch_group_size` microbatches per
-    group of interleaved 1F1B)."""
-    _select(pipeline_schedule, arrival_rule, inflight_limit, virtual_stages,
-            microbatch_group_size)  # fmt: skip  # errors
-    _CONFIGURED.update(
-        schedule=pipeline_schedule, arrival_rule=arrival_rule, inflight_limit=inflight_limit,
-        virtual_stages=virtual_stages, group_size=microbatch_group_size,
-    )  # fmt: skip
-
-
-def _select(name, arrival_rule, inflight_limit, virtual_stages, group_size) -> Schedule:
-    """The schedule `name` with its options; with several model chunks per rank, the variant
-    with virtual stages (1F1B: Megatron's interleaved 1F1B)."""
-    if virtual_stages > 1:
-        return virtual_schedule(name, group_size, arrival_rule, inflight_limit)
-    return with_paci_options(get_schedule(name), arrival_rule, inflight_limit)
+def forward_backward_func_for(schedule: Schedule) -> Callable[..., list[dict]]:
+    """The schedule function that runs `schedule` (a plan's, resolved once)."""
+    return functools.partial(_run_schedule, schedule)
 
 
 def get_forward_backward_func(
@@ -275,26 +255,21 @@ def get_forward_backward_func(
     microbatch_group_size: int | None = None,
 ) -> Callable[..., list[dict]]:
     """The schedule function for `--pipeline-schedule` (the selector): any schedule of the
-    runtime's registry (`megatron.pipeline.schedules.SCHEDULES`); `arrival_rule` and
-    `inflight_limit` pick PACI's (`--paci-arrival-rule`, `--paci-inflight-limit`; None: the
-    default); `vp_size` > 1 model chunks per rank its variant with virtual stages. Called as
-    Megatron calls it (no argument, or `pp_size, vp_size`), it returns the configured
-    schedule."""
+    runtime's registry (`megatron.pipeline.schedules.SCHEDULES`) with its options
+    (`resolve_plan`). Called as Megatron calls it (no argument, or `pp_size, vp_size`), it
+    returns a function that runs the plan attached to the model it is given."""
     if pipeline_schedule is None or isinstance(pipeline_schedule, int):
-        pipeline_schedule = _CONFIGURED["schedule"]
-        arrival_rule = arrival_rule or _CONFIGURED["arrival_rule"]
-        inflight_limit = inflight_limit or _CONFIGURED["inflight_limit"]
-        vp_size = vp_size or _CONFIGURED["virtual_stages"]
-        microbatch_group_size = microbatch_group_size or _CONFIGURED["group_size"]
-    schedule = _select(pipeline_schedule, arrival_rule, inflight_limit, vp_size or 1,
-                       microbatch_group_size)  # fmt: skip
-    return functools.partial(_run_registered, schedule)
+        return functools.partial(_run_schedule, None)
+    plan = resolve_plan(pipeline_schedule, num_stages=pp_size or 1, chunks_per_rank=vp_size,
+                        microbatch_group_size=microbatch_group_size, arrival_rule=arrival_rule,
+                        inflight_limit=inflight_limit)  # fmt: skip
+    return functools.partial(_run_schedule, plan.schedule)
 
 
 __all__ = [
     "attach_stage_runtime",
     "forward_backward_pipelining_1f1b",
     "forward_backward_pipelining_paci",
+    "forward_backward_func_for",
     "get_forward_backward_func",
-    "set_pipeline_schedule",
 ]

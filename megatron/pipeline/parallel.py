@@ -4,8 +4,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from .chunked_runtime import ChunkChannels
 from .runtime import PipelineContext
+from .transport import LaneLinks
 
 
 def _all_groups(my_ranks: list[int]) -> list[list[int]]:
@@ -55,41 +55,48 @@ def build_pipeline_context(device: torch.device) -> PipelineContext:
     )
 
 
-def build_chunk_channels(placement) -> list[ChunkChannels]:
-    """Collective over the world: the streams of this rank's model chunks (`placement`, the
-    interleaved one). Activations into chunk c come on one group per c for the hops between
-    ranks r - 1 -> r and on another for the wrap-around N - 1 -> 0 (chunk c - 1 -> c), so a
-    group never carries two streams between the same two ranks; gradients the same way back.
-    """
+def build_lane_links(placement) -> list[LaneLinks]:
+    """Collective over the world: the streams of this rank's model chunks under `placement`
+    (interleaved or V). A stream is named by its direction, the chunk that receives it and
+    the sender's offset in ranks from the receiver; each such family gets its own process
+    group, so a group never carries two streams between the same two ranks in one direction
+    (activations into chunk c from rank r - 1 and, wrapping around, from rank N - 1 to rank 0
+    travel on different groups). A hop between two chunks of one rank (the V's turn) is a
+    loopback and needs no group."""
     pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
-    rank, n = parallel_state.get_pipeline_model_parallel_rank(), placement.num_ranks
-    v, last = placement.chunks_per_rank, placement.num_virtual_stages - 1
-    groups = {}  # (direction, receiving chunk, wrap) -> group
-    for direction in ("activation", "gradient"):
-        for chunk in range(v):
-            for wrap in (False, True):
-                # nothing wraps into the first chunk's input or the last chunk's gradient
-                if wrap and chunk == (0 if direction == "activation" else v - 1):
-                    continue
-                groups[(direction, chunk, wrap)] = _new_groups(pp_ranks, backend=None)
-    channels = []
-    for chunk in range(v):
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    families = sorted(_stream_families(placement))
+    groups = {family: _new_groups(pp_ranks, backend=None) for family in families}
+    links = []
+    for chunk in range(placement.chunks_per_rank):
         stage = placement.virtual_stage(rank, chunk)
-        links = ChunkChannels()
+        lane = LaneLinks()
         if stage > 0:
-            peer, _ = placement.locate(stage - 1)
-            links.input_peer = pp_ranks[peer]
-            links.input_group = groups[("activation", chunk, rank == 0)]
-            links.grad_out_peer = pp_ranks[peer]
-            links.grad_out_group = groups[("gradient", placement.locate(stage - 1)[1], rank == 0)]
-        if stage < last:
-            peer, next_chunk = placement.locate(stage + 1)
-            links.output_peer = pp_ranks[peer]
-            links.output_group = groups[("activation", next_chunk, rank == n - 1)]
-            links.grad_in_peer = pp_ranks[peer]
-            links.grad_in_group = groups[("gradient", chunk, rank == n - 1)]
-        channels.append(links)
-    return channels
+            peer, peer_chunk = placement.locate(stage - 1)
+            lane.input_peer = lane.grad_out_peer = pp_ranks[peer]
+            lane.input_group = groups.get(("activation", chunk, peer - rank))
+            lane.grad_out_group = groups.get(("gradient", peer_chunk, rank - peer))
+        if stage < placement.num_virtual_stages - 1:
+            peer, peer_chunk = placement.locate(stage + 1)
+            lane.output_peer = lane.grad_in_peer = pp_ranks[peer]
+            lane.output_group = groups.get(("activation", peer_chunk, rank - peer))
+            lane.grad_in_group = groups.get(("gradient", chunk, peer - rank))
+        links.append(lane)
+    return links
+
+
+def _stream_families(placement) -> set[tuple[str, int, int]]:
+    """(direction, receiving chunk, sender rank - receiver rank) of every stream between two
+    different ranks of `placement`."""
+    families = set()
+    for stage in range(placement.num_virtual_stages - 1):
+        (sender, sender_chunk), (receiver, receiver_chunk) = (
+            placement.locate(stage), placement.locate(stage + 1)
+        )  # fmt: skip
+        if sender != receiver:
+            families.add(("activation", receiver_chunk, sender - receiver))
+            families.add(("gradient", sender_chunk, receiver - sender))
+    return families
 
 
 def ranks_of_my_stage() -> set[int]:

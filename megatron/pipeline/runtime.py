@@ -1,17 +1,28 @@
-"""The stage runtime: asks a schedule for the next action and carries it out.
+"""The rank runtime: asks a schedule for the next action and carries it out.
 
-One `StageRuntime` per rank lives for the whole run, so an asynchronous schedule's in-flight
+One `RankRuntime` per rank lives for the whole run, so an asynchronous schedule's in-flight
 microbatches, weight version and pending receives carry over from one call to the next. The
 runtime does not decide anything: ordering is the schedule's (`megatron.pipeline.schedules`),
-and the work itself is injected (Megatron's `forward_step_func`, an optimizer-step callable).
-Counters, weight versions, the `StageView` and the check of every action are the stage's
-`StageState` (`megatron.pipeline.stage_state`), the same the simulator keeps: an action the
-stage cannot run raises `IllegalActionError` with the stage's state and recent actions.
+the work itself is injected (Megatron's `forward_step_func`, an optimizer-step callable), and
+tensors travel through a transport (`megatron.pipeline.transport`: torch.distributed, a
+loopback, or in-process queues).
 
-Schedules that stash weights (PipeDream-2BW, PipeDream) run each forward on the weight version
-the schedule names and its backward on the same one; the older versions and the swap are the
-stage's `WeightStash` (`megatron.pipeline.weight_stash`). The gradient is accumulated into the
-parameters' `.grad` and applied to the live weights at the stage's step.
+A rank runs one *lane* per model chunk: a plain pipeline has one, a schedule with virtual
+stages (`Schedule.placement`: interleaved 1F1B, ZB-V, DualPipeV, PACI over virtual stages) one
+per chunk, each with its own in-flight microbatches and streams. Counters, weight versions,
+the `StageView` and the check of every action are the rank's `RankState`
+(`megatron.pipeline.stage_state`), the same the simulator keeps: an action the rank cannot run
+raises `IllegalActionError` with its state and recent actions.
+
+One handler per action kind: forward, backward (the full backward, or with a split-backward
+schedule the input gradient only: `megatron.pipeline.split_backward`), weight gradient,
+optimizer step; a slot of passes run together (DualPipeV's overlapped pairs, a full backward
+in a split-backward schedule) runs each of its passes in turn.
+
+Schedules that stash weights (PipeDream-2BW, PipeDream; one lane) run each forward on the
+weight version the schedule names and its backward on the same one; the older versions and the
+swap are the rank's `WeightStash` (`megatron.pipeline.weight_stash`). Gradients accumulate in
+the parameters' `.grad` and are applied to the live weights at the rank's step.
 """
 
 import collections
@@ -19,17 +30,20 @@ import contextlib
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .accounting import SavedTensorMeter, StageStats, preserve_versions
-from .p2p import Outbox, decode_scale, encode_scale, make_inbox, scale_elements
+from .p2p import decode_scale, encode_scale, scale_elements
 from .schedules.base import Action, ActionKind, Schedule, StagePosition, StageView
-from .stage_state import NO_LIMIT, StageState
+from .schedules.placement import Placement, interleaved
+from .split_backward import PendingWeightGradient, backward_input
+from .stage_state import NO_LIMIT, RankState
 from .trace import TraceEvent
+from .transport import DistributedTransport, LaneEnds, LaneLinks, LaneStreams
 from .weight_stash import WeightStash
 
 _ACTION_CODES = list(ActionKind)
@@ -39,7 +53,7 @@ _ACTION_CODES = list(ActionKind)
 class PipelineContext(StagePosition):
     """How this rank is wired into the pipeline. Built once by `megatron.pipeline.parallel`."""
 
-    stage: int
+    stage: int  # the rank's position in the pipeline group
     num_stages: int
     device: torch.device
     backend: str
@@ -54,6 +68,22 @@ class PipelineContext(StagePosition):
     is_decision_leader: bool = True
 
 
+def plain_links(context: PipelineContext) -> list[LaneLinks]:
+    """The one lane of a plain pipeline: to and from the neighbouring stages."""
+    return [
+        LaneLinks(
+            input_peer=context.prev_rank,
+            input_group=context.activation_group,
+            output_peer=context.next_rank,
+            output_group=context.activation_group,
+            grad_in_peer=context.next_rank,
+            grad_in_group=context.gradient_group,
+            grad_out_peer=context.prev_rank,
+            grad_out_group=context.gradient_group,
+        )
+    ]
+
+
 @dataclass
 class _InFlight:
     microbatch: int
@@ -61,6 +91,21 @@ class _InFlight:
     output_tensor: torch.Tensor
     saved_bytes: int
     tokens: int = 0  # last stage, per-token loss: the microbatch's loss-mask count
+    pending_weight_grad: PendingWeightGradient | None = None  # split backward: after B
+
+
+@dataclass
+class _Lane:
+    """One model chunk of the rank, its streams and its microbatches."""
+
+    chunk: int
+    virtual_stage: int
+    module: torch.nn.Module
+    is_first: bool  # virtual stage 0: reads the data, no input
+    is_last: bool  # the last virtual stage: computes the loss
+    streams: LaneStreams
+    inflight: collections.deque = field(default_factory=collections.deque)  # forwarded, no B
+    awaiting_weight_grad: collections.deque = field(default_factory=collections.deque)  # B, no W
 
 
 # A token count rides on each gradient sent upstream (per-token loss) as base-256 digits,
@@ -90,8 +135,13 @@ def call_forward_limit(schedule, backward_target: int, num_microbatches: int,
     return backward_target + microbatches_before_drain
 
 
-class StageRuntime:
-    """Executes schedule actions for one pipeline stage of `model`."""
+class RankRuntime:
+    """Executes schedule actions for one pipeline rank's model chunks.
+
+    `model` is the rank's module, or with several chunks a module with `.chunks` (one per
+    chunk, `ModelChunks`). `placement` says which virtual stage each chunk runs (None: one
+    chunk, the rank's stage). `transport` opens the lanes' streams (default: torch.distributed
+    to the neighbouring stages of `context`)."""
 
     def __init__(
         self,
@@ -100,29 +150,33 @@ class StageRuntime:
         *,
         tensor_shape: tuple[int, ...],
         dtype: torch.dtype,
+        placement: Placement | None = None,
+        transport=None,
         record_trace: bool = False,
         deterministic: bool = False,
         per_token_loss: bool = False,
     ):
         self.context, self.model = context, model
+        self.placement = placement
         self.tensor_shape, self.dtype = tuple(tensor_shape), dtype
         self.deterministic = deterministic  # reactive schedules follow their fixed order
         # --calculate-per-token-loss: the last stage backpropagates summed losses; each
-        # microbatch's token count travels upstream with its gradient, and every stage sums
-        # the counts of the backwards since its last step (the step divides by them).
+        # microbatch's token count travels upstream with its gradient, and every rank sums
+        # the counts of the microbatches since its last step (the step divides by them).
         self.per_token_loss = per_token_loss
         self.tokens_since_step = 0
-        # Drift reports ride on the activations: every stage overwrites its own (max, mean)
-        # pair and passes the rest on, so the last stage (which logs) sees every stage's
+        # Drift reports ride on the activations: every rank overwrites its own (max, mean)
+        # pair and passes the others on, so the last stage (which logs) sees every rank's
         # figures, a pipeline delay old, without any extra message or synchronization.
         self.pipeline_drift = torch.zeros(2 * context.num_stages, dtype=torch.float64)
-        # fp16: the stage's loss scaler (set by the training loop). Every gradient message
+        # fp16: the rank's loss scaler (set by the training loop). Every gradient message
         # carries the scale its sender computed it with; the receiver rescales to its own.
         self.loss_scaler = None
-        # Counters, weight versions, views and action checks, as the simulator keeps them.
-        self.state = StageState(context.stage, context.num_stages)
+        layout = placement or interleaved(context.num_stages, 1)
+        self.state = RankState(context.stage, layout, chunked=placement is not None)
+        # steps between a microbatch's forward and its backward, per chunk (bounds are per chunk)
+        self.chunk_drift = [collections.Counter() for _ in self.state.chunks]
         self._forward_only_microbatches = 0  # they share the activation stream with training
-        self.inflight: collections.deque[_InFlight] = collections.deque()
         self.stats = StageStats(stage=context.stage)
         self.meter = SavedTensorMeter(model.parameters())
         self.stash: WeightStash | None = None  # weight-stashing schedules only
@@ -136,34 +190,38 @@ class StageRuntime:
         self._blocked_s = 0.0  # waiting inside the current action
         self._start_time: float | None = None
         self._arrivals = threading.Condition()
-        self.open_channels()
+        self.lanes = self._open_lanes(transport or self._default_transport())
 
     # ---------------------------------------------------------------- wiring
-    def open_channels(self) -> None:
-        """The four streams to the neighbouring stages (`megatron.pipeline.p2p`); a test can
-        replace them with in-process ones."""
+    def _default_transport(self) -> DistributedTransport:
+        if self.placement is not None:
+            raise ValueError("a rank with several model chunks needs their transport")
         ctx = self.context
-        activation_payload = (math.prod(self.tensor_shape) + self.pipeline_drift.numel(),)
-        gradient_payload = (math.prod(self.tensor_shape) + self._gradient_trailer_elements(),)
-        common = dict(backend=ctx.backend, dtype=self.dtype, device=ctx.device,
-                      arrivals=self._arrivals)  # fmt: skip
-        self.activations_in = self.gradients_in = None
-        self.activations_out = self.gradients_out = None
-        max_pending = 2 * ctx.num_stages + 2
-        if not ctx.is_first:
-            self.activations_in = make_inbox(
-                peer=ctx.prev_rank, group=ctx.activation_group, shape=activation_payload, **common
-            )
-            self.gradients_out = Outbox(
-                peer=ctx.prev_rank, group=ctx.gradient_group, max_pending=max_pending
-            )
-        if not ctx.is_last:
-            self.gradients_in = make_inbox(
-                peer=ctx.next_rank, group=ctx.gradient_group, shape=gradient_payload, **common
-            )
-            self.activations_out = Outbox(
-                peer=ctx.next_rank, group=ctx.activation_group, max_pending=max_pending
-            )
+        return DistributedTransport(rank=dist.get_rank(), links=plain_links(ctx),
+                                    backend=ctx.backend, device=ctx.device, dtype=self.dtype,
+                                    max_pending=2 * ctx.num_stages + 2)  # fmt: skip
+
+    def _open_lanes(self, transport) -> list[_Lane]:
+        chunks = getattr(self.model, "chunks", None) if self.placement is not None else None
+        total = self.state.placement.num_virtual_stages
+        activation_elements = math.prod(self.tensor_shape) + self.pipeline_drift.numel()
+        gradient_elements = math.prod(self.tensor_shape) + self._gradient_trailer_elements()
+        lanes = []
+        for chunk, state in enumerate(self.state.chunks):
+            ends = LaneEnds(state.stage, total)
+            streams = transport.open(chunk, ends, activation_elements=activation_elements,
+                                     gradient_elements=gradient_elements,
+                                     arrivals=self._arrivals)  # fmt: skip
+            module = self.model if chunks is None else chunks[chunk]
+            lanes.append(_Lane(chunk, state.stage, module, not ends.has_input,
+                               not ends.has_output, streams))  # fmt: skip
+        return lanes
+
+    @property
+    def inflight_microbatches(self) -> int:
+        """Microbatch-chunks whose activations the rank holds (forwarded, weight gradient not
+        yet taken)."""
+        return sum(len(lane.inflight) + len(lane.awaiting_weight_grad) for lane in self.lanes)
 
     # ---------------------------------------------------------------- calls
     def run_training(
@@ -176,7 +234,7 @@ class StageRuntime:
         optimizer_step_func: Callable[[], object] | None,
         microbatches_before_drain: int | None,
     ) -> list[dict]:
-        """Advance the stage by one step's worth of backwards (`num_microbatches`).
+        """Advance the rank by one step's worth of backwards (`num_microbatches` per chunk).
 
         Synchronous schedules empty the pipeline by construction. Asynchronous ones leave
         microbatches in flight for the next call; `microbatches_before_drain` (counted from the
@@ -191,26 +249,37 @@ class StageRuntime:
         self._use_schedule(schedule)
         self._begin_call(schedule, num_microbatches, microbatches_before_drain)
         step_enabled = optimizer_step_func is not None
-        losses: list[dict] = []
+        work = _CallWork(forward_step_func, data_iterator, num_microbatches, optimizer_step_func)
         loop_start = time.perf_counter()
         while True:
             action = self._decide(schedule, step_enabled)
             if action.kind is ActionKind.DONE:
                 break
             self.state.check(action, step_enabled=step_enabled)
-            self._execute(action, forward_step_func, data_iterator, num_microbatches,
-                          optimizer_step_func, losses)  # fmt: skip
+            self._execute(action, work)
         self.loop_s += time.perf_counter() - loop_start
-        state = self.state
-        if state.forwards == state.backwards == state.forward_limit:
+        if all(c.forwards == c.backwards == c.weight_grads_done == c.forward_limit
+               for c in self._chunk_totals()):  # fmt: skip
             self._flush_sends()
         self.stats.wall_s = time.perf_counter() - self._start_time
-        self.stats.optimizer_steps = state.steps
-        return losses
+        self.stats.optimizer_steps = self.state.steps
+        return work.losses
+
+    def _chunk_totals(self):
+        for chunk in self.state.chunks:
+            done = chunk.weight_grads if chunk.splits_backward else chunk.backwards
+            yield _Totals(chunk.forwards, chunk.backwards, done, chunk.forward_limit)
 
     def _use_schedule(self, schedule: Schedule) -> None:
-        """The call's schedule; a weight-stashing one gets the stage's `WeightStash`."""
+        """The call's schedule; a weight-stashing one gets the rank's `WeightStash`."""
+        if (schedule.placement is not None) != (self.placement is not None):
+            raise RuntimeError(
+                f"{schedule.name} runs {'several model chunks' if schedule.placement else 'one'}"
+                f" per rank, this rank holds {len(self.lanes)}"
+            )
         if schedule.stashes_weights and self.stash is None:
+            if len(self.lanes) > 1:
+                raise RuntimeError(f"{schedule.name} stashes weights: one model chunk per rank")
             self.stash = WeightStash(self.model.parameters())
             self.stash.live_version = self.state.steps
         elif not schedule.stashes_weights and self.stash is not None:
@@ -221,36 +290,67 @@ class StageRuntime:
         self.schedule = schedule
 
     def _begin_call(self, schedule: Schedule, num_microbatches, microbatches_before_drain) -> None:
-        """Set the call's backward target and forward limit, and post its receives."""
+        """Set the call's backward target and forward limit (per chunk), and post receives."""
         state = self.state
-        state.schedule_name, state.splits_backward = schedule.name, schedule.splits_backward
+        state.schedule_name = schedule.name
+        for chunk in state.chunks:
+            chunk.schedule_name, chunk.splits_backward = schedule.name, schedule.splits_backward
+        state.splits_backward = schedule.splits_backward
         forward_limit = call_forward_limit(
-            schedule, state.backward_target, num_microbatches, microbatches_before_drain
+            schedule, state.chunks[0].backward_target, num_microbatches, microbatches_before_drain
         )
         state.begin_call(num_microbatches, forward_limit)
         self._expect_inputs(forward_limit)
 
+    def _expect_inputs(self, forward_limit: int) -> None:
+        """Per lane, post the receives this call may consume, and no more: every posted
+        receive must be matched by a send upstream, or its thread would wait forever.
+        Activations: up to the forward limit, or as far as the schedule lets a chunk run ahead
+        of its backwards (`Schedule.chunk_lookahead`; one chunk per rank: 1F1B's admission,
+        `num_stages - stage - 1` beyond the backward target). Gradients: up to the target."""
+        ctx, lookahead = self.context, self.schedule.chunk_lookahead
+        for lane, chunk in zip(self.lanes, self.state.chunks):
+            streams = lane.streams
+            if streams.activations_in is not None:
+                total = forward_limit
+                if lookahead is not None:
+                    ahead = lookahead(ctx.stage, lane.chunk, self.placement,
+                                      chunk.microbatches_per_step)  # fmt: skip
+                    total = min(total, chunk.backward_target + ahead)
+                elif self.placement is None:
+                    total = min(total, chunk.backward_target + ctx.num_stages - ctx.stage - 1)
+                streams.activations_in.expect_total(self._forward_only_microbatches + total)
+            if streams.gradients_in is not None:
+                streams.gradients_in.expect_total(chunk.backward_target)
+
     def run_forward_only(self, *, forward_step_func, data_iterator, num_microbatches) -> list:
-        """Forward `num_microbatches` with no graph kept (evaluation). The pipeline must be empty."""
-        if self.inflight:
+        """Forward `num_microbatches` through every chunk with no graph kept (evaluation):
+        microbatch by microbatch, the rank's chunks in the order of their virtual stages (each
+        one's input is there or on its way, as every rank runs the same order). The pipeline
+        must be empty."""
+        if self.inflight_microbatches:
             raise RuntimeError(
-                f"stage {self.context.stage} has {len(self.inflight)} microbatches in flight: "
-                "drain the pipeline (microbatches_before_drain) before a forward-only pass"
+                f"stage {self.context.stage} has {self.inflight_microbatches} microbatches in "
+                "flight: drain the pipeline (microbatches_before_drain) before a forward-only pass"
             )
-        ctx, outputs = self.context, []
+        outputs = []
         self._forward_only_microbatches += num_microbatches
-        if self.activations_in is not None:
-            self.activations_in.expect_total(self.activations_in.expected + num_microbatches)
+        for lane in self.lanes:
+            inbox = lane.streams.activations_in
+            if inbox is not None:
+                inbox.expect_total(inbox.expected + num_microbatches)
+        in_order = sorted(self.lanes, key=lambda lane: lane.virtual_stage)
         with torch.no_grad():
             for _ in range(num_microbatches):
-                input_tensor = None if ctx.is_first else self._receive_activation()
-                output, loss_func = self._call_forward_step(
-                    forward_step_func, data_iterator, input_tensor
-                )
-                if ctx.is_last:
-                    outputs.append(_loss_dict(loss_func(output)))
-                else:
-                    self._send_activation(output)
+                for lane in in_order:
+                    input_tensor = None if lane.is_first else self._receive_activation(lane)
+                    output, loss_func = self._call_forward_step(
+                        lane, forward_step_func, data_iterator, input_tensor
+                    )
+                    if lane.is_last:
+                        outputs.append(_loss_dict(loss_func(output)))
+                    else:
+                        self._send_activation(lane, output)
         self._flush_sends()
         return outputs
 
@@ -267,15 +367,12 @@ class StageRuntime:
 
     # ---------------------------------------------------------------- deciding
     def _view(self, step_enabled: bool) -> StageView:
-        ctx = self.context
-        input_ready = ctx.is_first or self.activations_in.ready()
-        if ctx.is_last:
-            grad_ready = self.state.inflight > 0  # its own loss
-        else:
-            grad_ready = self.gradients_in.ready()
-        return self.state.view(
-            input_ready=input_ready, grad_ready=grad_ready, step_enabled=step_enabled
-        )
+        inputs = [lane.is_first or lane.streams.activations_in.ready() for lane in self.lanes]
+        grads = [
+            bool(lane.inflight) if lane.is_last else lane.streams.gradients_in.ready()
+            for lane in self.lanes
+        ]
+        return self.state.view(inputs_ready=inputs, grads_ready=grads, step_enabled=step_enabled)
 
     def _decide(self, schedule: Schedule, step_enabled: bool) -> Action:
         ctx = self.context
@@ -286,8 +383,7 @@ class StageRuntime:
             return action
         while True:
             with self._arrivals:
-                view = self._view(step_enabled)
-                action = schedule.next_action(view)
+                action = schedule.next_action(self._view(step_enabled))
                 if action.kind is not ActionKind.WAIT:
                     break
                 if self._nothing_to_wait_for():
@@ -300,52 +396,37 @@ class StageRuntime:
         return action
 
     def _nothing_to_wait_for(self) -> bool:
-        pending = 0
-        for inbox in (self.activations_in, self.gradients_in):
-            if inbox is not None:
-                pending += inbox.outstanding()
-        return pending == 0 and not (self.context.is_last and self.inflight)
+        for lane in self.lanes:
+            if any(inbox.outstanding() for inbox in lane.streams.inboxes()):
+                return False
+            if lane.is_last and lane.inflight:
+                return False
+        return True
 
     def _share_decision(self, action: Action) -> None:
-        code = _ACTION_CODES.index(action.kind)
-        message = torch.tensor([code, -1 if action.microbatch is None else action.microbatch])
+        """A reacting schedule's decision, from the first tensor-parallel rank to the others:
+        kind, microbatch and chunk (reacting schedules run no passes together)."""
+        microbatch = -1 if action.microbatch is None else action.microbatch
+        chunk = -1 if action.chunk is None else action.chunk
+        message = torch.tensor([_ACTION_CODES.index(action.kind), microbatch, chunk])
         dist.broadcast(message, src=self.context.decision_leader, group=self.context.decision_group)
 
     def _receive_decision(self) -> Action:
-        message = torch.empty(2, dtype=torch.int64)
+        message = torch.empty(3, dtype=torch.int64)
         dist.broadcast(message, src=self.context.decision_leader, group=self.context.decision_group)
-        kind, microbatch = _ACTION_CODES[int(message[0])], int(message[1])
-        return Action(kind, None if microbatch < 0 else microbatch)
-
-    def _expect_inputs(self, forward_limit: int) -> None:
-        """Post the receives this call may consume, and no more: every posted receive must be
-        matched by a send upstream, or its thread would wait forever. A stage forwards at most
-        `num_stages - stage - 1` microbatches beyond its backward target (1F1B admission), and
-        its upstream neighbour at least as many. Forward-only passes used some receives before.
-        """
-        if self.activations_in is not None:
-            ctx = self.context
-            lookahead = self.state.backward_target + ctx.num_stages - ctx.stage - 1
-            self.activations_in.expect_total(
-                self._forward_only_microbatches + min(forward_limit, lookahead)
-            )
-        if self.gradients_in is not None:
-            self.gradients_in.expect_total(self.state.backward_target)
+        kind, microbatch, chunk = (_ACTION_CODES[int(message[0])], int(message[1]),
+                                   int(message[2]))  # fmt: skip
+        return Action(kind, None if microbatch < 0 else microbatch, None if chunk < 0 else chunk)
 
     # ---------------------------------------------------------------- doing
-    def _execute(self, action, forward_step_func, data_iterator, num_microbatches,
-                 optimizer_step_func, losses) -> None:  # fmt: skip
+    def _execute(self, action: Action, work: "_CallWork") -> None:
+        """Run one slot: the action and the passes run together with it, in order."""
         start, self._blocked_s = time.perf_counter(), 0.0
-        if action.kind is ActionKind.FORWARD:
-            loss = self._forward(forward_step_func, data_iterator, num_microbatches)
-            if loss is not None:
-                losses.append(loss)
-        elif action.kind is ActionKind.BACKWARD:
-            self._backward()
-        elif action.kind is ActionKind.STEP:
-            self._step(optimizer_step_func)
+        if self._is_full_backward(action):
+            self._backward(self._lane_of(action), split=False)
         else:
-            raise RuntimeError(f"the runtime cannot execute {action}")
+            for part in action.passes:
+                self._run_pass(part, work)
         end = time.perf_counter()
         self.stats.busy_s += end - start - self._blocked_s  # waiting for an input is idle time
         self.wait_s += self._blocked_s
@@ -353,44 +434,71 @@ class StageRuntime:
         if self.trace is not None:  # the action starts once its input is there, as simulated
             self.trace.append(TraceEvent(self.context.stage, action, start + self._blocked_s, end))
 
-    def _call_forward_step(self, forward_step_func, data_iterator, input_tensor):
-        set_input = getattr(self.model, "set_input_tensor", None)
+    def _run_pass(self, part: Action, work: "_CallWork") -> None:
+        kind = part.kind
+        if kind is ActionKind.FORWARD:
+            loss = self._forward(self._lane_of(part), work)
+            if loss is not None:
+                work.losses.append(loss)
+        elif kind is ActionKind.BACKWARD:
+            self._backward(self._lane_of(part), split=self.state.splits_backward)
+        elif kind is ActionKind.WEIGHT_GRAD:
+            self._weight_grad(self._lane_of(part))
+        elif kind is ActionKind.STEP:
+            self._step(work.optimizer_step_func)
+        else:
+            raise RuntimeError(f"the runtime cannot execute {part}")
+
+    def _is_full_backward(self, action: Action) -> bool:
+        """B with the W of the same microbatch in one slot, nothing older awaiting its W: one
+        ordinary backward does both."""
+        if action.kind is not ActionKind.BACKWARD or len(action.together) != 1:
+            return False
+        weight = action.together[0]
+        return (weight.kind is ActionKind.WEIGHT_GRAD and weight.chunk == action.chunk
+                and weight.microbatch == action.microbatch
+                and not self._lane_of(action).awaiting_weight_grad)  # fmt: skip
+
+    def _lane_of(self, action: Action) -> _Lane:
+        return self.lanes[0 if action.chunk is None else action.chunk]
+
+    def _call_forward_step(self, lane: _Lane, forward_step_func, data_iterator, input_tensor):
+        set_input = getattr(lane.module, "set_input_tensor", None)
         if set_input is not None:
             set_input(input_tensor)
-        return forward_step_func(data_iterator, self.model)
+        return forward_step_func(data_iterator, lane.module)
 
-    def _forward(self, forward_step_func, data_iterator, num_microbatches) -> dict | None:
-        ctx = self.context
+    def _forward(self, lane: _Lane, work: "_CallWork") -> dict | None:
         input_tensor = None
-        if not ctx.is_first:
-            input_tensor = self._receive_activation().requires_grad_(True)
+        if not lane.is_first:
+            input_tensor = self._receive_activation(lane).requires_grad_(True)
         version = self._forward_version()
         compute_start = time.perf_counter()
         with self._on_weights(version) as redirection, self.meter.measure(redirection) as saved:
             output, loss_func = self._call_forward_step(
-                forward_step_func, data_iterator, input_tensor
-            )
+                lane, work.forward_step_func, data_iterator=work.data_iterator,
+                input_tensor=input_tensor,
+            )  # fmt: skip
             loss_dict, tokens = None, 0
-            if ctx.is_last:
+            if lane.is_last:
                 loss, tokens, loss_dict = _split_loss(loss_func(output))
                 # flush scales by 1/m, PACI by 1/a, PipeDream (a step per microbatch) by 1;
                 # a per-token loss is divided by the step's token count at the step instead
                 if not self.per_token_loss:
-                    output = loss / self.schedule.microbatches_per_update(num_microbatches)
-                else:
-                    output = loss
+                    loss = loss / self.schedule.microbatches_per_update(work.num_microbatches)
+                output = loss
         self.compute_s += time.perf_counter() - compute_start
-        microbatch = self.state.record_forward(version)
-        self.inflight.append(_InFlight(microbatch, input_tensor, output, saved[0], tokens))
-        self.stats.add_activation(saved[0], len(self.inflight))
-        if not ctx.is_last:
-            self._send_activation(output)
+        microbatch = self.state.record_forward(lane.chunk, version)
+        lane.inflight.append(_InFlight(microbatch, input_tensor, output, saved[0], tokens))
+        self.stats.add_activation(saved[0], self.inflight_microbatches)
+        if not lane.is_last:
+            self._send_activation(lane, output)
         return loss_dict
 
     def _forward_version(self) -> int:
         """The weight version the next forward runs on: the current one, unless the schedule
-        pins it (PipeDream-2BW: batch b on W(b-1))."""
-        state, pinned = self.state, self.schedule.forward_weight_version
+        pins it (PipeDream-2BW: batch b on W(b-1); one lane)."""
+        state, pinned = self.state.chunks[0], self.schedule.forward_weight_version
         if pinned is None:
             return state.steps
         version = pinned(state.forwards, state.microbatches_per_step, state.steps)
@@ -415,102 +523,68 @@ class StageRuntime:
         """A weight version is needed while a microbatch in flight was forwarded on it, or a
         forward still to come is pinned to it (2BW's next batch forwards on the version
         before the newest)."""
-        state, pinned = self.state, self.schedule.forward_weight_version
+        state, pinned = self.state.chunks[0], self.schedule.forward_weight_version
         if version in state.forward_versions.values():
             return True
         if pinned is None:
             return False
         return version >= pinned(state.forwards, state.microbatches_per_step, state.steps)
 
-    def _take(self, inbox) -> torch.Tensor:
-        """Next tensor of `inbox`, blocking if a static schedule asked for it before arrival."""
-        start = time.perf_counter()
-        tensor = inbox.take()
-        self._blocked_s += time.perf_counter() - start
-        return tensor
-
-    def _receive_activation(self) -> torch.Tensor:
-        payload = self._take(self.activations_in)
-        numel = payload.numel() - self.pipeline_drift.numel()
-        self.pipeline_drift.copy_(payload[numel:])
-        self.pipeline_drift[2 * self.context.stage :] = 0  # overwritten by us and downstream
-        return payload[:numel].view(self.tensor_shape).detach()
-
-    def _send_activation(self, output: torch.Tensor) -> None:
-        stage = self.context.stage
-        self.pipeline_drift[2 * stage] = self.stats.max_drift
-        self.pipeline_drift[2 * stage + 1] = self.stats.mean_drift
-        telemetry = self.pipeline_drift.to(device=output.device, dtype=output.dtype)
-        payload = torch.cat([output.detach().reshape(-1), telemetry])
-        self._timed_send(self.activations_out, payload)
-
-    def _timed_send(self, outbox, tensor: torch.Tensor) -> None:
-        start = time.perf_counter()
-        outbox.send(tensor)
-        self.transfer_s += time.perf_counter() - start
-
-    def drift_by_stage(self) -> list[tuple[int, float]]:
-        """(max, mean) drift of every stage as last reported to this stage (upstream stages
-        are a pipeline delay old; downstream ones are unknown here and read as 0)."""
-        figures = self.pipeline_drift.tolist()
-        figures[2 * self.context.stage] = self.stats.max_drift
-        figures[2 * self.context.stage + 1] = self.stats.mean_drift
-        return [(int(figures[2 * s]), figures[2 * s + 1]) for s in range(self.context.num_stages)]
-
-    def _backward(self) -> None:
-        ctx = self.context
-        microbatch = self.inflight.popleft()
+    def _backward(self, lane: _Lane, *, split: bool) -> None:
+        """The backward of the lane's oldest microbatch in flight; with `split`, only its input
+        gradient (the weight gradient waits for its WEIGHT_GRAD action)."""
+        microbatch = lane.inflight.popleft()
         grad, tokens = None, microbatch.tokens
-        if not ctx.is_last:
-            grad, received_tokens = self._receive_gradient()
-            tokens = received_tokens if self.per_token_loss else tokens
+        if not lane.is_last:
+            grad, received = self._receive_gradient(lane)
+            tokens = received if self.per_token_loss else tokens
         output = microbatch.output_tensor
-        if ctx.is_last and self.loss_scaler is not None:
-            output = output * self.loss_scaler.scale  # fp16: the stage's scale, now
-        version = self.state.forward_versions[microbatch.microbatch]
+        if lane.is_last and self.loss_scaler is not None:
+            output = output * self.loss_scaler.scale  # fp16: the rank's scale, now
+        version = self.state.chunks[lane.chunk].forward_versions[microbatch.microbatch]
         compute_start = time.perf_counter()
         with self._on_weights(version):
-            torch.autograd.backward(output, grad_tensors=grad)
+            if split:
+                microbatch.pending_weight_grad = backward_input(
+                    output, grad, microbatch.input_tensor
+                )
+            else:
+                torch.autograd.backward(output, grad_tensors=grad)
         self.compute_s += time.perf_counter() - compute_start
-        self.tokens_since_step += int(tokens)
-        if not ctx.is_first:
-            self._send_gradient(microbatch.input_tensor.grad, tokens)
-        forward_version = self.state.record_backward()
+        if lane.chunk == 0:  # a microbatch's last backward on the rank: count its tokens once
+            self.tokens_since_step += int(tokens)
+        if not lane.is_first:
+            self._send_gradient(lane, microbatch.input_tensor.grad, tokens)
+        microbatch.input_tensor = microbatch.output_tensor = None  # the graph lives in W's part
+        forward_version = self.state.record_backward(lane.chunk)
+        if split:
+            lane.awaiting_weight_grad.append(microbatch)
+            return
+        if self.state.splits_backward:  # a full backward: the W of the same slot is done too
+            forward_version = self.state.record_weight_grad(lane.chunk)
+        self._record_gradient_taken(lane, microbatch, forward_version)
+
+    def _weight_grad(self, lane: _Lane) -> None:
+        microbatch = lane.awaiting_weight_grad.popleft()
+        compute_start = time.perf_counter()
+        microbatch.pending_weight_grad.run()
+        self.compute_s += time.perf_counter() - compute_start
+        microbatch.pending_weight_grad = None
+        self._record_gradient_taken(lane, microbatch, self.state.record_weight_grad(lane.chunk))
+
+    def _record_gradient_taken(self, lane: _Lane, microbatch: _InFlight,
+                               forward_version: int) -> None:  # fmt: skip
+        """The microbatch's weight gradient is in: its drift (steps since its forward), and its
+        activations are released."""
         steps_since_forward = self.state.steps - forward_version
+        self.chunk_drift[lane.chunk][steps_since_forward] += 1
         if self.stash is None:
-            self.stats.record_drift(steps_since_forward, self.state.microbatches_per_step)
+            self.stats.record_drift(steps_since_forward, self.state.chunks[0].microbatches_per_step)
         else:  # the backward ran on its forward's weights; the gradient is that stale
             self.stats.record_drift(0)
             self.stats.record_delay(steps_since_forward)
             self.stash.release_unneeded(self._still_needed)
         self.stats.release_activation(microbatch.saved_bytes)
-
-    def _loss_scale(self) -> float:
-        return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
-
-    def _gradient_trailer_elements(self) -> int:
-        """What rides after a gradient's elements: the sender's loss scale, and with a
-        per-token loss the microbatch's token count."""
-        return scale_elements(self.dtype) + (COUNT_DIGITS if self.per_token_loss else 0)
-
-    def _receive_gradient(self) -> tuple[torch.Tensor, int]:
-        """The gradient, brought from its sender's loss scale to this stage's (in fp32), and
-        the token count it carries (0 without a per-token loss)."""
-        payload = self._take(self.gradients_in)
-        numel = math.prod(self.tensor_shape)
-        count_start = numel + scale_elements(self.dtype)
-        grad = payload[:numel].view(self.tensor_shape)
-        sender, mine = decode_scale(payload[numel:count_start]), self._loss_scale()
-        if sender != mine:
-            grad = (grad.float() * (mine / sender)).to(self.dtype)
-        tokens = decode_count(payload[count_start:]) if self.per_token_loss else 0
-        return grad, tokens
-
-    def _send_gradient(self, grad: torch.Tensor, tokens: int) -> None:
-        parts = [grad.reshape(-1), encode_scale(self._loss_scale(), grad.dtype, grad.device)]
-        if self.per_token_loss:
-            parts.append(encode_count(tokens, grad.dtype, grad.device))
-        self._timed_send(self.gradients_out, torch.cat(parts))
 
     def _step(self, optimizer_step_func) -> None:
         stash = self.stash
@@ -528,10 +602,95 @@ class StageRuntime:
             self.stats.extra_weight_versions = stash.peak_versions
             self.stats.extra_weight_bytes = stash.peak_bytes
 
+    # ---------------------------------------------------------------- transfers
+    def _take(self, inbox) -> torch.Tensor:
+        """Next tensor of `inbox`, blocking if a static schedule asked for it before arrival."""
+        start = time.perf_counter()
+        tensor = inbox.take()
+        self._blocked_s += time.perf_counter() - start
+        return tensor
+
+    def _receive_activation(self, lane: _Lane) -> torch.Tensor:
+        payload = self._take(lane.streams.activations_in)
+        numel = payload.numel() - self.pipeline_drift.numel()
+        # keep the latest figures of the other ranks (our own pair is ours to write)
+        own = slice(2 * self.context.stage, 2 * self.context.stage + 2)
+        mine = self.pipeline_drift[own].clone()
+        self.pipeline_drift.copy_(payload[numel:])
+        self.pipeline_drift[own] = mine
+        return payload[:numel].view(self.tensor_shape).detach()
+
+    def _send_activation(self, lane: _Lane, output: torch.Tensor) -> None:
+        stage = self.context.stage
+        self.pipeline_drift[2 * stage] = self.stats.max_drift
+        self.pipeline_drift[2 * stage + 1] = self.stats.mean_drift
+        telemetry = self.pipeline_drift.to(device=output.device, dtype=output.dtype)
+        payload = torch.cat([output.detach().reshape(-1), telemetry])
+        self._timed_send(lane.streams.activations_out, payload)
+
+    def _timed_send(self, outbox, tensor: torch.Tensor) -> None:
+        start = time.perf_counter()
+        outbox.send(tensor)
+        self.transfer_s += time.perf_counter() - start
+
+    def drift_by_stage(self) -> list[tuple[int, float]]:
+        """(max, mean) drift of every rank as last reported to this rank (upstream ranks are a
+        pipeline delay old; those not heard from yet read as 0)."""
+        figures = self.pipeline_drift.tolist()
+        figures[2 * self.context.stage] = self.stats.max_drift
+        figures[2 * self.context.stage + 1] = self.stats.mean_drift
+        return [(int(figures[2 * s]), figures[2 * s + 1]) for s in range(self.context.num_stages)]
+
+    def _loss_scale(self) -> float:
+        return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+
+    def _gradient_trailer_elements(self) -> int:
+        """What rides after a gradient's elements: the sender's loss scale, and with a
+        per-token loss the microbatch's token count."""
+        return scale_elements(self.dtype) + (COUNT_DIGITS if self.per_token_loss else 0)
+
+    def _receive_gradient(self, lane: _Lane) -> tuple[torch.Tensor, int]:
+        """The gradient, brought from its sender's loss scale to this rank's (in fp32), and
+        the token count it carries (0 without a per-token loss)."""
+        payload = self._take(lane.streams.gradients_in)
+        numel = math.prod(self.tensor_shape)
+        count_start = numel + scale_elements(self.dtype)
+        grad = payload[:numel].view(self.tensor_shape)
+        sender, mine = decode_scale(payload[numel:count_start]), self._loss_scale()
+        if sender != mine:
+            grad = (grad.float() * (mine / sender)).to(self.dtype)
+        tokens = decode_count(payload[count_start:]) if self.per_token_loss else 0
+        return grad, tokens
+
+    def _send_gradient(self, lane: _Lane, grad: torch.Tensor, tokens: int) -> None:
+        parts = [grad.reshape(-1), encode_scale(self._loss_scale(), grad.dtype, grad.device)]
+        if self.per_token_loss:
+            parts.append(encode_count(tokens, grad.dtype, grad.device))
+        self._timed_send(lane.streams.gradients_out, torch.cat(parts))
+
     def _flush_sends(self) -> None:
-        for outbox in (self.activations_out, self.gradients_out):
-            if outbox is not None:
+        for lane in self.lanes:
+            for outbox in lane.streams.outboxes():
                 outbox.flush()
+
+
+@dataclass
+class _CallWork:
+    """What one training call works with: the injected functions and the losses it collects."""
+
+    forward_step_func: Callable
+    data_iterator: object
+    num_microbatches: int
+    optimizer_step_func: Callable[[], object] | None
+    losses: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Totals:
+    forwards: int
+    backwards: int
+    weight_grads_done: int
+    forward_limit: int
 
 
 def _split_loss(result) -> tuple[torch.Tensor, int, dict]:

@@ -37,7 +37,7 @@ def _heap_figures() -> dict:
 
 
 def _measured(execute, records: list):
-    """`StageRuntime._execute`, recording each action's resident peak and heap figures."""
+    """`RankRuntime._execute`, recording each action's resident peak and heap figures."""
     from megatron.pipeline.accounting import (
         _reset_rss_high_water_mark,
         _resident_bytes,
@@ -48,7 +48,7 @@ def _measured(execute, records: list):
         _reset_rss_high_water_mark()
         before = _resident_bytes()
         execute(runtime, action, *args, **kwargs)
-        records.append({"action": action.kind.name, "in_flight": len(runtime.inflight),
+        records.append({"action": action.kind.name, "in_flight": runtime.inflight_microbatches,
                         "before": before, "peak": _status_bytes("VmHWM"), **_heap_figures()})  # fmt: skip
 
     return execute_measured
@@ -58,7 +58,7 @@ def probe(probe_dir: str, default_malloc: bool, pretrain_argv: list[str]) -> int
     from megatron.pipeline import runtime
 
     records: list = []
-    runtime.StageRuntime._execute = _measured(runtime.StageRuntime._execute, records)
+    runtime.RankRuntime._execute = _measured(runtime.RankRuntime._execute, records)
     if default_malloc:
         pretrain_argv = [*pretrain_argv, "--cpu-mmap-threshold-kib", "0"]
     from pretrain_gpt import main

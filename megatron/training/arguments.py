@@ -22,6 +22,7 @@ from megatron.pipeline.schedules.paci import (
 )
 from megatron.pipeline.simulation.costs import stage_values
 from megatron.training.batch_schedule import validate_accumulation_schedule, validate_rampup
+from megatron.pipeline.plan import PipelinePlan, resolve_plan
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
@@ -339,6 +340,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
             "each other"
         )
+    args.pipeline_plan = _pipeline_plan(args, args.pipeline_model_parallel_size)
 
 
 def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None:
@@ -369,6 +371,25 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
                     f"--{flag.replace('_', '-')} with tied embeddings is not supported yet "
                     "(add --untie-embeddings-and-output-weights)"
                 )
+
+
+def _pipeline_plan(args: argparse.Namespace, pp: int) -> PipelinePlan:
+    """The pipeline resolved once (`megatron.pipeline.plan`); the rest of the run asks it."""
+    schedule = get_schedule(args.pipeline_schedule)
+    if schedule.placement is not None:
+        raise UserError(
+            f"--pipeline-schedule {args.pipeline_schedule} is not supported yet by "
+            "pretrain_gpt.py (its V placement of the model chunks; the pipeline runtime runs it)"
+        )
+    paci = args.pipeline_schedule == "paci"
+    return resolve_plan(
+        args.pipeline_schedule,
+        num_stages=pp,
+        chunks_per_rank=args.virtual_pipeline_model_parallel_size,
+        microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
+        arrival_rule=args.paci_arrival_rule if paci else None,
+        inflight_limit=args.paci_inflight_limit if paci else None,
+    )
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:

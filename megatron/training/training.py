@@ -23,22 +23,20 @@ from megatron.pipeline.audit import (
     audit_requested,
     record_cross_stage_collectives,
 )
-from megatron.pipeline.chunked_runtime import ChunkedStageRuntime
 from megatron.pipeline.forward_backward import (
     attach_stage_runtime,
+    forward_backward_func_for,
     get_forward_backward_func,
-    set_pipeline_schedule,
 )
 from megatron.pipeline.parallel import (
-    build_chunk_channels,
+    build_lane_links,
     build_pipeline_context,
     ranks_of_my_stage,
 )
-from megatron.pipeline.runtime import StageRuntime
-from megatron.pipeline.schedules import get_schedule
+from megatron.pipeline.runtime import RankRuntime
 from megatron.pipeline.schedules.paci import DEFAULT_INFLIGHT_LIMIT
 from megatron.pipeline.schedules.paci import window as inflight_window
-from megatron.pipeline.schedules.placement import interleaved
+from megatron.pipeline.transport import DistributedTransport
 from megatron.training import divergence, faults, launch, run_control
 from megatron.training.batch_schedule import (
     BatchSchedule,
@@ -274,7 +272,7 @@ def _build_chunk(args, config, layout, vocab_size: int, device: torch.device) ->
         rotary_base=args.rotary_base,
         use_transformer_engine=args.transformer_impl == "transformer_engine",
     )
-    if not get_schedule(args.pipeline_schedule).flushes_every_call:
+    if not args.pipeline_plan.flushes:
         for param in model.parameters():  # the last stage's copy of a tied embedding
             param.follows_first_stage = getattr(param, "shared", False)
     # As Megatron's Float16Module: every parameter (norms too) in the model's dtype.
@@ -311,7 +309,7 @@ def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
         data_parallel_group=parallel_state.get_data_parallel_group(),
         grad_norm_group=(
             parallel_state.get_model_parallel_group()
-            if get_schedule(args.pipeline_schedule).global_grad_norm
+            if args.pipeline_plan.global_grad_norm
             else parallel_state.get_tensor_model_parallel_group()
         ),
         tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
@@ -424,7 +422,7 @@ def _set_up_and_train(args, forward_step_func, wall_start, requests, device, gro
     runtime.stats.start_memory_tracking(device)  # real peak memory: training, not set-up
     print_rank_0(f"> setup done in {time.perf_counter() - wall_start:.1f} s, training ...")
 
-    flushes = get_schedule(args.pipeline_schedule).flushes_every_call
+    flushes = args.pipeline_plan.flushes
     control = run_control.build_agreement(args, requests, device, flushes)
     with _maybe_audit() as audit:
         if args.skip_train:
@@ -474,34 +472,30 @@ def boundary_sequence_length(args) -> int:
     return args.seq_length // tp if args.sequence_parallel else args.seq_length
 
 
-def _build_stage_runtime(args, model, device) -> StageRuntime:
-    """The stage's pipeline runtime, attached to the model, with the schedule selected."""
-    dtype = model_dtype(args)
-    options = dict(
+def _build_stage_runtime(args, model, device) -> RankRuntime:
+    """The rank's pipeline runtime, attached to the model with the run's pipeline plan."""
+    dtype, plan = model_dtype(args), args.pipeline_plan
+    context = build_pipeline_context(device)
+    placement, transport = plan.placement, None
+    if placement is not None:  # several chunks per rank: a stream per chunk and neighbour
+        transport = DistributedTransport(
+            rank=dist.get_rank(), links=build_lane_links(placement), backend=context.backend,
+            device=device, dtype=dtype,
+            max_pending=placement.chunks_per_rank * (2 * context.num_stages + 2),
+        )  # fmt: skip
+    runtime = RankRuntime(
+        context,
+        model,
         tensor_shape=(boundary_sequence_length(args), args.micro_batch_size, args.hidden_size),
         dtype=dtype,
+        placement=placement,
+        transport=transport,
         record_trace=args.timeline_file is not None,
         deterministic=args.deterministic_mode,
         per_token_loss=args.calculate_per_token_loss,
     )
-    context = build_pipeline_context(device)
-    chunks = virtual_chunks(args)
-    if chunks == 1:
-        runtime = StageRuntime(context, model, **options)
-    else:  # Megatron's virtual pipeline: chunk c of rank r is virtual stage c * N + r
-        placement = interleaved(args.pipeline_model_parallel_size, chunks)
-        runtime = ChunkedStageRuntime(context, model, placement=placement,
-                                      channels=build_chunk_channels(placement), **options)  # fmt: skip
-    attach_stage_runtime(model, runtime)
-    set_pipeline_schedule(
-        args.pipeline_schedule, args.paci_arrival_rule, args.paci_inflight_limit,
-        virtual_stages=chunks, microbatch_group_size=_group_size(args),
-    )  # fmt: skip
+    attach_stage_runtime(model, runtime, plan)
     return runtime
-
-
-def _group_size(args) -> int | None:
-    return getattr(args, "microbatch_group_size_per_virtual_pipeline_stage", None)
 
 
 def _build_train_valid_iterators(args, tokenizer, state: TrainingState):
@@ -554,7 +548,7 @@ class MegatronStep:
 
     def __init__(self, step_func: StageOptimizerStep, model: torch.nn.Module, args):
         self.step_func = step_func
-        sync_tied = get_schedule(args.pipeline_schedule).flushes_every_call
+        sync_tied = args.pipeline_plan.flushes
         shared = [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
         self.tied_weights = shared if sync_tied else []
         self.group = parallel_state.get_embedding_group() if self.tied_weights else None
@@ -599,7 +593,7 @@ def _tied_exchange(weight, step_func: StageOptimizerStep, args) -> TiedEmbedding
     if args.rampup_batch_size is not None:
         start = int(args.rampup_batch_size[0])
         microbatches = start // (args.micro_batch_size * args.data_parallel_size)
-    per_update = get_schedule(args.pipeline_schedule).microbatches_per_update(microbatches)
+    per_update = args.pipeline_plan.microbatches_per_update(microbatches)
     return TiedEmbeddingExchange(
         weight,
         is_first=parallel_state.is_pipeline_first_stage(),
@@ -642,7 +636,7 @@ def megatron_log_fields(args, step_func: MegatronStep) -> dict:
         return {}
     local = [step_func.num_zeros, step_func.params_norm_squared]
     values = torch.tensor(local, dtype=torch.float64)
-    if get_schedule(args.pipeline_schedule).global_grad_norm:
+    if args.pipeline_plan.global_grad_norm:
         params = step_func.step_func.params
         values = values.to(params[0].device if params else torch.device("cpu"))
         dist.all_reduce(values, group=parallel_state.get_model_parallel_group())
@@ -802,15 +796,10 @@ def _agree_on_stop(control, plan: IterationPlan, iteration: int, runtime) -> Non
 def _train_iteration(args, forward_step_func, model, train_iter, step_func, plan, iteration):
     """One iteration of the schedule (flush during synchronous phases); the last stage's
     loss dicts."""
-    name = schedule_of_iteration(args, iteration)
-    paci = name == "paci"  # the other schedules of a run's phases take no PACI option
-    schedule_function = get_forward_backward_func(
-        name,
-        virtual_chunks(args),
-        arrival_rule=args.paci_arrival_rule if paci else None,
-        inflight_limit=args.paci_inflight_limit if paci else None,
-        microbatch_group_size=_group_size(args),
-    )
+    pipeline = args.pipeline_plan
+    if schedule_of_iteration(args, iteration) != pipeline.name:  # a synchronous phase
+        pipeline = pipeline.synchronous
+    schedule_function = forward_backward_func_for(pipeline.schedule)
     if plan.ramp:  # Megatron's LR schedule of a ramp is in samples
         getattr(step_func, "step_func", step_func).scheduler_increment = plan.batch(iteration)
     return schedule_function(

@@ -14,6 +14,8 @@ import pytest
 import run_cases
 
 PIPELINED_FLUSH = ["gpt_pp4_1f1b", "gpt_tp2pp2_1f1b", "gpt_dp2pp2_1f1b", "gpt_tp2pp2_1f1b_sp"]
+# ZB-H1: the backward split into input and weight gradient passes (the runtime's split backward)
+ZERO_BUBBLE = ["gpt_pp4_zbh1", "gpt_tp2pp2_zbh1", "gpt_dp2pp2_zbh1"]
 # --deterministic-mode: the fixed 1F1B order, reproducible bit for bit.
 PACI_FIXED_ORDER = [
     "gpt_pp4_paci_a1",
@@ -44,6 +46,23 @@ def test_flush_matches_single_stage(case_results, name):
     reference = case_results["gpt_pp1_1f1b"]["loss"]
     assert len(reference) >= 5
     assert run_cases.relative_difference(case_results[name]["loss"], reference) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ZERO_BUBBLE)
+def test_zero_bubble_h1_matches_single_stage_and_holds_the_simulators_activations(
+    case_results, name
+):
+    from megatron.pipeline.schedules import get_schedule
+    from megatron.pipeline.simulation import simulate
+
+    result = case_results[name]
+    reference = case_results["gpt_pp1_1f1b"]["loss"]
+    assert run_cases.relative_difference(result["loss"], reference) <= 1e-5
+    stages, m = result["pipeline_stages"], result["num_microbatches"]
+    simulated = simulate(get_schedule("zb-h1"), num_stages=stages, microbatches_per_step=m,
+                         steps=1, forward_cost=1.0, backward_cost=1.0, weight_grad_cost=1.0)  # fmt: skip
+    peaks = [stage["peak_inflight_microbatches"] for stage in result["stages"]]
+    assert peaks == simulated.peak_held_per_stage
 
 
 def test_uneven_split_matches_single_stage(case_results):

@@ -1,11 +1,11 @@
 """The schedule registries: one small module per schedule, looked up by its CLI name.
 
-`SCHEDULES` holds what the runtime runs: 1F1B-flush, PACI, and the weight-stashing
-PipeDream-2BW and PipeDream. `SIMULATED_SCHEDULES` adds the references only the simulator runs
-(GPipe, ZB-H1), for comparisons and projections, and the schedules with virtual stages, several
-model chunks per rank (interleaved 1F1B, ZB-V, DualPipeV, PACI over virtual stages:
-`Schedule.placement` is set). The runtime runs interleaved 1F1B and PACI over virtual stages
-when --pipeline-schedule 1f1b or paci comes with Megatron's virtual-pipeline flags
+`SCHEDULES` holds what the runtime runs, by --pipeline-schedule name: 1F1B-flush, PACI, the
+weight-stashing PipeDream-2BW and PipeDream, and the split-backward zero-bubble schedules ZB-H1,
+ZB-V and DualPipeV (the last two on the V placement, two model chunks per rank).
+`SIMULATED_SCHEDULES` adds GPipe, a reference only the simulator runs, and the variants with
+virtual stages under their own names (interleaved 1F1B, PACI over virtual stages), which the
+runtime runs when --pipeline-schedule 1f1b or paci comes with Megatron's virtual-pipeline flags
 (`virtual_schedule`).
 """
 
@@ -25,14 +25,13 @@ from .base import Action, ActionKind, Schedule, StageView
 
 SCHEDULES: dict[str, Schedule] = {
     s.name: s
-    for s in (flush_1f1b.SCHEDULE, paci.SCHEDULE, pipedream_2bw.SCHEDULE, pipedream.SCHEDULE)
-}
+    for s in (flush_1f1b.SCHEDULE, paci.SCHEDULE, pipedream_2bw.SCHEDULE, pipedream.SCHEDULE,
+              zb_h1.SCHEDULE, zb_v.SCHEDULE, dualpipe_v.SCHEDULE)
+}  # fmt: skip
 
 SIMULATED_SCHEDULES: dict[str, Schedule] = {
     **SCHEDULES,
-    **{s.name: s for s in (gpipe.SCHEDULE, zb_h1.SCHEDULE)},
-    **{s.name: s for s in (interleaved_1f1b.SCHEDULE, zb_v.SCHEDULE, dualpipe_v.SCHEDULE,
-                           paci_interleaved.SCHEDULE)},  # fmt: skip
+    **{s.name: s for s in (gpipe.SCHEDULE, interleaved_1f1b.SCHEDULE, paci_interleaved.SCHEDULE)},
 }
 
 

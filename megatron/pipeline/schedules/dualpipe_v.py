@@ -33,8 +33,8 @@ each of rank r's 2(m - 2N + r + 1) + N - r - 1 pairs last F&B < F + B: the step 
 that many times F + B - F&B, the bubble's first term with it, while the order, the memory and
 the dependencies stay as simulated.
 
-Decisions depend on counters only (`order_table`). A reference for the simulator; the runtime
-does not run it.
+Decisions depend on counters only (`order_table`); the runtime runs it with
+`--pipeline-schedule dualpipe-v` (the passes of a pair one after the other, sends at once).
 """
 
 import functools

@@ -15,7 +15,7 @@ moves the W passes:
 B reaches the previous stage earlier than 1F1B's full backward would, and the held-back W
 passes fill the tail of the step. With costs F, B, W per pass, every stage idles
 (N - 1)(F + B - W) per step instead of 1F1B's (N - 1)(F + B + W). The order depends only on
-counters. A reference for the simulator; the runtime does not run it.
+counters; the runtime runs it with `--pipeline-schedule zb-h1`.
 """
 
 from .base import DONE, STEP, Action, Schedule, StageView, backward, forward, weight_grad

@@ -30,8 +30,8 @@ bubble at all. With W <= min(F, B) the simulated steady bubble per step is
 2(N - 1)(max(F, B) - W). The phases are written for m >= 2N - 1; with fewer microbatches the
 passes of the missing ones are left out (the same order, a longer bubble).
 
-Decisions depend on counters only (`order_table`). A reference for the simulator; the runtime
-does not run it.
+Decisions depend on counters only (`order_table`); the runtime runs it with
+`--pipeline-schedule zb-v`.
 """
 
 import functools

@@ -15,10 +15,11 @@ import math
 
 import pytest
 import torch
-from test_runtime_state import InProcessRuntime, QueueOutbox, run_threads
+from test_runtime_state import in_process_context, run_threads
 
 from megatron.pipeline import forward_backward as fb
-from megatron.pipeline.runtime import PipelineContext, decode_count, encode_count
+from megatron.pipeline.runtime import RankRuntime, decode_count, encode_count
+from megatron.pipeline.transport import InProcessTransport
 
 SEQ, HIDDEN = 6, 4
 SHAPE = (SEQ, 1, HIDDEN)
@@ -61,19 +62,15 @@ def per_token_forward_step(data_iterator, model):
     return output, loss_func
 
 
-def build(linears, per_token: bool = True) -> list[InProcessRuntime]:
+def build(linears, per_token: bool = True) -> list[RankRuntime]:
+    transport = InProcessTransport()
     runtimes = []
     for s, linear in enumerate(linears):
-        context = PipelineContext(stage=s, num_stages=len(linears), device=torch.device("cpu"),
-                                  backend="gloo")  # fmt: skip
-        runtime = InProcessRuntime(context, Stage(linear), tensor_shape=SHAPE,
-                                   dtype=torch.float32, deterministic=True,
-                                   per_token_loss=per_token)  # fmt: skip
+        runtime = RankRuntime(in_process_context(s, len(linears)), Stage(linear),
+                              tensor_shape=SHAPE, dtype=torch.float32, deterministic=True,
+                              per_token_loss=per_token, transport=transport.for_rank([s]))  # fmt: skip
         fb.attach_stage_runtime(runtime.model, runtime)
         runtimes.append(runtime)
-    for upstream, downstream in zip(runtimes, runtimes[1:]):
-        upstream.activations_out = QueueOutbox(downstream.activations_in)
-        downstream.gradients_out = QueueOutbox(upstream.gradients_in)
     return runtimes
 
 
@@ -174,7 +171,7 @@ def test_changing_microbatches_per_step(schedule_name):
         original = runtime._step
 
         def step(optimizer_step_func):
-            steps_after[id(runtime)].append(runtime.state.backwards)
+            steps_after[id(runtime)].append(runtime.state.chunks[0].backwards)
             original(optimizer_step_func)
 
         runtime._step = step

@@ -1,4 +1,4 @@
-"""The stage runtime's bookkeeping in one process: real `StageRuntime`s, one thread per stage,
+"""The rank runtime's bookkeeping in one process: real `RankRuntime`s, one thread per stage,
 joined by an in-process transport instead of torch.distributed.
 
 The runtime and the event engine share `StageState`; here the runtime's executed order, drift,
@@ -13,64 +13,16 @@ import threading
 import pytest
 import torch
 
-from megatron.pipeline.runtime import PipelineContext, StageRuntime
+from megatron.pipeline.runtime import PipelineContext, RankRuntime
 from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.schedules.base import Action, ActionKind, Schedule
 from megatron.pipeline.schedules.paci import drift_bound, with_paci_options
 from megatron.pipeline.simulation import simulate
 from megatron.pipeline.stage_state import IllegalActionError, StageState
 from megatron.pipeline.trace import action_order
+from megatron.pipeline.transport import InProcessTransport
 
 SHAPE = (2, 1, 4)  # (sequence, micro batch, hidden)
-
-
-class QueueInbox:
-    """An inbox whose tensors are put there by the peer's `QueueOutbox`, in order."""
-
-    def __init__(self, arrivals: threading.Condition):
-        self.arrivals = arrivals
-        self.queue: collections.deque = collections.deque()
-        self.expected = self.taken = 0
-
-    def deliver(self, tensor: torch.Tensor) -> None:
-        with self.arrivals:
-            self.queue.append(tensor.detach().clone())
-            self.arrivals.notify_all()
-
-    def expect_total(self, total: int) -> None:
-        self.expected = max(self.expected, total)
-
-    def outstanding(self) -> int:
-        return self.expected - self.taken
-
-    def ready(self) -> bool:
-        return bool(self.queue)
-
-    def take(self) -> torch.Tensor:
-        with self.arrivals:
-            while not self.queue:
-                self.arrivals.wait(timeout=10)
-            self.taken += 1
-            return self.queue.popleft()
-
-
-class QueueOutbox:
-    def __init__(self, inbox: QueueInbox):
-        self.inbox = inbox
-
-    def send(self, tensor: torch.Tensor) -> None:
-        self.inbox.deliver(tensor)
-
-    def flush(self) -> None:
-        pass
-
-
-class InProcessRuntime(StageRuntime):
-    def open_channels(self) -> None:
-        ctx = self.context
-        self.activations_in = None if ctx.is_first else QueueInbox(self._arrivals)
-        self.gradients_in = None if ctx.is_last else QueueInbox(self._arrivals)
-        self.activations_out = self.gradients_out = None  # `connect` wires them
 
 
 class TinyStage(torch.nn.Module):
@@ -102,21 +54,23 @@ def batches(seed: int):
     return (torch.randn(SHAPE, generator=generator) for _ in itertools.count())
 
 
-def build_pipeline(num_stages: int, deterministic: bool = True) -> list[InProcessRuntime]:
-    runtimes = []
-    for s in range(num_stages):
-        context = PipelineContext(stage=s, num_stages=num_stages, device=torch.device("cpu"),
-                                  backend="gloo")  # fmt: skip
-        runtimes.append(InProcessRuntime(context, TinyStage(s), tensor_shape=SHAPE,
-                                         dtype=torch.float32, record_trace=True,
-                                         deterministic=deterministic))  # fmt: skip
-    for upstream, downstream in zip(runtimes, runtimes[1:]):
-        upstream.activations_out = QueueOutbox(downstream.activations_in)
-        downstream.gradients_out = QueueOutbox(upstream.gradients_in)
-    return runtimes
+def in_process_context(stage: int, num_stages: int) -> PipelineContext:
+    return PipelineContext(stage=stage, num_stages=num_stages, device=torch.device("cpu"),
+                           backend="gloo")  # fmt: skip
 
 
-def train(runtime: StageRuntime, schedule: Schedule, m: int, steps: int, lr: float = 0.01,
+def build_pipeline(num_stages: int, deterministic: bool = True) -> list[RankRuntime]:
+    """One runtime per stage, joined by an in-process transport."""
+    transport = InProcessTransport()
+    return [
+        RankRuntime(in_process_context(s, num_stages), TinyStage(s), tensor_shape=SHAPE,
+                    dtype=torch.float32, transport=transport.for_rank([s]), record_trace=True,
+                    deterministic=deterministic)  # fmt: skip
+        for s in range(num_stages)
+    ]
+
+
+def train(runtime: RankRuntime, schedule: Schedule, m: int, steps: int, lr: float = 0.01,
           momentum: float = 0.0) -> None:  # fmt: skip
     """What the training loop does: one call per iteration, the last one drains; SGD on each
     stage (test_weight_stashing.py passes its own lr and momentum)."""
@@ -168,10 +122,10 @@ def test_runtime_bookkeeping_equals_the_simulators(name, m, limit):
     events = [event for r in runtimes for event in r.trace]
     assert action_order(events) == action_order(simulated.timeline)
     for s, runtime in enumerate(runtimes):
-        state = runtime.state
+        state = runtime.state.chunks[0]
         assert state.forwards == state.backwards == steps * m
         assert state.steps == runtime.stats.optimizer_steps == steps
-        assert state.forward_versions == {} and not runtime.inflight
+        assert state.forward_versions == {} and not runtime.inflight_microbatches
         assert runtime.stats.peak_inflight_microbatches == simulated.peak_inflight_per_stage[s]
         assert state.peak_inflight == simulated.peak_inflight_per_stage[s]
         assert runtime.stats.max_drift == simulated.max_drift_per_stage[s]
@@ -223,7 +177,7 @@ def test_an_illegal_action_fails_with_the_stage_state_before_it_runs():
 def test_the_runtime_checks_every_kind_of_action(wrong, problem):
     runtime = build_pipeline(2)[0]  # stage 0 of 2: its forwards need no input
     if problem is None:  # forwarding past the forward limit
-        state = runtime.state
+        state = runtime.state.chunks[0]
         state.begin_call(1, forward_limit=1)
         state.record_forward()
         with pytest.raises(IllegalActionError, match="past the forward limit 1"):

@@ -317,11 +317,3 @@ def test_cli_bad_virtual_stage_input_is_one_error_line(args, message):
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
-
-
-@pytest.mark.parametrize("name", CHUNKED)
-def test_chunked_schedules_are_simulator_only(name):
-    from megatron.pipeline.schedules import SCHEDULES
-
-    assert name in SIMULATED_SCHEDULES and name not in SCHEDULES
-    assert SIMULATED_SCHEDULES[name].flushes_every_call

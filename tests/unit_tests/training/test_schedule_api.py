@@ -2,6 +2,7 @@
 forward_backward.py): the selector without arguments, the 3-tuple loss_func, wrapped models."""
 
 import functools
+import types
 
 import pytest
 import torch
@@ -17,22 +18,36 @@ def schedule_name(schedule_function) -> str:
     return schedule_function.__name__.rsplit("_", 1)[-1]
 
 
-def test_selector_returns_the_configured_schedule_when_called_as_megatron_does():
-    try:
-        assert schedule_name(fb.get_forward_backward_func()) == "1f1b"
-        fb.set_pipeline_schedule("paci")
-        assert schedule_name(fb.get_forward_backward_func()) == "paci"
-        assert schedule_name(fb.get_forward_backward_func(4, 1)) == "paci"  # pp_size, vp_size
-        assert schedule_name(fb.get_forward_backward_func("1f1b")) == "1f1b"
-        # Megatron's virtual pipeline (vp_size 2): the schedule's variant over virtual stages
-        assert schedule_name(fb.get_forward_backward_func(4, 2)) == "paci-interleaved"
-        assert schedule_name(fb.get_forward_backward_func("1f1b", 2)) == "interleaved-1f1b"
-        fb.set_pipeline_schedule("1f1b", virtual_stages=2, microbatch_group_size=4)
-        assert schedule_name(fb.get_forward_backward_func()) == "interleaved-1f1b"
-        with pytest.raises(ValueError, match="--pipeline-schedule 2bw with virtual pipeline"):
-            fb.get_forward_backward_func("2bw", 2)
-    finally:
-        fb.set_pipeline_schedule("1f1b")
+def test_selector_resolves_a_schedule_by_name_and_megatrons_call_runs_the_attached_plan():
+    assert schedule_name(fb.get_forward_backward_func("paci")) == "paci"
+    assert schedule_name(fb.get_forward_backward_func("1f1b")) == "1f1b"
+    assert schedule_name(fb.get_forward_backward_func("zb-h1")) == "zb-h1"
+    # Megatron's virtual pipeline (vp_size 2): the schedule's variant over virtual stages
+    assert schedule_name(fb.get_forward_backward_func("paci", 2)) == "paci-interleaved"
+    assert schedule_name(fb.get_forward_backward_func("1f1b", 2)) == "interleaved-1f1b"
+    assert schedule_name(fb.get_forward_backward_func("zb-v")) == "zb-v"  # its own 2 chunks
+    with pytest.raises(ValueError, match="--pipeline-schedule 2bw with virtual pipeline"):
+        fb.get_forward_backward_func("2bw", 2)
+    # Megatron's calls (no argument; pp_size, vp_size) run the plan attached to the model
+    unbound = fb.get_forward_backward_func()
+    assert unbound.args == (None,) and fb.get_forward_backward_func(4, 2).args == (None,)
+    with pytest.raises(RuntimeError, match="no RankRuntime attached"):
+        unbound(forward_step_func=None, data_iterator=None, model=torch.nn.Linear(1, 1),
+                num_microbatches=1, seq_length=1, micro_batch_size=1)  # fmt: skip
+
+
+def test_the_plan_is_resolved_once_with_its_options():
+    from megatron.pipeline.plan import resolve_plan
+
+    plan = resolve_plan("paci", num_stages=4, arrival_rule="fixed")
+    assert plan.placement is None and not plan.flushes and plan.schedule.name == "paci"
+    assert plan.synchronous.schedule.name == "1f1b" and plan.synchronous.flushes
+    chunked = resolve_plan("1f1b", num_stages=4, chunks_per_rank=2, microbatch_group_size=4)
+    assert chunked.placement.shape == "interleaved" and chunked.placement.chunks_per_rank == 2
+    v = resolve_plan("dualpipe-v", num_stages=4)
+    assert v.placement.shape == "v" and v.chunks_per_rank == 2 and v.flushes
+    with pytest.raises(ValueError, match="runs 2 model chunks per rank, not 3"):
+        resolve_plan("zb-v", num_stages=4, chunks_per_rank=3)
 
 
 def test_three_tuple_loss_is_the_mean_over_tokens():
@@ -63,7 +78,7 @@ def test_runtime_found_through_a_data_parallel_wrapper():
             super().__init__()
             self.module = module
 
-    model, runtime = torch.nn.Linear(2, 2), object()
+    model, runtime = torch.nn.Linear(2, 2), types.SimpleNamespace()
     fb.attach_stage_runtime(model, runtime)
     assert fb.stage_runtime_of(Wrapper(Wrapper(model))) is runtime
     with pytest.raises(RuntimeError):

@@ -1,0 +1,81 @@
+"""The pipeline, resolved once: which schedule (with its options), on how many ranks, with how
+many model chunks per rank and where they sit.
+
+`PipelinePlan` is built once from the flags (`megatron.training.arguments` validates them) and
+handed to the runtime, the training loop and the reports, which ask it instead of looking the
+schedule up again by name.
+"""
+
+from dataclasses import dataclass
+
+from .schedules import get_schedule, virtual_schedule
+from .schedules.base import Schedule
+from .schedules.paci import with_paci_options
+from .schedules.placement import Placement
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A schedule resolved for `num_stages` ranks and `chunks_per_rank` model chunks each."""
+
+    name: str  # the --pipeline-schedule value
+    schedule: Schedule  # with its options and, with virtual stages, its chunked variant
+    num_stages: int
+    chunks_per_rank: int = 1
+    microbatch_group_size: int | None = None  # interleaved 1F1B's group (None: the ranks)
+
+    @property
+    def placement(self) -> Placement | None:
+        """Where the model chunks sit (None: one chunk per rank, rank r is stage r)."""
+        if self.schedule.placement is None:
+            return None
+        return self.schedule.placement(self.num_stages, self.chunks_per_rank)
+
+    @property
+    def flushes(self) -> bool:
+        """The pipeline is empty at every step boundary (a synchronous schedule)."""
+        return self.schedule.flushes_every_call
+
+    @property
+    def global_grad_norm(self) -> bool:
+        return self.schedule.global_grad_norm
+
+    @property
+    def synchronous(self) -> "PipelinePlan":
+        """1F1B-flush on the same ranks and chunks: the schedule of a run's synchronous phases
+        (--async-sync-warmup-iters, --async-sync-cooldown-iters)."""
+        if self.name == "1f1b":
+            return self
+        return resolve_plan("1f1b", num_stages=self.num_stages,
+                            chunks_per_rank=self.chunks_per_rank,
+                            microbatch_group_size=self.microbatch_group_size)  # fmt: skip
+
+    def microbatches_per_update(self, microbatches: int) -> int:
+        return self.schedule.microbatches_per_update(microbatches)
+
+
+def resolve_plan(
+    name: str,
+    *,
+    num_stages: int,
+    chunks_per_rank: int | None = None,
+    microbatch_group_size: int | None = None,
+    arrival_rule: str | None = None,
+    inflight_limit: str | None = None,
+) -> PipelinePlan:
+    """The plan for --pipeline-schedule `name`. `chunks_per_rank` (None: the schedule's own,
+    two for the V schedules, else one) above one selects the variant with virtual stages
+    (1F1B: Megatron's interleaved 1F1B; PACI over virtual stages); `arrival_rule` and
+    `inflight_limit` are PACI's options. ValueError for a combination no schedule defines."""
+    base = get_schedule(name)
+    chunks = chunks_per_rank or base.default_chunks_per_rank
+    if base.placement is not None:  # its own placement (ZB-V, DualPipeV)
+        if chunks != base.default_chunks_per_rank:
+            raise ValueError(
+                f"{name} runs {base.default_chunks_per_rank} model chunks per rank, not {chunks}"
+            )
+        return PipelinePlan(name, base, num_stages, chunks)
+    if chunks > 1:
+        schedule = virtual_schedule(name, microbatch_group_size, arrival_rule, inflight_limit)
+        return PipelinePlan(name, schedule, num_stages, chunks, microbatch_group_size)
+    return PipelinePlan(name, with_paci_options(base, arrival_rule, inflight_limit), num_stages)
