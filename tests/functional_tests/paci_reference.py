@@ -6,7 +6,7 @@ that stage, taken from the simulator with uniform costs. A stage's numerics depe
 own order of forwards, backwards and steps, so any global order that respects data
 dependencies (the simulator's start times do) gives the numbers a correct distributed runtime
 must give. Activations and gradients are handed over as plain tensors: no process groups, no
-p2p, no StageRuntime.
+p2p, no RankRuntime.
 
     python tests/functional_tests/paci_reference.py <pretrain_gpt.py flags>
 prints a JSON list: the lm loss of each iteration.

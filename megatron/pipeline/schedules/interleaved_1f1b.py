@@ -26,7 +26,7 @@ Megatron's rule on m: g must lie in [N, m], and the last group must not be short
 (m % g is 0 or at least N), or a rank waits on a dependency inside a group; with the default
 g = N that is m % N == 0. `check_microbatches` rejects other m with one ValueError.
 
-Decisions depend on counters only, so the runtime (`megatron.pipeline.chunked_runtime`) runs
+Decisions depend on counters only, so the runtime (`megatron.pipeline.runtime`) runs
 the very same function as the simulator: what --pipeline-schedule 1f1b becomes with Megatron's
 virtual-pipeline flags.
 """

@@ -49,7 +49,7 @@ Definitions (the same functions read the real and the simulated timeline):
   noise, the simulator replays the run's own draws (same `CostNoise` seed): each stage's
   nominal cost is its measured mean divided by the mean factor drawn for that stage and kind.
 * runtime overhead per action: ``runtime_overhead_us_per_action`` of summary.json
-  (`StageRuntime.overhead_per_action_us`): time in training calls that was neither compute,
+  (`RankRuntime.overhead_per_action_us`): time in training calls that was neither compute,
   nor posting a send, nor waiting; mean and max over stages.
 
 Acceptance: PACI/flush >= 95% of the simulated ratio (uniform stages: of ``(m + N - 1) / m``),

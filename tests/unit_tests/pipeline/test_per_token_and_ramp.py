@@ -1,4 +1,4 @@
-"""Per-token loss and a changing number of microbatches per step, on real `StageRuntime`s in
+"""Per-token loss and a changing number of microbatches per step, on real `RankRuntime`s in
 one process (one thread per stage, the in-process transport of test_runtime_state.py), through
 the public schedule entry points.
 

@@ -1,5 +1,5 @@
 """Weight stashing in the runtime (PipeDream-2BW, PipeDream), in one process: real
-`StageRuntime`s on threads (the harness of test_runtime_state.py), each stage a linear layer.
+`RankRuntime`s on threads (the harness of test_runtime_state.py), each stage a linear layer.
 
 Independent references, written out by hand here: PipeDream-2BW is the one-step-delayed update
 x(t+1) = x(t) - U(grad f_t(x(t-1))) of the whole model, and PipeDream at one stage is a step
