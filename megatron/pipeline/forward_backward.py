@@ -205,8 +205,8 @@ def _run_schedule(
     expected_shape = (seq_length, micro_batch_size)
     if runtime.tensor_shape[:2] != expected_shape:
         raise ValueError(f"stage runtime built for {runtime.tensor_shape}, got {expected_shape}")
-    if isinstance(data_iterator, (list, tuple)):
-        data_iterator = data_iterator[0]
+    if isinstance(data_iterator, (list, tuple)) and len(data_iterator) == 1:
+        data_iterator = data_iterator[0]  # else one per model chunk, as Megatron passes them
     if forward_only:
         return runtime.run_forward_only(
             forward_step_func=forward_step_func,

@@ -345,7 +345,7 @@ class RankRuntime:
                 for lane in in_order:
                     input_tensor = None if lane.is_first else self._receive_activation(lane)
                     output, loss_func = self._call_forward_step(
-                        lane, forward_step_func, data_iterator, input_tensor
+                        lane, forward_step_func, _data_of(data_iterator, lane), input_tensor
                     )
                     if lane.is_last:
                         outputs.append(_loss_dict(loss_func(output)))
@@ -476,7 +476,7 @@ class RankRuntime:
         compute_start = time.perf_counter()
         with self._on_weights(version) as redirection, self.meter.measure(redirection) as saved:
             output, loss_func = self._call_forward_step(
-                lane, work.forward_step_func, data_iterator=work.data_iterator,
+                lane, work.forward_step_func, data_iterator=_data_of(work.data_iterator, lane),
                 input_tensor=input_tensor,
             )  # fmt: skip
             loss_dict, tokens = None, 0
@@ -691,6 +691,14 @@ class _Totals:
     backwards: int
     weight_grads_done: int
     forward_limit: int
+
+
+def _data_of(data_iterator, lane: _Lane):
+    """The lane's data: one iterator per model chunk (a list, as Megatron passes them), or one
+    shared by every chunk."""
+    if isinstance(data_iterator, (list, tuple)):
+        return data_iterator[lane.chunk]
+    return data_iterator
 
 
 def _split_loss(result) -> tuple[torch.Tensor, int, dict]:

@@ -8,6 +8,7 @@ import argparse
 import math
 import os
 
+from megatron.pipeline.plan import PipelinePlan, resolve_plan
 from megatron.pipeline.schedules import (
     SCHEDULES,
     VIRTUAL_STAGE_SCHEDULES,
@@ -22,7 +23,6 @@ from megatron.pipeline.schedules.paci import (
 )
 from megatron.pipeline.simulation.costs import stage_values
 from megatron.training.batch_schedule import validate_accumulation_schedule, validate_rampup
-from megatron.pipeline.plan import PipelinePlan, resolve_plan
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
@@ -293,6 +293,9 @@ def _add_benchmark_args(parser: argparse.ArgumentParser) -> None:
         help="replace each stage's forward by a wait of this many ms, or a comma list with one "
         "value per stage (schedule benchmarks)")  # fmt: skip
     add("--emulated-backward-ms", type=stage_values, default=None)
+    add("--emulated-weight-grad-ms", type=stage_values, default=None,
+        help="the part of each emulated backward that computes the weight gradient, which a "
+        "split-backward schedule (zb-h1, zb-v, dualpipe-v) runs apart; ms, or one per stage")  # fmt: skip
     add("--emulated-noise-cv", type=stage_values, default=0.0,
         help="lognormal noise on each emulated action: CV, or one per stage (seeded by --seed)")  # fmt: skip
 
@@ -321,6 +324,8 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         raise UserError("NullTokenizer needs --vocab-size")
     if (args.emulated_forward_ms is None) != (args.emulated_backward_ms is None):
         raise UserError("--emulated-forward-ms and --emulated-backward-ms go together")
+    if args.emulated_weight_grad_ms is not None and args.emulated_backward_ms is None:
+        raise UserError("--emulated-weight-grad-ms is part of --emulated-backward-ms: give both")
     if args.calculate_per_token_loss and args.emulated_forward_ms is not None:
         raise UserError("--calculate-per-token-loss needs the model's loss, not emulated compute")
     if args.verify_integrity and args.ckpt_format != "torch_dist":
@@ -375,12 +380,6 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
 
 def _pipeline_plan(args: argparse.Namespace, pp: int) -> PipelinePlan:
     """The pipeline resolved once (`megatron.pipeline.plan`); the rest of the run asks it."""
-    schedule = get_schedule(args.pipeline_schedule)
-    if schedule.placement is not None:
-        raise UserError(
-            f"--pipeline-schedule {args.pipeline_schedule} is not supported yet by "
-            "pretrain_gpt.py (its V placement of the model chunks; the pipeline runtime runs it)"
-        )
     paci = args.pipeline_schedule == "paci"
     return resolve_plan(
         args.pipeline_schedule,
@@ -405,6 +404,9 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
     if len(given) > 1:
         raise UserError(f"no more than one of {', '.join(given)} can be set at the same time")
     args.virtual_pipeline_model_parallel_size = args.chunk_layers = None
+    if get_schedule(args.pipeline_schedule).placement is not None:
+        _validate_v_placement(args, pp, given, chunks, per_chunk)
+        return
     if per_chunk is not None:
         if args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers:
             raise UserError(
@@ -454,6 +456,35 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
     args.virtual_pipeline_model_parallel_size = chunks
 
 
+def _validate_v_placement(args, pp: int, given: list[str], chunks, per_chunk) -> None:
+    """ZB-V and DualPipeV: two model chunks per rank on a V (rank r runs virtual stages r and
+    2N - 1 - r), the layers split evenly over the 2N virtual stages."""
+    name = args.pipeline_schedule
+    if pp < 2:
+        raise UserError(f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2")
+    per_stage = args.num_layers // (2 * pp)
+    if chunks not in (None, 2) or per_chunk not in (None, per_stage):
+        raise UserError(f"--pipeline-schedule {name} runs exactly 2 model chunks per pipeline "
+                        f"rank (the V), not what {given[0]} asks for")  # fmt: skip
+    for flag, value in (
+        ("--pipeline-model-parallel-layout", args.pipeline_model_parallel_layout),
+        ("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers),
+        ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers),
+        ("--account-for-embedding-in-pipeline-split", args.account_for_embedding_in_pipeline_split),
+        ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split),
+        ("--rampup-batch-size", args.rampup_batch_size),
+    ):  # fmt: skip
+        if value:
+            raise UserError(f"{flag} with --pipeline-schedule {name} is not supported yet")
+    if args.num_layers % (2 * pp):
+        raise UserError(f"--pipeline-schedule {name}: --num-layers {args.num_layers} must be "
+                        f"divisible by 2 x --pipeline-model-parallel-size {pp} (the V's "
+                        f"{2 * pp} virtual stages)")  # fmt: skip
+    args.virtual_pipeline_model_parallel_size = 2
+    args.chunk_layers = [[per_stage, per_stage] for _ in range(pp)]
+    args.stage_layers = [2 * per_stage] * pp
+
+
 def layers_by_chunk(args: argparse.Namespace, pp: int, chunks: int) -> list[list[int]]:
     """Transformer layers of each rank's chunks, as megatron-core assigns them
     (`get_num_layers_to_build` with `vp_stage`); one line where they do not split evenly."""
@@ -491,7 +522,9 @@ def check_virtual_microbatches(args: argparse.Namespace) -> None:
     )
     if group is not None and group < 1:
         raise UserError("--microbatch-group-size-per-virtual-pipeline-stage must be >= 1")
-    schedule = virtual_schedule(args.pipeline_schedule, group)
+    schedule = get_schedule(args.pipeline_schedule)
+    if schedule.placement is None:
+        schedule = virtual_schedule(args.pipeline_schedule, group)
     try:
         schedule.check_microbatches(pp, chunks, args.num_microbatches)
     except ValueError as error:
@@ -658,7 +691,8 @@ def _validate_emulation_and_rule(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} applies to --pipeline-schedule paci only")
     _validate_stage_lr_scale(args)
     chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    for flag in ("emulated_forward_ms", "emulated_backward_ms", "emulated_noise_cv"):
+    for flag in ("emulated_forward_ms", "emulated_backward_ms", "emulated_weight_grad_ms",
+                 "emulated_noise_cv"):  # fmt: skip
         if isinstance(getattr(args, flag), list) and len(getattr(args, flag)) != pp * chunks:
             each = f"virtual stage ({pp * chunks})" if chunks > 1 else f"pipeline stage ({pp})"
             raise UserError(f"--{flag.replace('_', '-')}: one value, or one per {each}")

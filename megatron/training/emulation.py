@@ -20,7 +20,8 @@ from megatron.pipeline.simulation.costs import CostNoise, value_of_stage
 
 
 class _Sleep(torch.autograd.Function):
-    """Identity whose forward and backward each take the time the stage's clock names."""
+    """Identity whose forward and backward each take the time the stage's clock names (the
+    backward: its input-gradient part when a weight-gradient time is set)."""
 
     @staticmethod
     def forward(ctx, tensor, stage):
@@ -34,24 +35,48 @@ class _Sleep(torch.autograd.Function):
         return grad, None
 
 
+class _WeightGradSleep(torch.autograd.Function):
+    """Zero whose backward takes the stage's weight-gradient time and reaches only the weight:
+    a split backward runs it in the weight-gradient pass, a full backward with the rest."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, stage):
+        ctx.stage = stage
+        return torch.zeros_like(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.stage.next_weight_grad_s())
+        return None, torch.zeros(grad.shape[-1], dtype=grad.dtype, device=grad.device), None
+
+
 class EmulatedStage(torch.nn.Module):
-    """With virtual stages, one per model chunk: chunk c of rank r is virtual stage c N + r,
-    and the times (and noise) are given per virtual stage, as the simulator takes them."""
+    """One per model chunk, as virtual stage `virtual_stage` of `num_virtual_stages` (default:
+    the rank's stage); the times (and noise) are given per virtual stage, as the simulator
+    takes them. `weight_grad_ms` (per virtual stage; None: no split) is the part of the
+    backward spent on the weight gradient, which a split-backward schedule runs apart."""
 
     def __init__(self, forward_ms, backward_ms, hidden_size: int, noise_cv=0.0, seed: int = 0,
-                 chunk: int = 0, chunks: int = 1):  # fmt: skip
+                 weight_grad_ms=None, virtual_stage: int | None = None,
+                 num_virtual_stages: int | None = None):  # fmt: skip
         super().__init__()
-        rank = parallel_state.get_pipeline_model_parallel_rank()
-        ranks = parallel_state.get_pipeline_model_parallel_world_size()
+        if virtual_stage is None:
+            virtual_stage = parallel_state.get_pipeline_model_parallel_rank()
+            num_virtual_stages = parallel_state.get_pipeline_model_parallel_world_size()
+        self.stage, stages = virtual_stage, num_virtual_stages
         # Same attribute names as GPTModel's: does this stage embed / compute the loss?
-        self.pre_process = rank == 0 and chunk == 0
-        self.post_process = rank == ranks - 1 and chunk == chunks - 1
-        self.stage, stages = chunk * ranks + rank, ranks * chunks
+        self.pre_process = virtual_stage == 0
+        self.post_process = virtual_stage == stages - 1
         self.forward_s = value_of_stage(forward_ms, self.stage, stages, "forward ms") / 1000.0
-        self.backward_s = value_of_stage(backward_ms, self.stage, stages, "backward ms") / 1000.0
+        backward_s = value_of_stage(backward_ms, self.stage, stages, "backward ms") / 1000.0
+        self.weight_grad_s = 0.0
+        if weight_grad_ms is not None:
+            self.weight_grad_s = value_of_stage(weight_grad_ms, self.stage, stages,
+                                                "weight-gradient ms") / 1000.0  # fmt: skip
+        self.backward_s = backward_s - self.weight_grad_s  # the input-gradient part
         cv = value_of_stage(noise_cv, self.stage, stages, "noise cv")
         self.noise = CostNoise(cv, seed) if cv > 0 else None
-        self.forwards = self.backwards = 0  # emulated actions so far: the noise draw's index
+        self.forwards = self.backwards = self.weight_grads = 0  # the noise draws' indices
         self.hidden_size = hidden_size
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
         self.input_tensor = None
@@ -63,6 +88,10 @@ class EmulatedStage(torch.nn.Module):
     def next_backward_s(self) -> float:
         self.backwards += 1
         return self._scaled(self.backward_s, "B", self.backwards - 1)
+
+    def next_weight_grad_s(self) -> float:
+        self.weight_grads += 1
+        return self._scaled(self.weight_grad_s, "W", self.weight_grads - 1)
 
     def _scaled(self, seconds: float, kind: str, index: int) -> float:
         return (
@@ -78,7 +107,12 @@ class EmulatedStage(torch.nn.Module):
             hidden = torch.zeros(seq, batch, self.hidden_size, device=self.weight.device)
         else:
             hidden = self.input_tensor
-        hidden = _Sleep.apply(hidden * self.weight, self)
+        if self.weight_grad_s > 0:  # the weight only under the weight-gradient part
+            hidden = hidden if hidden.requires_grad else hidden.requires_grad_(True)
+            weight_part = _WeightGradSleep.apply(hidden.detach(), self.weight, self)
+            hidden = _Sleep.apply(hidden, self) + weight_part
+        else:
+            hidden = _Sleep.apply(hidden * self.weight, self)
         if self.post_process and labels is not None:
             # [b, s] "per-token loss", contiguous like GPTModel's (loss functions .view it)
             return (hidden.mean(dim=-1).transpose(0, 1) + 1.0).contiguous()

@@ -225,7 +225,7 @@ def transformer_engine_available() -> bool:
 
 
 def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: bool = True,
-                   vp_stage: int | None = None):  # fmt: skip
+                   vp_stage: int | None = None, pp_rank: int | None = None):  # fmt: skip
     """Transformer Engine's spec on CUDA when TE is installed (and `use_te`), else the portable
     spec; the portable one as a block (the layers of this stage and the final norm) when the
     norms are zero-centered or sequence-parallel, which megatron-core's default final norm
@@ -241,7 +241,7 @@ def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: b
     spec = portable_layer_spec(config.normalization, qk_layernorm, own_norms)
     if not own_norms:
         return spec
-    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=PortableNorm)
 
 
@@ -352,6 +352,15 @@ def chunk_layout(layout: StageLayout, config: TransformerConfig, chunk: int) -> 
     )
 
 
+def v_chunk_layout(layout: StageLayout, config: TransformerConfig, virtual_stage: int,
+                   num_ranks: int) -> StageLayout:  # fmt: skip
+    """The layout of the chunk that runs `virtual_stage` in a V placement, as megatron-core
+    knows it: the interleaved placement's chunk of that virtual stage (vp_stage k // N on
+    pipeline rank k % N), so its layers, offset and checkpoint keys are the same."""
+    chunk, rank = divmod(virtual_stage, num_ranks)
+    return chunk_layout(dataclasses.replace(layout, pipeline_rank=rank), config, chunk)
+
+
 class ModelChunks(torch.nn.Module):
     """A rank's model chunks with virtual pipeline stages: chunk c is virtual stage c * N + r
     (megatron-core's GPTModel built with `vp_stage=c`). One module, so that whatever works on a
@@ -384,6 +393,31 @@ class ModelChunks(torch.nn.Module):
         return merged
 
 
+class _PipelineRankView:
+    """A pipeline process group that reports another rank: megatron-core's GPTModel takes its
+    layer offset and count from (vp_stage, pipeline rank) in the interleaved placement, so a
+    chunk placed otherwise (the V: chunk 1 of rank r is virtual stage 2N - 1 - r) is built as
+    the interleaved (vp_stage, rank) of the same virtual stage. Everything else is the group's."""
+
+    def __init__(self, group, rank: int):
+        self._group, self._rank = group, rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+
+def groups_as_pipeline_rank(pipeline_rank: int):
+    """megatron-core's process groups with the pipeline group reporting `pipeline_rank`."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    groups.pp = _PipelineRankView(groups.pp, pipeline_rank)
+    return groups
+
+
 def build_gpt_stage(
     config: TransformerConfig,
     layout: StageLayout,
@@ -397,17 +431,24 @@ def build_gpt_stage(
     rotary_percent: float = 1.0,
     rotary_base: int = 10000,
     use_transformer_engine: bool = True,
+    built_as_other_rank: bool = False,
 ) -> GPTModel:
     """Build this rank's GPT stage on `device`, initialized independently of the layout. With
-    virtual stages (`layout.chunks` > 1) it is one of the rank's chunks (`chunk_layout`)."""
+    virtual stages (`layout.chunks` > 1) it is one of the rank's chunks (`chunk_layout`);
+    `built_as_other_rank`: `layout.pipeline_rank` is the rank of the interleaved placement whose
+    chunk is the same virtual stage (`v_chunk_layout`), not this rank's."""
     vp_stage = layout.chunk if layout.chunks > 1 else None
     if config.recompute_granularity is not None:
         use_host_rng_states()  # megatron-core's checkpoint reads the CUDA generator otherwise
+    # a V chunk is built as the interleaved (vp_stage, rank) of its virtual stage
+    groups = None if not built_as_other_rank else groups_as_pipeline_rank(layout.pipeline_rank)
     model = GPTStageModel(
         config=config,
         transformer_layer_spec=layer_spec_for(
-            device, config, use_te=use_transformer_engine, vp_stage=vp_stage
-        ),
+            device, config, use_te=use_transformer_engine, vp_stage=vp_stage,
+            pp_rank=layout.pipeline_rank if built_as_other_rank else None,
+        ),  # fmt: skip
+        pg_collection=groups,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=layout.is_first,

@@ -22,10 +22,20 @@ from megatron.training.checkpointing.save_load import atomic_write_text
 from megatron.training.errors import UserError
 
 
-def is_logging_rank() -> bool:
-    """Megatron logs from the last pipeline stage (it has the loss); its first TP/DP rank."""
+def holds_the_loss(args) -> bool:
+    """Whether this rank runs the model's last (virtual) stage, which computes the loss: the
+    last pipeline rank, except on the V placement (ZB-V, DualPipeV), where it is rank 0."""
+    placement = args.pipeline_plan.placement
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    if placement is None:
+        return rank == args.pipeline_model_parallel_size - 1
+    return placement.locate(placement.num_virtual_stages - 1)[0] == rank
+
+
+def is_logging_rank(args) -> bool:
+    """Megatron logs from the rank with the loss (`holds_the_loss`); its first TP/DP rank."""
     return (
-        parallel_state.is_pipeline_last_stage()
+        holds_the_loss(args)
         and parallel_state.get_tensor_model_parallel_rank() == 0
         and parallel_state.get_data_parallel_rank() == 0
     )
@@ -38,8 +48,8 @@ def is_stage_leader() -> bool:
     )
 
 
-def print_rank_last(message: str) -> None:
-    if is_logging_rank():
+def print_rank_last(args, message: str) -> None:
+    if is_logging_rank(args):
         print(message, flush=True)
 
 
@@ -54,7 +64,7 @@ def print_rank_0(message: str) -> None:
 def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fields=None) -> None:
     """Megatron's iteration line; `fields` ('num zeros', 'params norm') come after the grad
     norm, where Megatron prints them."""
-    if not is_logging_rank():
+    if not is_logging_rank(args):
         return
     per_iteration_ms = 1000.0 * elapsed / args.log_interval
     loss = sum(losses) / len(losses)
@@ -153,7 +163,7 @@ def _interval_counts(state, step_func) -> tuple[int, int]:
 
 
 def tensorboard_writer(args):
-    if not args.tensorboard_dir or not is_logging_rank():
+    if not args.tensorboard_dir or not is_logging_rank(args):
         return None
     from torch.utils.tensorboard import SummaryWriter
 
@@ -215,8 +225,8 @@ def write_summary(args, state, runtime, step_func, optimizer, wall_start) -> Non
         "stage": parallel_state.get_pipeline_model_parallel_rank(),
         "leader": is_stage_leader(),
         "report": _stage_report(args, runtime, step_func, optimizer),
-        "losses": state.losses if is_logging_rank() else None,
-        "validation": state.validation if is_logging_rank() else None,
+        "losses": state.losses if is_logging_rank(args) else None,
+        "validation": state.validation if is_logging_rank(args) else None,
         "nan_iterations": state.nan_iterations,
         "train_time_s": state.train_time_s,
         "cross_stage_collectives": state.cross_stage_collectives,

@@ -57,6 +57,7 @@ from megatron.training.model import (
     build_gpt_stage,
     chunk_layout,
     run_sequence_parallel_on_host,
+    v_chunk_layout,
 )
 from megatron.training.optimizer.build import (
     StageOptimizerStep,
@@ -73,6 +74,7 @@ from megatron.training.optimizer.lr_per_iteration import per_iteration
 from megatron.training.optimizer.tied_embeddings import TiedEmbeddingExchange, lag_bound
 from megatron.training.recompute import recompute_config_fields
 from megatron.training.reporting import (
+    holds_the_loss,
     is_logging_rank,
     is_stage_leader,
     log_iteration,
@@ -236,21 +238,32 @@ def virtual_chunks(args) -> int:
 
 
 def build_stage_model(args, vocab_size: int, device: torch.device) -> torch.nn.Module:
-    """This rank's model: its stage, or with virtual stages its chunks as one `ModelChunks`."""
+    """This rank's model: its stage, or with several chunks per rank (virtual stages, or the V
+    placement of ZB-V and DualPipeV) its chunks as one `ModelChunks`."""
+    placement = args.pipeline_plan.placement
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    stages = None if placement is None else placement.stages_of(rank)
     if args.emulated_forward_ms is not None:
         chunks = [
             EmulatedStage(
                 args.emulated_forward_ms, args.emulated_backward_ms, args.hidden_size,
-                noise_cv=args.emulated_noise_cv, seed=args.seed, chunk=c,
-                chunks=virtual_chunks(args),
+                noise_cv=args.emulated_noise_cv, seed=args.seed,
+                weight_grad_ms=args.emulated_weight_grad_ms,
+                virtual_stage=rank if stages is None else stages[c],
+                num_virtual_stages=args.pipeline_model_parallel_size * virtual_chunks(args),
             )
             for c in range(virtual_chunks(args))
         ]  # fmt: skip
         return chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
     config = transformer_config(args, device)
     layout = stage_layout(args)
-    if virtual_chunks(args) == 1:
+    if placement is None:
         return _build_chunk(args, config, layout, vocab_size, device)
+    if placement.shape == "v":  # each chunk built as the interleaved chunk of its stage
+        n = placement.num_ranks
+        layouts = [v_chunk_layout(layout, config, stage, n) for stage in stages]
+        return ModelChunks([_build_chunk(args, config, chunk, vocab_size, device,
+                                         built_as_other_rank=True) for chunk in layouts])  # fmt: skip
     chunks = [
         _build_chunk(args, config, chunk_layout(layout, config, c), vocab_size, device)
         for c in range(virtual_chunks(args))
@@ -258,7 +271,8 @@ def build_stage_model(args, vocab_size: int, device: torch.device) -> torch.nn.M
     return ModelChunks(chunks)
 
 
-def _build_chunk(args, config, layout, vocab_size: int, device: torch.device) -> torch.nn.Module:
+def _build_chunk(args, config, layout, vocab_size: int, device: torch.device,
+                 built_as_other_rank: bool = False) -> torch.nn.Module:  # fmt: skip
     model = build_gpt_stage(
         config,
         layout,
@@ -271,6 +285,7 @@ def _build_chunk(args, config, layout, vocab_size: int, device: torch.device) ->
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         use_transformer_engine=args.transformer_impl == "transformer_engine",
+        built_as_other_rank=built_as_other_rank,
     )
     if not args.pipeline_plan.flushes:
         for param in model.parameters():  # the last stage's copy of a tied embedding
@@ -415,6 +430,7 @@ def _set_up_and_train(args, forward_step_func, wall_start, requests, device, gro
     runtime = _build_stage_runtime(args, model, device)
     runtime.loss_scaler = step_func.loss_scaler  # fp16: the stage's scale, on its messages
     train_iter, valid_iter = _build_train_valid_iterators(args, tokenizer, state)
+    train_iter, valid_iter = _per_chunk_data(model, train_iter), _per_chunk_data(model, valid_iter)
     writer = tensorboard_writer(args)
     faults.register_peers()
     faults.apply_timeout_to_all_groups(args.distributed_timeout_minutes)
@@ -511,6 +527,17 @@ def _build_train_valid_iterators(args, tokenizer, state: TrainingState):
     )
 
 
+def _per_chunk_data(model, iterator):
+    """One iterator per model chunk when several chunks of this rank read the data (the V
+    placement: rank 0 runs the first virtual stage, which reads the tokens, and the last, which
+    reads the labels of the same microbatches), else the one iterator."""
+    chunks = getattr(model, "chunks", None)
+    if iterator is None or chunks is None:
+        return iterator
+    readers = [c for c in chunks if getattr(c, "pre_process", False) or c.post_process]
+    return list(itertools.tee(iterator, len(chunks))) if len(readers) > 1 else iterator
+
+
 def _finish_run(args, state, runtime, step_func, optimizer, writer, wall_start) -> None:
     """Write the timelines and summary, close the writer and tear down model parallelism;
     raises ``RunFailed`` when training diverged."""
@@ -538,7 +565,8 @@ class MegatronStep:
 
     * Tied embeddings under 1F1B-flush: before the step, the first stage's input embedding and
       the last stage's output layer (two copies of one weight) sum their gradients over
-      megatron-core's embedding group, so both copies take the same update and the model equals
+      megatron-core's embedding group (on the V placement both copies are on rank 0: a local
+      sum), so both copies take the same update and the model equals
       a non-pipelined tied one. Under the asynchronous schedules the two stages exchange the
       gradient and the weight point to point instead (optimizer/tied_embeddings.py).
     * --log-num-zeros-in-grad: zeros in the stage's gradient before the step (before the
@@ -559,7 +587,11 @@ class MegatronStep:
         self.num_zeros, self.params_norm_squared, self.step_seconds = 0.0, 0.0, 0.0
 
     def __call__(self):
-        for weight in self.tied_weights:
+        if len(self.tied_weights) == 2:  # both copies on this rank (the V placement)
+            first, second = (self.step_func.gradient_of(w) for w in self.tied_weights)
+            first.add_(second)
+            second.copy_(first)
+        for weight in self.tied_weights if len(self.tied_weights) == 1 else ():
             dist.all_reduce(self.step_func.gradient_of(weight), group=self.group)
         if self.tied_exchange is not None:
             self.tied_exchange.before_step()
@@ -735,7 +767,7 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
             _agree_on_stop(control, plan, iteration, runtime)
         loss_dicts = _train_iteration(args, forward_step_func, model, train_iter, step_func,
                                       plan, iteration)  # fmt: skip
-        _account_iteration(state, plan, iteration, loss_dicts, interval_losses, args.seq_length)
+        _account_iteration(args, state, plan, iteration, loss_dicts, interval_losses)
         if iteration % args.log_interval == 0:
             elapsed = time.perf_counter() - interval_start
             fields = megatron_log_fields(args, step_func)
@@ -814,13 +846,13 @@ def _train_iteration(args, forward_step_func, model, train_iter, step_func, plan
     )
 
 
-def _account_iteration(state, plan, iteration, loss_dicts, interval_losses, seq_length) -> None:
+def _account_iteration(args, state, plan, iteration, loss_dicts, interval_losses) -> None:
     batch = plan.batch(iteration)
     state.iteration = iteration
     state.global_batch_size = batch
     state.consumed_train_samples += batch
-    state.tokens += batch * seq_length
-    if parallel_state.is_pipeline_last_stage():
+    state.tokens += batch * args.seq_length
+    if holds_the_loss(args):
         loss = _average_loss(loss_dicts)
         state.losses.append(loss)
         interval_losses.append(loss)
@@ -839,8 +871,7 @@ def _end_of_training(args, state, model, step_func, audit) -> None:
 
 def _check_health(args, state, model, step_func) -> bool:
     """At a drain point: agree on divergence, roll back past the limit. False: stop training."""
-    is_last = parallel_state.is_pipeline_last_stage()
-    last_loss = state.losses[-1] if is_last and state.losses else None
+    last_loss = state.losses[-1] if holds_the_loss(args) and state.losses else None
     health = divergence.agree_on_health(model, step_func, last_loss)
     state.fit_to_save = health.fit_to_save()
     if not health.must_roll_back(args.max_consecutive_skips):
@@ -934,10 +965,10 @@ def evaluate(args, forward_step_func, model, valid_iter, state, writer) -> None:
             micro_batch_size=args.micro_batch_size,
             forward_only=True,
         )
-        if parallel_state.is_pipeline_last_stage():
+        if holds_the_loss(args):
             losses.append(_average_loss(loss_dicts))
     model.train()
-    if parallel_state.is_pipeline_last_stage():
+    if holds_the_loss(args):
         loss = sum(losses) / len(losses)
         ppl = math.exp(min(20.0, loss))  # Megatron caps the exponent at 20
         state.validation.append({"iteration": state.iteration, "lm loss": loss})
@@ -945,8 +976,8 @@ def evaluate(args, forward_step_func, model, valid_iter, state, writer) -> None:
             f" validation loss at iteration {state.iteration} | lm loss value: {loss:.6E} | "
             f"lm loss PPL: {ppl:.6E} |"
         )
-        print_rank_last("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
-        if writer is not None and is_logging_rank():
+        print_rank_last(args, "-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+        if writer is not None and is_logging_rank(args):
             writer.add_scalar("lm loss validation", loss, state.iteration)
             if args.log_validation_ppl_to_tensorboard:
                 writer.add_scalar("lm loss validation ppl", ppl, state.iteration)

@@ -14,8 +14,17 @@ import pytest
 import run_cases
 
 PIPELINED_FLUSH = ["gpt_pp4_1f1b", "gpt_tp2pp2_1f1b", "gpt_dp2pp2_1f1b", "gpt_tp2pp2_1f1b_sp"]
-# ZB-H1: the backward split into input and weight gradient passes (the runtime's split backward)
-ZERO_BUBBLE = ["gpt_pp4_zbh1", "gpt_tp2pp2_zbh1", "gpt_dp2pp2_zbh1"]
+# Split-backward schedules (input and weight gradient passes) -> their one-process reference
+ZERO_BUBBLE = {
+    "gpt_pp4_zbh1": "gpt_pp1_1f1b",
+    "gpt_tp2pp2_zbh1": "gpt_pp1_1f1b",
+    "gpt_dp2pp2_zbh1": "gpt_pp1_1f1b",
+    "gpt_pp4_zbv": "gpt_pp1_8layers_1f1b",  # two chunks of one layer per rank, on a V
+    "gpt_tp2pp2_zbv": "gpt_pp1_1f1b",
+    "gpt_dp2pp2_zbv": "gpt_pp1_1f1b",
+    "gpt_tp2pp2_zbv_tied": "gpt_pp1_tied_1f1b",
+    "gpt_tp2pp2_dualpipev": "gpt_pp1_1f1b",
+}
 # --deterministic-mode: the fixed 1F1B order, reproducible bit for bit.
 PACI_FIXED_ORDER = [
     "gpt_pp4_paci_a1",
@@ -48,19 +57,25 @@ def test_flush_matches_single_stage(case_results, name):
     assert run_cases.relative_difference(case_results[name]["loss"], reference) <= 1e-5
 
 
-@pytest.mark.parametrize("name", ZERO_BUBBLE)
-def test_zero_bubble_h1_matches_single_stage_and_holds_the_simulators_activations(
+@pytest.mark.parametrize("name", sorted(ZERO_BUBBLE))
+def test_zero_bubble_schedules_match_one_process_and_hold_the_simulators_activations(
     case_results, name
 ):
-    from megatron.pipeline.schedules import get_schedule
+    """ZB-H1, ZB-V and DualPipeV: the split backward, the V placement (its turn a loopback,
+    tied embeddings summed on rank 0) and DualPipeV's paired slots change no number; every
+    rank's peak of microbatch-chunks held is the simulator's for the same definition."""
+    from megatron.pipeline.plan import resolve_plan
     from megatron.pipeline.simulation import simulate
 
     result = case_results[name]
-    reference = case_results["gpt_pp1_1f1b"]["loss"]
+    reference = case_results[ZERO_BUBBLE[name]]["loss"]
+    assert len(reference) == 8
     assert run_cases.relative_difference(result["loss"], reference) <= 1e-5
-    stages, m = result["pipeline_stages"], result["num_microbatches"]
-    simulated = simulate(get_schedule("zb-h1"), num_stages=stages, microbatches_per_step=m,
-                         steps=1, forward_cost=1.0, backward_cost=1.0, weight_grad_cost=1.0)  # fmt: skip
+    plan = resolve_plan(result["schedule"], num_stages=result["pipeline_stages"])
+    simulated = simulate(plan.schedule, num_stages=plan.num_stages,
+                         microbatches_per_step=result["num_microbatches"], steps=1,
+                         forward_cost=1.0, backward_cost=1.0, weight_grad_cost=1.0,
+                         chunks_per_rank=plan.chunks_per_rank)  # fmt: skip
     peaks = [stage["peak_inflight_microbatches"] for stage in result["stages"]]
     assert peaks == simulated.peak_held_per_stage
 
