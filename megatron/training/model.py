@@ -441,13 +441,15 @@ def build_gpt_stage(
     if config.recompute_granularity is not None:
         use_host_rng_states()  # megatron-core's checkpoint reads the CUDA generator otherwise
     # a V chunk is built as the interleaved (vp_stage, rank) of its virtual stage
-    groups = None if not built_as_other_rank else groups_as_pipeline_rank(layout.pipeline_rank)
+    groups, pp_rank = None, None
+    if built_as_other_rank:
+        groups, pp_rank = groups_as_pipeline_rank(layout.pipeline_rank), layout.pipeline_rank
+    spec = layer_spec_for(
+        device, config, use_te=use_transformer_engine, vp_stage=vp_stage, pp_rank=pp_rank
+    )
     model = GPTStageModel(
         config=config,
-        transformer_layer_spec=layer_spec_for(
-            device, config, use_te=use_transformer_engine, vp_stage=vp_stage,
-            pp_rank=layout.pipeline_rank if built_as_other_rank else None,
-        ),  # fmt: skip
+        transformer_layer_spec=spec,
         pg_collection=groups,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
