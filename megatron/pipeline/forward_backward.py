@@ -41,8 +41,10 @@ from .plan import PipelinePlan, resolve_plan
 from .runtime import RankRuntime
 from .schedules import Schedule
 
-def attach_stage_runtime(model: torch.nn.Module, runtime: RankRuntime,
-                         plan: PipelinePlan | None = None) -> None:  # fmt: skip
+
+def attach_stage_runtime(
+    model: torch.nn.Module, runtime: RankRuntime, plan: PipelinePlan | None = None
+) -> None:
     """Bind the rank's runtime (and the plan `get_forward_backward_func()` runs) to `model`."""
     model.pipeline_runtime = runtime
     runtime.plan = plan
