@@ -2,18 +2,18 @@
 
 PACI: the N stages of the model are built side by side in one process (the layout-independent
 initialization of the distributed run), each with its own optimizer, LR schedule and stage-local
-gradient clipping, as PACI's ranks have them. Between two drain points (evaluations, the phase
-ends of `--paci-accumulation-schedule`, the end) each stage replays its own order of forwards,
-backwards and steps, taken from the simulator with uniform costs; a stage's numbers depend only
-on that order, so any global order that respects the data dependencies gives what the
-distributed runtime gives. Activations and gradients are handed over as plain tensors. That is
-the runtime's order exactly under the default `fixed` arrival rule (and --deterministic-mode);
-a reactive rule's order depends on timing, and the engine replays the one it takes with uniform
-stage costs.
+gradient clipping, as PACI's ranks have them, and each run by the real rank executor
+(`megatron.pipeline.runtime.RankRuntime`) on its own thread, the stages joined by the
+in-process transport (`megatron.pipeline.transport`). Between two drain points (evaluations,
+the phase ends of `--paci-accumulation-schedule`, the end) each stage follows its own order of
+forwards, backwards and steps, taken from the simulator with uniform costs (`replayed`); a
+stage's numbers depend only on that order. That is the runtime's order exactly under the
+default `fixed` arrival rule (and --deterministic-mode); a reactive rule's order depends on
+timing, and the engine replays the one it takes with uniform stage costs.
 
 1F1B-flush: every step is synchronous, so the pipeline split does not change the numbers
 (the functional tests check 4 stages against 1); the engine trains the whole model as one
-stage, with the gradient norm over the whole model as flush takes it.
+stage (one executor), with the gradient norm over the whole model as flush takes it.
 
 Mitigations are the optimizer's (`build_optimizer`: `--async-error-feedback`,
 `--delay-compensation-lambda`, every `--optimizer`). Validation uses the same fixed set of
@@ -23,8 +23,11 @@ Mitigations are the optimizer's (`build_optimizer`: `--async-error-feedback`,
     result = train(parse_engine_args(flags))   # flags: pretrain_gpt.py's
 """
 
+import collections
+import dataclasses
 import functools
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -101,8 +104,8 @@ def phases_of(args) -> list[tuple[int, int]]:
 @functools.cache
 def _stage_orders(num_stages: int, a: int, steps: int, rule: str | None, limit: str | None,
                   deterministic: bool) -> tuple:  # fmt: skip
-    """((stage, kind, microbatch), ...) of `steps` PACI steps from an empty pipeline, in an
-    order that respects the data dependencies (the simulator's start times)."""
+    """Per stage, its actions of `steps` PACI steps from an empty pipeline, in order (the
+    simulator's with uniform costs)."""
     from megatron.pipeline.schedules import get_schedule
     from megatron.pipeline.schedules.paci import with_paci_options
     from megatron.pipeline.simulation import simulate
@@ -113,7 +116,30 @@ def _stage_orders(num_stages: int, a: int, steps: int, rule: str | None, limit: 
     timeline = simulate(schedule, num_stages=num_stages, microbatches_per_step=a, steps=steps,
                         forward_cost=1.0, backward_cost=2.0).timeline  # fmt: skip
     ordered = sorted(timeline, key=lambda e: (e.start_s, e.stage))
-    return tuple((e.stage, e.action.kind.name, e.action.microbatch) for e in ordered)
+    return tuple(tuple(e.action for e in ordered if e.stage == s) for s in range(num_stages))
+
+
+def replayed(order: tuple, start: tuple[int, int, int]):
+    """PACI's schedule definition, reduced to one stage's `order` of actions from an empty
+    pipeline whose counters were `start` (forwards, backwards, steps): the next action is the
+    one the counters point at; a call ends once its backwards are done and no step is due."""
+    from megatron.pipeline.schedules import get_schedule
+    from megatron.pipeline.schedules.base import DONE, FORWARD, STEP, Action
+
+    def next_action(view):
+        done = view.forwards + view.backwards + view.steps - sum(start)
+        if done >= len(order):
+            return Action(DONE)
+        action = order[done]
+        if action.kind is STEP:
+            return action
+        if view.backwards >= view.backward_target:  # the call's backwards are done
+            return Action(DONE)
+        return Action(action.kind, action.microbatch + start[action.kind is not FORWARD])
+
+    paci = get_schedule("paci")
+    return dataclasses.replace(paci, name="paci", next_action=next_action,
+                               depends_on_arrivals=False, fixed_order=None)  # fmt: skip
 
 
 class _Stages:
@@ -158,6 +184,11 @@ class _Stages:
             self.train_last, self.valid_last = iterators()
         else:
             self.train_last, self.valid_last = self.train_first, self.valid_first
+        self.runtimes = _executors(args, self.models, device)
+
+    def data_of(self, stage: int, first, last):
+        """What stage `stage` reads: the first stage's stream, the last one's, or nothing."""
+        return first if stage == 0 else last if stage == self.count - 1 else None
 
     def forward(self, stage: int, data_first, data_last, input_tensor):
         """Stage `stage`'s forward: (output, loss function of the last stage or None)."""
@@ -171,60 +202,73 @@ class _Stages:
         return output, loss_func if stage == self.count - 1 else None
 
 
-def _flush_segment(stages: _Stages, a: int, iterations: int, result: EngineRun) -> None:
-    """Synchronous steps of the whole model (one stage): a microbatches, then the step."""
-    step = stages.steps[0]
-    for _ in range(iterations):
-        total = 0.0
-        for _ in range(a):
-            output, loss_func = stages.forward(0, stages.train_first, stages.train_first, None)
-            loss, reduced = loss_func(output)
-            (loss / a).backward()
-            total += float(reduced["lm loss"])
-        step()
-        result.losses.append(total / a)
+def _executors(args, models, device) -> list:
+    """One rank executor per stage, joined by an in-process transport."""
+    from megatron.pipeline.runtime import PipelineContext, RankRuntime
+    from megatron.pipeline.transport import InProcessTransport
+
+    transport, n = InProcessTransport(), len(models)
+    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
+    return [
+        RankRuntime(PipelineContext(stage=s, num_stages=n, device=device, backend="gloo"), model,
+                    tensor_shape=shape, dtype=torch.float32, transport=transport.for_rank([s]))
+        for s, model in enumerate(models)
+    ]  # fmt: skip
 
 
-def _paci_segment(args, stages: _Stages, a: int, iterations: int, drift: list[int]) -> list:
-    """`iterations` PACI steps from an empty pipeline to an empty one; the per-iteration mean
-    losses. `drift[s]` is raised to the most steps a microbatch crossed on stage s."""
-    from megatron.pipeline.accounting import preserve_versions
+def _run_stages(stages: _Stages, work) -> None:
+    """`work(stage)` for every stage, each on its own thread (the executors wait on each
+    other's tensors); the first error is raised here."""
+    errors: list[BaseException] = []
 
-    n = stages.count
-    inputs = [dict() for _ in range(n)]
-    outputs = [dict() for _ in range(n)]
-    version_at_forward = [dict() for _ in range(n)]
-    version = [0] * n
-    losses: dict[int, float] = {}
-    order = _stage_orders(n, a, iterations, args.paci_arrival_rule, args.paci_inflight_limit,
-                          bool(args.deterministic_mode))  # fmt: skip
-    for s, kind, mb in order:
-        if kind == "FORWARD":
-            input_tensor = None
-            if s > 0:
-                input_tensor = outputs[s - 1][mb].detach().requires_grad_(True)
-            output, loss_func = stages.forward(s, stages.train_first, stages.train_last,
-                                               input_tensor)  # fmt: skip
-            if loss_func is not None:
-                loss, reduced = loss_func(output)
-                losses[mb] = float(reduced["lm loss"])
-                output = loss / a
-            inputs[s][mb], outputs[s][mb] = input_tensor, output
-            version_at_forward[s][mb] = version[s]
-        elif kind == "BACKWARD":
-            output = outputs[s].pop(mb)
+    def guarded(stage: int) -> None:
+        try:
+            work(stage)
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+
+    threads = [threading.Thread(target=guarded, args=(s,)) for s in range(stages.count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _segment(args, stages: _Stages, a: int, iterations: int, drift: list[int]) -> list[float]:
+    """`iterations` steps from an empty pipeline to an empty one (1F1B-flush on the one stage,
+    or PACI's order on each stage); the per-iteration mean losses. `drift[s]` is raised to the
+    most steps a microbatch crossed on stage s."""
+    from pretrain_gpt import forward_step
+
+    from megatron.pipeline.schedules import get_schedule
+
+    n, losses = stages.count, []
+    orders = None
+    if n > 1:
+        orders = _stage_orders(n, a, iterations, args.paci_arrival_rule,
+                               args.paci_inflight_limit, bool(args.deterministic_mode))  # fmt: skip
+
+    def run(s: int) -> None:
+        runtime = stages.runtimes[s]
+        counters = runtime.state.chunks[0]
+        start = (counters.forwards, counters.backwards, counters.steps)
+        schedule = get_schedule("1f1b") if orders is None else replayed(orders[s], start)
+        seen = collections.Counter(runtime.stats.drift_histogram)
+        data = stages.data_of(s, stages.train_first, stages.train_last)
+        for k in range(iterations):
+            out = runtime.run_training(schedule, forward_step_func=forward_step,
+                                       data_iterator=data, num_microbatches=a,
+                                       optimizer_step_func=stages.steps[s],
+                                       microbatches_before_drain=(iterations - k) * a)  # fmt: skip
             if s == n - 1:
-                torch.autograd.backward(output)
-            else:
-                torch.autograd.backward(output, grad_tensors=inputs[s + 1].pop(mb).grad)
-            if s == 0:
-                inputs[s].pop(mb)
-            drift[s] = max(drift[s], version[s] - version_at_forward[s].pop(mb))
-        elif kind == "STEP":
-            with preserve_versions(stages.models[s].parameters()):
-                stages.steps[s]()
-            version[s] += 1
-    return [sum(losses[j] for j in range(k * a, (k + 1) * a)) / a for k in range(iterations)]
+                losses.append(sum(float(d["lm loss"]) for d in out) / len(out))
+        grown = runtime.stats.drift_histogram - seen
+        drift[s] = max(drift[s], max(grown, default=0))
+
+    _run_stages(stages, run)
+    return losses
 
 
 @torch.no_grad()
@@ -263,11 +307,8 @@ def train(args, *, log=None) -> EngineRun:
             index = next(i for i, (_, e) in enumerate(phase_ends) if e > iteration)
             a, phase_end = phase_ends[index]
             count = min(point, phase_end) - iteration
-            if stages.count == 1:
-                _flush_segment(stages, a, count, result)
-            else:
-                drift = result.phases[index]["max_drift"]
-                result.losses += _paci_segment(args, stages, a, count, drift)
+            drift = result.phases[index]["max_drift"]
+            result.losses += _segment(args, stages, a, count, drift)
             for _ in range(count):
                 tokens += a * args.micro_batch_size * args.seq_length
                 result.tokens.append(tokens)
