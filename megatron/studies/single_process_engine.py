@@ -240,9 +240,8 @@ def _segment(args, stages: _Stages, a: int, iterations: int, drift: list[int]) -
     """`iterations` steps from an empty pipeline to an empty one (1F1B-flush on the one stage,
     or PACI's order on each stage); the per-iteration mean losses. `drift[s]` is raised to the
     most steps a microbatch crossed on stage s."""
-    from pretrain_gpt import forward_step
-
     from megatron.pipeline.schedules import get_schedule
+    from pretrain_gpt import forward_step
 
     n, losses = stages.count, []
     orders = None
