@@ -10,6 +10,13 @@ JSON object (also written to ``OUTPUT/report.json``).
         --bwd-ms 40,80,40,40 --noise-cv 0.2 --schedules 1f1b paci paci:backward-first
     python tools/benchmark_schedules.py --stages 4 --virtual-stages 2 --microbatches 8 \
         --fwd-ms 10 --bwd-ms 20      # interleaved 1F1B and PACI over virtual stages
+
+With ``--model NAME`` every schedule runs on that model's own per-virtual-stage costs (the
+comparison's FLOP model, split backward included) and the report tabulates them side by side
+(`megatron.pipeline.simulation.runtime_comparison`); ``--markdown`` prints only that table:
+
+    python tools/benchmark_schedules.py --model gpt2-medium --microbatches 16 --ms-per-layer 2 \
+        --schedules 1f1b interleaved-1f1b zb-h1 zb-v dualpipe-v 2bw paci paci-interleaved
 """
 
 import argparse
@@ -18,6 +25,7 @@ import sys
 
 from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.schedules.paci import with_paci_options
+from megatron.pipeline.simulation.comparison import MODELS
 from megatron.pipeline.simulation.costs import stage_values
 from megatron.pipeline.simulation.emulation import (
     benchmark,
@@ -26,6 +34,25 @@ from megatron.pipeline.simulation.emulation import (
     simulated_definition,
 )
 from megatron.pipeline.simulation.results import steady_state_window
+from megatron.pipeline.simulation.runtime_comparison import RUNTIME_NAMES, compare_in_runtime
+
+
+def parse_model_args(argv) -> argparse.Namespace:
+    """--model: every schedule on one model's costs."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), required=True)
+    parser.add_argument("--microbatches", type=int, required=True, help="m per step (a for PACI)")
+    parser.add_argument("--ms-per-layer", type=float, default=2.0, help="one layer's forward, ms")
+    parser.add_argument("--steps", type=int, default=8, help="training iterations per run")
+    parser.add_argument("--schedules", nargs="+", default=list(RUNTIME_NAMES),
+                        choices=list(RUNTIME_NAMES))  # fmt: skip
+    parser.add_argument("--markdown", action="store_true", help="print only the table")
+    parser.add_argument("--output", default=None, help="directory for logs, traces, summaries")
+    parser.add_argument("--timeout", type=float, default=900.0, help="per run, seconds")
+    options = parser.parse_args(argv)
+    if options.ms_per_layer <= 0 or options.microbatches < 1 or options.steps < 4:
+        parser.error("--ms-per-layer must be > 0, --microbatches >= 1 and --steps >= 4")
+    return options
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,6 +123,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--model" in argv:
+        options = parse_model_args(argv)
+        report = compare_in_runtime(options)
+        print(report["table_markdown"] if options.markdown else json.dumps(report, indent=2))
+        return 0
     report = benchmark(parse_args(argv))
     print(json.dumps(report, indent=2))
     return 0

@@ -1,0 +1,233 @@
+"""Every schedule the runtime runs, measured side by side on one model's stage costs.
+
+`tools/benchmark_schedules.py --model NAME` is its command line. For each schedule it launches
+`pretrain_gpt.py` (torchrun, gloo, one process per rank) with emulated stages
+(`megatron.training.emulation`) that sleep for the schedule's own per-virtual-stage costs from
+the comparison's FLOP model (`comparison.virtual_stage_costs`: forward, input gradient and
+weight gradient per virtual stage, for the schedule's placement; a schedule that does not split
+its backward sleeps both gradient parts in one pass), scaled to `ms_per_layer` milliseconds per
+layer forward. So every schedule does the same work per microbatch, and the runtime's split
+backward, paired slots and V placement run for real.
+
+Per schedule it reports:
+
+* **measured pace**: microbatches per second in the steady state over the physical limit (the
+  total work of a microbatch over the ranks: no bubble, a perfect split). The steady state is
+  measured the same way for every schedule, from the trace: per rank, the time its last pass of
+  step k ends (`step_completions`); the pace is (steps between step 1 and the last step before
+  the drain) x m over that span, averaged over the ranks;
+* **replay**: the simulator on the costs and point-to-point latency measured in the run's own
+  trace, measured the same way (how far the runtime is from the schedule's ideal on this
+  machine);
+* **projected pace**: `comparison.compare` on the nominal costs, no communication;
+* **peak activations**: the most microbatch-chunks a rank held (summary.json), in whole-stage
+  microbatches (a chunk holds 1/v), against the projection's.
+"""
+
+import json
+import os
+import statistics
+import tempfile
+
+from ..schedules.base import ActionKind
+from ..trace import read_chrome_trace
+from .comparison import MODELS, compare, virtual_stage_costs
+from .emulation import (
+    PRETRAIN_SCRIPT,
+    emulated_run_args,
+    estimate_p2p_latency,
+    launch,
+    torchrun_command,
+)
+from .engine import simulate
+
+# --model runs: the runtime's name of each compared schedule and its chunks per rank (None:
+# the model's interleaved v)
+RUNTIME_NAMES = {
+    "1f1b": ("1f1b", 1),
+    "interleaved-1f1b": ("1f1b", None),
+    "zb-h1": ("zb-h1", 1),
+    "zb-v": ("zb-v", 2),
+    "dualpipe-v": ("dualpipe-v", 2),
+    "2bw": ("2bw", 1),
+    "pipedream": ("pipedream", 1),
+    "paci": ("paci", 1),
+    "paci-interleaved": ("paci", None),
+}
+
+
+def schedule_costs_ms(model, schedule: str, chunks: int, ms_per_layer: float) -> dict:
+    """Per virtual stage forward, full backward and weight-gradient milliseconds of `schedule`
+    (its placement) on `model`."""
+    from ..schedules import SIMULATED_SCHEDULES
+
+    definition = SIMULATED_SCHEDULES[schedule]
+    placed = definition.placement is not None
+    shape = definition.placement(model.ranks, chunks).shape if placed else "interleaved"
+    forward, backward, wgrad = virtual_stage_costs(model, chunks, shape)
+    scale = lambda values: [round(ms_per_layer * v, 4) for v in values]  # noqa: E731
+    return {
+        "forward": scale(forward),
+        "backward": scale([b + w for b, w in zip(backward, wgrad)]),  # B + W: the full pass
+        "weight_grad": scale(wgrad),
+    }
+
+
+def step_completions(events, microbatches: int) -> dict[int, dict[int, float]]:
+    """Per rank, step k -> when its last pass of step k's microbatches ended."""
+    done: dict[int, dict[int, float]] = {}
+    for event in events:
+        for part in event.action.passes:
+            if part.microbatch is None:
+                continue
+            step = part.microbatch // microbatches
+            ends = done.setdefault(event.stage, {})
+            ends[step] = max(ends.get(step, 0.0), event.end_s)
+    return done
+
+
+def steady_pace(events, microbatches: int, steps: int) -> float:
+    """Microbatches per second between the end of step 1 and of the last step before the
+    drain, averaged over the ranks."""
+    first, last = 1, steps - 2
+    if last <= first:
+        raise ValueError(f"{steps} steps leave no steady state (at least 4 are needed)")
+    spans = [ends[last] - ends[first] for ends in step_completions(events, microbatches).values()]
+    return (last - first) * microbatches / statistics.fmean(spans)
+
+
+def measured_pass_costs(events, placement, num_virtual: int, nominal: dict) -> dict:
+    """Per virtual stage mean seconds of single passes in the trace (slots of several passes
+    left out), F, B and W apart; the nominal value where a stage ran none alone."""
+    durations: dict[tuple[ActionKind, int], list[float]] = {}
+    for event in events:
+        action = event.action
+        if action.together or action.microbatch is None:
+            continue
+        chunk = action.chunk or 0
+        stage = event.stage if placement is None else placement.virtual_stage(event.stage, chunk)
+        durations.setdefault((action.kind, stage), []).append(event.duration_s)
+
+    def means(kind, fallback):
+        return [statistics.fmean(durations[(kind, k)]) if durations.get((kind, k)) else f
+                for k, f in zip(range(num_virtual), fallback)]  # fmt: skip
+
+    return {
+        "forward_cost": means(ActionKind.FORWARD, nominal["forward_cost"]),
+        "backward_cost": means(ActionKind.BACKWARD, nominal["backward_cost"]),
+        "weight_grad_cost": means(ActionKind.WEIGHT_GRAD, nominal["weight_grad_cost"]),
+    }
+
+
+def _nominal_seconds(costs_ms: dict, splits: bool) -> dict:
+    forward = [f / 1000 for f in costs_ms["forward"]]
+    if splits:
+        backward = [(b - w) / 1000 for b, w in zip(costs_ms["backward"], costs_ms["weight_grad"])]
+        wgrad = [w / 1000 for w in costs_ms["weight_grad"]]
+    else:
+        backward, wgrad = [b / 1000 for b in costs_ms["backward"]], [0.0] * len(forward)
+    return {"forward_cost": forward, "backward_cost": backward, "weight_grad_cost": wgrad}
+
+
+def run_one(model, schedule: str, options, run_dir: str) -> dict:
+    """One emulated run of `schedule` on `model`'s costs and its figures."""
+    from ..plan import resolve_plan
+    from ..schedules import SIMULATED_SCHEDULES
+
+    name, chunks = RUNTIME_NAMES[schedule]
+    chunks = model.interleaved_chunks if chunks is None else chunks
+    costs_ms = schedule_costs_ms(model, schedule, chunks, options.ms_per_layer)
+    os.makedirs(run_dir, exist_ok=True)
+    timeline = os.path.join(run_dir, "timeline.json")
+    n, m, steps = model.ranks, options.microbatches, options.steps
+    extra = ["--emulated-weight-grad-ms", ",".join(map(str, costs_ms["weight_grad"]))]
+    args = emulated_run_args(
+        schedule=name, stages=n, microbatches=m, fwd_ms=costs_ms["forward"],
+        bwd_ms=costs_ms["backward"], steps=steps, metrics_dir=run_dir, timeline_file=timeline,
+        extra=extra, virtual_stages=chunks if name in ("1f1b", "paci") else 1,
+    )  # fmt: skip
+    if name not in ("1f1b", "paci"):  # its own placement: the layers of its chunks
+        args[args.index("--num-layers") + 1] = str(n * chunks)
+    launch(torchrun_command(n, PRETRAIN_SCRIPT, args), os.path.join(run_dir, "log.txt"),
+           options.timeout)  # fmt: skip
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    events = read_chrome_trace(timeline)
+    definition = SIMULATED_SCHEDULES[schedule]
+    plan = resolve_plan(name, num_stages=n, chunks_per_rank=chunks if chunks > 1 else None)
+    nominal = _nominal_seconds(costs_ms, definition.splits_backward)
+    replay_costs = measured_pass_costs(events, plan.placement, n * chunks, nominal)
+    replay = simulate(definition, num_stages=n, microbatches_per_step=m, steps=steps,
+                      p2p_latency=estimate_p2p_latency_on(events, plan.placement),
+                      chunks_per_rank=chunks if definition.placement is not None else None,
+                      record_timeline=True, **replay_costs)  # fmt: skip
+    limit = n / sum(f + b for f, b in zip(costs_ms["forward"], costs_ms["backward"])) * 1000
+    measured = steady_pace(events, m, steps)
+    replayed = steady_pace(replay.timeline, m, steps)
+    projected = compare(model, schedule, chunks, m)
+    peaks = [stage["peak_inflight_microbatches"] / chunks for stage in summary["stages"]]
+    return {
+        "schedule": schedule,
+        "chunks_per_rank": chunks,
+        "measured_microbatches_per_s": measured,
+        "measured_pace": measured / limit,
+        "replay_microbatches_per_s": replayed,
+        "measured_over_replay": measured / replayed,
+        "projected_pace": projected.pace,
+        "peak_activations": max(peaks),
+        "projected_peak_activations": projected.peak_activations,
+        "max_drift": max(stage["max_drift"] for stage in summary["stages"]),
+        "weight_copies": projected.weight_copies,
+        "physical_limit_microbatches_per_s": limit,
+        "costs_ms": costs_ms,
+        "run_dir": run_dir,
+    }
+
+
+def estimate_p2p_latency_on(events, placement) -> float:
+    """The emulation's p2p latency estimate (it reads virtual stages in the interleaved
+    placement; on the V its estimate is left out: 0)."""
+    if placement is not None and placement.shape == "v":
+        return 0.0
+    chunks = 1 if placement is None else placement.chunks_per_rank
+    return estimate_p2p_latency(events, chunks)
+
+
+def compare_in_runtime(options) -> dict:
+    """Run every schedule of `options.schedules` on `options.model` and tabulate them."""
+    model = MODELS[options.model]
+    workdir = options.output or tempfile.mkdtemp(prefix="runtime_comparison_")
+    rows = [
+        run_one(model, schedule, options, os.path.join(workdir, schedule))
+        for schedule in options.schedules
+    ]
+    report = {
+        "model": model.name,
+        "ranks": model.ranks,
+        "microbatches": options.microbatches,
+        "steps": options.steps,
+        "ms_per_layer": options.ms_per_layer,
+        "rows": rows,
+        "table_markdown": markdown(rows),
+        "output_dir": workdir,
+    }
+    with open(os.path.join(workdir, "report.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| schedule | chunks/rank | measured microbatches/s | measured pace | replay on the "
+        "run's costs | projected pace | peak activations (measured / projected) | drift |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['schedule']} | {r['chunks_per_rank']} | {r['measured_microbatches_per_s']:.2f}"
+            f" | {r['measured_pace']:.3f} | {r['measured_over_replay']:.3f} of "
+            f"{r['replay_microbatches_per_s']:.2f} | {r['projected_pace']:.3f} | "
+            f"{r['peak_activations']:g} / {r['projected_peak_activations']:g} | "
+            f"{r['max_drift']} |"
+        )
+    return "\n".join(lines)
