@@ -2,7 +2,7 @@
 
 Launches `pretrain_gpt.py` through torchrun once per schedule with emulated compute and compares
 each run's steady-state throughput with the simulator's prediction from the run's own trace;
-`megatron.pipeline.simulation.emulation` does the work and defines every figure. Prints one
+`megatron.pipeline.simulation.emulated_benchmark` does the work and defines every figure. Prints one
 JSON object (also written to ``OUTPUT/report.json``).
 
     python tools/benchmark_schedules.py --stages 4 --microbatches 8 --fwd-ms 50 --bwd-ms 100
@@ -27,7 +27,7 @@ from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.schedules.paci import with_paci_options
 from megatron.pipeline.simulation.comparison import MODELS
 from megatron.pipeline.simulation.costs import stage_values
-from megatron.pipeline.simulation.emulation import (
+from megatron.pipeline.simulation.emulated_benchmark import (
     benchmark,
     has_noise,
     schedule_and_rule,
@@ -88,6 +88,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output", default=None, help="directory for logs, traces, summaries")
     parser.add_argument("--timeout", type=float, default=900.0, help="per run, seconds")
     options = parser.parse_args(argv)
+    _check_options(parser, options)
+    return options
+
+
+def _check_options(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
+    """Refuse what the benchmark cannot run, before launching anything."""
     if options.stages < 2 or options.microbatches < 1:
         parser.error("--stages must be >= 2 and --microbatches >= 1")
     if options.repeats < 1:
@@ -119,7 +125,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(
                 f"{error} is not supported yet" if options.virtual_stages > 1 else str(error)
             )
-    return options
 
 
 def main(argv=None) -> int:

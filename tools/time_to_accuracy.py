@@ -23,7 +23,7 @@ import sys
 from megatron.studies import time_to_accuracy as tta
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--config", action="append", required=True, type=tta.parse_configuration,
@@ -47,6 +47,11 @@ def main(argv=None) -> int:
     if options.engine == "torchrun" and (options.model, options.eval_iters,
                                          options.warmup_iters) != ("demo", 5, None):  # fmt: skip
         parser.error("--model, --eval-iters and --warmup-iters need --engine single-process")
+    return options
+
+
+def main(argv=None) -> int:
+    options = parse_args(argv)
     seeds = [int(s) for s in options.seeds.split(",")]
     targets = [float(t) for t in options.targets.split(",")]
     configs = options.config

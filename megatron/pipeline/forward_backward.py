@@ -96,7 +96,7 @@ def _divided_by_step_tokens(optimizer_step_func: Callable, runtime: RankRuntime)
             torch.distributed.all_reduce(tokens, group=group)
         if tokens.item() > 0:
             # The step averages gradients over data-parallel ranks (megatron/training/
-            # optimizer.py), so dp / total makes the result the sum over ranks / total.
+            # optimizer/build.py), so dp / total makes the result the sum over ranks / total.
             _scale_gradients(optimizer_step_func, runtime.model, data_parallel / tokens.item())
         return optimizer_step_func()
 

@@ -862,7 +862,7 @@ def _validate_data_args(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------- optimizer suite
-OPTIMIZER_NAMES = ("adam", "sgd", "muon", "lion", "adan", "soap", "mars")  # optimizers.py
+OPTIMIZER_NAMES = ("adam", "sgd", "muon", "lion", "adan", "soap", "mars")  # optimizer/suite.py
 
 
 def _add_optimizer_suite_args(parser: argparse.ArgumentParser) -> None:

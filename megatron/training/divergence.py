@@ -1,7 +1,7 @@
 """Non-finite training: agreeing on it at drain points, refusing to save it, rolling back.
 
 Each stage skips its own optimizer step when its gradient norm is not finite and counts it
-(optimizer.py); the last stage counts non-finite losses (training.py). None of that talks to
+(optimizer/build.py); the last stage counts non-finite losses (training.py). None of that talks to
 other stages, so training keeps its only-point-to-point traffic. At a drain point (evaluation,
 checkpoint, the end), where the pipeline is empty and ranks synchronize anyway, one all-reduce
 tells every rank whether some stage has skipped `--max-consecutive-skips` steps in a row or

@@ -48,7 +48,7 @@ from megatron.training.checkpointing import save_load as checkpointing
 from megatron.training.checkpointing.writer_lock import WriterLock, describe, new_run_id
 from megatron.training.data.datasets import data_iterators_from_args, parse_data_path
 from megatron.training.divergence import check_replicas_match
-from megatron.training.emulation import EmulatedStage
+from megatron.training.emulated_stage import EmulatedStage
 from megatron.training.errors import RunFailed, UserError
 from megatron.training.host_memory import unmap_large_blocks_when_freed
 from megatron.training.model import (

@@ -6,7 +6,8 @@
 * `costs`: `StageCosts`, per-stage durations; `CostNoise`, seeded per-action lognormal noise;
 * `calibration`: the calibration file format, its reader and its writer;
 * `projection`: the cost model and the paper-scale projection;
-* `emulation`: real runs with emulated compute against the simulator's prediction;
+* `emulated_benchmark`: real runs with emulated compute against the simulator's prediction;
+  `runtime_comparison`: every runtime schedule measured side by side on one model's costs;
 * `arrival_study`: PACI's arrival rules on uneven and noisy stages;
 * `real_compute`: real GPT runs on 2 stages, flush vs PACI, and the balancing split.
 """

@@ -23,7 +23,7 @@ import statistics
 
 from ..schedules.base import ActionKind
 from ..trace import read_chrome_trace
-from .emulation import PRETRAIN_SCRIPT, launch, torchrun_command
+from .emulated_benchmark import PRETRAIN_SCRIPT, launch, torchrun_command
 from .results import by_stage, steady_state_throughput
 
 NUM_STAGES = 2

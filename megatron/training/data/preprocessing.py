@@ -193,6 +193,16 @@ def _file_error(err: OSError, args) -> UserError:
     return UserError(f"cannot write {path} (--output-prefix {args.output_prefix}): {err.strerror}")
 
 
+def _log_progress(count: int, n_bytes: int, elapsed: float) -> None:
+    elapsed = max(elapsed, 1e-9)
+    print(
+        f"Processed {count} documents ({count / elapsed:.1f} docs/s, "
+        f"{n_bytes / elapsed / 1024 / 1024:.2f} MB/s).",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def preprocess(args) -> list:
     """Tokenize ``args.input`` into one dataset per json key; returns the written datasets."""
     tokenizer_kwargs = dict(
@@ -233,13 +243,7 @@ def preprocess(args) -> list:
                 outputs[key].add(checked_document(doc, [len(doc)], vocab_size, dtype, where))
             count += 1
             if count % args.log_interval == 0:
-                elapsed = max(time.time() - start, 1e-9)
-                print(
-                    f"Processed {count} documents "
-                    f"({count / elapsed:.1f} docs/s, {n_bytes / elapsed / 1024 / 1024:.2f} MB/s).",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                _log_progress(count, n_bytes, time.time() - start)
         if count == 0:
             raise UserError(f"--input {args.input} has no documents")
         for output in outputs.values():

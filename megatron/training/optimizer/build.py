@@ -49,7 +49,7 @@ def _optimizer_shard_groups(config: OptimizerConfig):
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig):
-    """`--optimizer`'s optimizer (optimizers.py), with the delay mitigations asked for; over
+    """`--optimizer`'s optimizer (suite.py), with the delay mitigations asked for; over
     fp32 main weights when the model is bf16/fp16 or the optimizer is distributed."""
     from megatron.training.optimizer.delay_mitigation import with_delay_mitigation
     from megatron.training.optimizer.suite import build_suite_optimizer

@@ -10,7 +10,7 @@ Which parameters each one steps:
   embeddings, the output layer and every 1-D parameter (biases, norms) go to AdamW with the
   `--adam-*` settings, as in Megatron's Muon.
 
-Weight decay follows `optimizer.py`'s rule (none on 1-D parameters, biases and norms) and is
+Weight decay follows Megatron's rule (`no_weight_decay`: none on 1-D parameters, biases, norms) and is
 decoupled for every optimizer except SGD (torch's SGD adds it to the gradient).
 
 Muon, as Megatron's flags describe it (`--muon-momentum`, `--muon-use-nesterov`,

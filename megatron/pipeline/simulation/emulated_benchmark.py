@@ -4,7 +4,7 @@
 
 Launches `pretrain_gpt.py` through torchrun (gloo, one process per stage) once per schedule,
 with each stage's model replaced by a stand-in that sleeps ``--fwd-ms`` per forward and
-``--bwd-ms`` per backward (`megatron.training.emulation`) and a tiny hidden size, so what is
+``--bwd-ms`` per backward (`megatron.training.emulated_stage`) and a tiny hidden size, so what is
 measured is the schedule, the runtime and the transfers, not the CPU. Each run writes its
 Chrome trace (``--timeline-file``) and ``summary.json`` (``--metrics-dir``). The simulator then
 runs the same schedule definition with costs and p2p latency measured from that trace, and
@@ -436,7 +436,26 @@ def benchmark(options) -> dict:
     errors = {s: r["prediction_error"] for s, r in runs.items()}
     closed_form = (m + n - 1) / m
     overheads = {s: max(r["overhead_us_per_action"]["max"] for r in all_runs[s]) for s in runs}
-    report = {
+    report = _report(options, runs, all_runs, measured, simulated, errors, closed_form, overheads)
+    acceptance = {
+        "prediction_within_5_percent": all(abs(e) <= PREDICTION_TOLERANCE for e in errors.values()),
+        "overhead_under_1_ms": all(value < OVERHEAD_LIMIT_US for value in overheads.values()),
+    }
+    if "1f1b" in measured:
+        for name in measured:
+            if name.startswith("paci"):
+                ratio_figures(report, acceptance, name, measured, simulated, closed_form, uniform)
+    report["acceptance"] = acceptance
+    report["runs"] = all_runs
+    report["output_dir"] = workdir
+    with open(os.path.join(workdir, "report.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
+def _report(options, runs, all_runs, measured, simulated, errors, closed_form, overheads) -> dict:
+    n, m = options.stages, options.microbatches
+    return {
         "stages": n,
         "microbatches": m,
         "steps": options.steps,
@@ -467,17 +486,3 @@ def benchmark(options) -> dict:
         },
         "p2p_latency_ms": {s: r["p2p_latency_ms"] for s, r in runs.items()},
     }
-    acceptance = {
-        "prediction_within_5_percent": all(abs(e) <= PREDICTION_TOLERANCE for e in errors.values()),
-        "overhead_under_1_ms": all(value < OVERHEAD_LIMIT_US for value in overheads.values()),
-    }
-    if "1f1b" in measured:
-        for name in measured:
-            if name.startswith("paci"):
-                ratio_figures(report, acceptance, name, measured, simulated, closed_form, uniform)
-    report["acceptance"] = acceptance
-    report["runs"] = all_runs
-    report["output_dir"] = workdir
-    with open(os.path.join(workdir, "report.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    return report
