@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for add_group in (_add_model_args, _add_parallel_args, _add_training_args,
                       _add_optimizer_args, _add_data_args, _add_logging_args,
-                      _add_checkpoint_args, _add_benchmark_args):  # fmt: skip
+                      _add_checkpoint_args, _add_paci_args, _add_benchmark_args):  # fmt: skip
         add_group(parser)
     _add_optimizer_suite_args(parser)
     _add_precision_args(parser)
@@ -271,6 +271,10 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     add("--no-save-rng", action="store_true")
     add("--finetune", action="store_true",
         help="load the model only and start at iteration 0")  # fmt: skip
+
+
+def _add_paci_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument_group("PACI (--pipeline-schedule paci)").add_argument
     add("--paci-arrival-rule", default=None, choices=list(ARRIVAL_RULES),
         help=f"what a PACI stage runs first when it may (default {DEFAULT_ARRIVAL_RULE})")  # fmt: skip
     add("--paci-inflight-limit", default=None, choices=list(INFLIGHT_LIMITS),

@@ -80,6 +80,17 @@ def test_zero_bubble_schedules_match_one_process_and_hold_the_simulators_activat
     assert peaks == simulated.peak_held_per_stage
 
 
+def test_a_zero_bubble_v_checkpoint_resumes_on_plain_stages(case_results):
+    """Saved by ZB-V (TP 2 x PP 2, two chunks per rank, tied embeddings both on rank 0) after
+    4 iterations, resumed by 1F1B on 4 plain stages: the rest of the run equals the
+    one-process run (torch_dist reshards the V's chunks onto stages and TP 2 onto 1)."""
+    reference = case_results["gpt_pp1_tied_1f1b"]["loss"]
+    saved = case_results["gpt_zbv_1_tp2pp2_tied_save"]["loss"]
+    resumed = case_results["gpt_zbv_2_pp4_tied_load"]["loss"]
+    assert run_cases.relative_difference(saved, reference[:4]) <= 1e-5
+    assert len(resumed) == 4 and run_cases.relative_difference(resumed, reference[4:]) <= 1e-5
+
+
 def test_uneven_split_matches_single_stage(case_results):
     """8 layers as 1 + 3 + 3 + 1 (first/last stage sizes given) against one process."""
     reference = case_results["gpt_pp1_8layers_1f1b"]["loss"]

@@ -48,7 +48,7 @@ RESHARDABLE = {"layout"}
 # Schedules whose checkpoints hold no schedule state: each saves with the pipeline empty and
 # every stage at the same step boundary (flush by construction, PACI by draining first), and
 # keeps one weight version. A checkpoint of one resumes under the other.
-DRAINED_SCHEDULES = ("1f1b", "paci")
+DRAINED_SCHEDULES = ("1f1b", "paci", "zb-h1", "zb-v", "dualpipe-v")
 # OptimizerParamScheduler field -> what the user calls it
 _SCHEDULE_FIELDS = {
     "max_lr": "--lr",
