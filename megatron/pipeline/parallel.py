@@ -29,16 +29,23 @@ def rank_in(ranks) -> bool:
     return dist.get_rank() in ranks
 
 
-def build_pipeline_context(device: torch.device) -> PipelineContext:
-    """Collective over the world: creates the gradient and decision groups."""
+def build_pipeline_context(
+    device: torch.device, *, decide_per_stage: bool = False
+) -> PipelineContext:
+    """Collective over the world: creates the gradient and decision groups. A schedule that
+    reacts to arrivals decides on one rank for its tensor-parallel peers, which must run the
+    same actions; with `decide_per_stage` for every rank of the stage (its TP x DP ranks: what
+    expert-parallel all-to-alls across data-parallel replicas need)."""
     ps = parallel_state
     backend = dist.get_backend()
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group)
-    tp_ranks = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
+    deciders = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
+    if decide_per_stage:
+        deciders = sorted(ranks_of_my_stage())
     # A second communicator between the same ranks, so gradients never queue behind activations.
     gradient_group = _new_groups(pp_ranks, backend=None)
-    decision_group = _new_groups(tp_ranks, backend="gloo") if len(tp_ranks) > 1 else None
+    decision_group = _new_groups(deciders, backend="gloo") if len(deciders) > 1 else None
     stage, num_stages = ps.get_pipeline_model_parallel_rank(), len(pp_ranks)
     return PipelineContext(
         stage=stage,
@@ -50,8 +57,8 @@ def build_pipeline_context(device: torch.device) -> PipelineContext:
         prev_rank=pp_ranks[stage - 1] if stage > 0 else None,
         next_rank=pp_ranks[stage + 1] if stage < num_stages - 1 else None,
         decision_group=decision_group,
-        decision_leader=min(tp_ranks),
-        is_decision_leader=dist.get_rank() == min(tp_ranks),
+        decision_leader=min(deciders),
+        is_decision_leader=dist.get_rank() == min(deciders),
     )
 
 

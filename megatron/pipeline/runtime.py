@@ -172,6 +172,10 @@ class RankRuntime:
         # fp16: the rank's loss scaler (set by the training loop). Every gradient message
         # carries the scale its sender computed it with; the receiver rescales to its own.
         self.loss_scaler = None
+        # Called with the scale of the loss gradient before every backward pass (B and W):
+        # losses added inside the model (megatron-core's MoE aux loss) take it at backward
+        # time, as the main loss does (1/m for flush, 1/a for PACI, the loss scale, ...).
+        self.backward_scale_listeners: list[Callable[[float], None]] = []
         layout = placement or interleaved(context.num_stages, 1)
         self.state = RankState(context.stage, layout, chunked=placement is not None)
         # steps between a microbatch's forward and its backward, per chunk (bounds are per chunk)
@@ -542,6 +546,7 @@ class RankRuntime:
         if lane.is_last and self.loss_scaler is not None:
             output = output * self.loss_scaler.scale  # fp16: the rank's scale, now
         version = self.state.chunks[lane.chunk].forward_versions[microbatch.microbatch]
+        self._announce_backward_scale()
         compute_start = time.perf_counter()
         with self._on_weights(version):
             if split:
@@ -566,11 +571,24 @@ class RankRuntime:
 
     def _weight_grad(self, lane: _Lane) -> None:
         microbatch = lane.awaiting_weight_grad.popleft()
+        self._announce_backward_scale()
         compute_start = time.perf_counter()
         microbatch.pending_weight_grad.run()
         self.compute_s += time.perf_counter() - compute_start
         microbatch.pending_weight_grad = None
         self._record_gradient_taken(lane, microbatch, self.state.record_weight_grad(lane.chunk))
+
+    def _announce_backward_scale(self) -> None:
+        """The loss gradient's scale for this backward, to the listeners: the loss scale over
+        the microbatches one update takes (with a per-token loss, the step divides instead)."""
+        if not self.backward_scale_listeners:
+            return
+        scale = self._loss_scale()
+        if not self.per_token_loss:
+            microbatches = self.state.chunks[0].microbatches_per_step
+            scale /= self.schedule.microbatches_per_update(microbatches)
+        for listener in self.backward_scale_listeners:
+            listener(scale)
 
     def _record_gradient_taken(self, lane: _Lane, microbatch: _InFlight,
                                forward_version: int) -> None:  # fmt: skip

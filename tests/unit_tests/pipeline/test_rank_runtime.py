@@ -193,3 +193,20 @@ def test_paci_over_virtual_stages_reports_its_drift_by_accumulation_factor(m):
         assert runtime.stats.max_drift == simulated.max_drift_per_stage[rank]
         assert max(max(c, default=0) for c in runtime.chunk_drift) == runtime.stats.max_drift
         assert runtime.stats.optimizer_steps == steps * 1  # one step per m backwards per chunk
+
+
+@pytest.mark.parametrize("name, m, per_update", [("1f1b", 4, 4), ("zb-h1", 4, 4), ("paci", 2, 2),
+                                                 ("pipedream", 4, 1)])  # fmt: skip
+def test_every_backward_pass_announces_the_loss_gradients_scale(name, m, per_update):
+    """What a loss added inside the model (megatron-core's MoE aux loss) must be scaled by,
+    set before each backward pass (B and W alike): 1/m for flush, 1/a for PACI, 1 for
+    PipeDream, which steps after every microbatch."""
+    plan = resolve_plan(name, num_stages=2)
+    runtimes = build_ranks(plan)
+    heard = {id(r): [] for r in runtimes}
+    for runtime in runtimes:
+        runtime.backward_scale_listeners.append(heard[id(runtime)].append)
+    run_threads(runtimes, lambda r: train(r, plan, m, steps=2))
+    passes = 2 if plan.schedule.splits_backward else 1
+    for runtime in runtimes:
+        assert heard[id(runtime)] == [1.0 / per_update] * (2 * m * passes)
