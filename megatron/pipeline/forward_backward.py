@@ -261,9 +261,14 @@ def get_forward_backward_func(
     returns a function that runs the plan attached to the model it is given."""
     if pipeline_schedule is None or isinstance(pipeline_schedule, int):
         return functools.partial(_run_schedule, None)
-    plan = resolve_plan(pipeline_schedule, num_stages=pp_size or 1, chunks_per_rank=vp_size,
-                        microbatch_group_size=microbatch_group_size, arrival_rule=arrival_rule,
-                        inflight_limit=inflight_limit)  # fmt: skip
+    plan = resolve_plan(
+        pipeline_schedule,
+        num_stages=pp_size or 1,
+        chunks_per_rank=vp_size,
+        microbatch_group_size=microbatch_group_size,
+        arrival_rule=arrival_rule,
+        inflight_limit=inflight_limit,
+    )
     return functools.partial(_run_schedule, plan.schedule)
 
 

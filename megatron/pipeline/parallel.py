@@ -98,8 +98,9 @@ def _stream_families(placement) -> set[tuple[str, int, int]]:
     families = set()
     for stage in range(placement.num_virtual_stages - 1):
         (sender, sender_chunk), (receiver, receiver_chunk) = (
-            placement.locate(stage), placement.locate(stage + 1)
-        )  # fmt: skip
+            placement.locate(stage),
+            placement.locate(stage + 1),
+        )
         if sender != receiver:
             families.add(("activation", receiver_chunk, sender - receiver))
             families.add(("gradient", sender_chunk, receiver - sender))

@@ -46,9 +46,12 @@ class PipelinePlan:
         (--async-sync-warmup-iters, --async-sync-cooldown-iters)."""
         if self.name == "1f1b":
             return self
-        return resolve_plan("1f1b", num_stages=self.num_stages,
-                            chunks_per_rank=self.chunks_per_rank,
-                            microbatch_group_size=self.microbatch_group_size)  # fmt: skip
+        return resolve_plan(
+            "1f1b",
+            num_stages=self.num_stages,
+            chunks_per_rank=self.chunks_per_rank,
+            microbatch_group_size=self.microbatch_group_size,
+        )
 
     def microbatches_per_update(self, microbatches: int) -> int:
         return self.schedule.microbatches_per_update(microbatches)

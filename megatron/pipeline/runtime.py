@@ -122,8 +122,9 @@ def decode_count(digits: torch.Tensor) -> int:
     return sum(int(round(float(d))) << (8 * i) for i, d in enumerate(digits.tolist()))
 
 
-def call_forward_limit(schedule, backward_target: int, num_microbatches: int,
-                       microbatches_before_drain: int | None) -> int:  # fmt: skip
+def call_forward_limit(
+    schedule, backward_target: int, num_microbatches: int, microbatches_before_drain: int | None
+) -> int:
     """No forward of this call beyond the next drain (a flush drains at every call's end):
     the stage's backwards so far plus the microbatches before the drain; none without one."""
     if schedule.flushes_every_call:
@@ -201,9 +202,14 @@ class RankRuntime:
         if self.placement is not None:
             raise ValueError("a rank with several model chunks needs their transport")
         ctx = self.context
-        return DistributedTransport(rank=dist.get_rank(), links=plain_links(ctx),
-                                    backend=ctx.backend, device=ctx.device, dtype=self.dtype,
-                                    max_pending=2 * ctx.num_stages + 2)  # fmt: skip
+        return DistributedTransport(
+            rank=dist.get_rank(),
+            links=plain_links(ctx),
+            backend=ctx.backend,
+            device=ctx.device,
+            dtype=self.dtype,
+            max_pending=2 * ctx.num_stages + 2,
+        )
 
     def _open_lanes(self, transport) -> list[_Lane]:
         chunks = getattr(self.model, "chunks", None) if self.placement is not None else None
@@ -213,12 +219,17 @@ class RankRuntime:
         lanes = []
         for chunk, state in enumerate(self.state.chunks):
             ends = LaneEnds(state.stage, total)
-            streams = transport.open(chunk, ends, activation_elements=activation_elements,
-                                     gradient_elements=gradient_elements,
-                                     arrivals=self._arrivals)  # fmt: skip
+            streams = transport.open(
+                chunk,
+                ends,
+                activation_elements=activation_elements,
+                gradient_elements=gradient_elements,
+                arrivals=self._arrivals,
+            )
             module = self.model if chunks is None else chunks[chunk]
-            lanes.append(_Lane(chunk, state.stage, module, not ends.has_input,
-                               not ends.has_output, streams))  # fmt: skip
+            lanes.append(
+                _Lane(chunk, state.stage, module, not ends.has_input, not ends.has_output, streams)
+            )
         return lanes
 
     @property
@@ -262,8 +273,10 @@ class RankRuntime:
             self.state.check(action, step_enabled=step_enabled)
             self._execute(action, work)
         self.loop_s += time.perf_counter() - loop_start
-        if all(c.forwards == c.backwards == c.weight_grads_done == c.forward_limit
-               for c in self._chunk_totals()):  # fmt: skip
+        if all(
+            c.forwards == c.backwards == c.weight_grads_done == c.forward_limit
+            for c in self._chunk_totals()
+        ):
             self._flush_sends()
         self.stats.wall_s = time.perf_counter() - self._start_time
         self.stats.optimizer_steps = self.state.steps
@@ -318,8 +331,9 @@ class RankRuntime:
             if streams.activations_in is not None:
                 total = forward_limit
                 if lookahead is not None:
-                    ahead = lookahead(ctx.stage, lane.chunk, self.placement,
-                                      chunk.microbatches_per_step)  # fmt: skip
+                    ahead = lookahead(
+                        ctx.stage, lane.chunk, self.placement, chunk.microbatches_per_step
+                    )
                     total = min(total, chunk.backward_target + ahead)
                 elif self.placement is None:
                     total = min(total, chunk.backward_target + ctx.num_stages - ctx.stage - 1)
@@ -418,8 +432,7 @@ class RankRuntime:
     def _receive_decision(self) -> Action:
         message = torch.empty(3, dtype=torch.int64)
         dist.broadcast(message, src=self.context.decision_leader, group=self.context.decision_group)
-        kind, microbatch, chunk = (_ACTION_CODES[int(message[0])], int(message[1]),
-                                   int(message[2]))  # fmt: skip
+        kind, microbatch, chunk = (_ACTION_CODES[int(message[0])], int(message[1]), int(message[2]))
         return Action(kind, None if microbatch < 0 else microbatch, None if chunk < 0 else chunk)
 
     # ---------------------------------------------------------------- doing
@@ -459,9 +472,12 @@ class RankRuntime:
         if action.kind is not ActionKind.BACKWARD or len(action.together) != 1:
             return False
         weight = action.together[0]
-        return (weight.kind is ActionKind.WEIGHT_GRAD and weight.chunk == action.chunk
-                and weight.microbatch == action.microbatch
-                and not self._lane_of(action).awaiting_weight_grad)  # fmt: skip
+        return (
+            weight.kind is ActionKind.WEIGHT_GRAD
+            and weight.chunk == action.chunk
+            and weight.microbatch == action.microbatch
+            and not self._lane_of(action).awaiting_weight_grad
+        )
 
     def _lane_of(self, action: Action) -> _Lane:
         return self.lanes[0 if action.chunk is None else action.chunk]
@@ -480,9 +496,11 @@ class RankRuntime:
         compute_start = time.perf_counter()
         with self._on_weights(version) as redirection, self.meter.measure(redirection) as saved:
             output, loss_func = self._call_forward_step(
-                lane, work.forward_step_func, data_iterator=_data_of(work.data_iterator, lane),
+                lane,
+                work.forward_step_func,
+                data_iterator=_data_of(work.data_iterator, lane),
                 input_tensor=input_tensor,
-            )  # fmt: skip
+            )
             loss_dict, tokens = None, 0
             if lane.is_last:
                 loss, tokens, loss_dict = _split_loss(loss_func(output))
@@ -590,8 +608,9 @@ class RankRuntime:
         for listener in self.backward_scale_listeners:
             listener(scale)
 
-    def _record_gradient_taken(self, lane: _Lane, microbatch: _InFlight,
-                               forward_version: int) -> None:  # fmt: skip
+    def _record_gradient_taken(
+        self, lane: _Lane, microbatch: _InFlight, forward_version: int
+    ) -> None:
         """The microbatch's weight gradient is in: its drift (steps since its forward), and its
         activations are released."""
         steps_since_forward = self.state.steps - forward_version

@@ -91,16 +91,15 @@ class PendingWeightGradient:
         self._output = self._grad = self._parts = None
 
 
-def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
-                   input_tensor: torch.Tensor | None) -> PendingWeightGradient:  # fmt: skip
+def backward_input(
+    output: torch.Tensor, grad: torch.Tensor | None, input_tensor: torch.Tensor | None
+) -> PendingWeightGradient:
     """B: the gradient of `input_tensor` (left in its `.grad`); returns what W needs."""
     root = output.grad_fn
     if input_tensor is None or root is None:
         return PendingWeightGradient(output, grad, None)
     nodes = _reachable(root)
-    input_node = next(
-        (n for n in nodes if getattr(n, "variable", None) is input_tensor), None
-    )  # fmt: skip
+    input_node = next((n for n in nodes if getattr(n, "variable", None) is input_tensor), None)
     if input_node is None:  # the output does not depend on the input
         return PendingWeightGradient(output, grad, None)
     input_path = _nodes_leading_to(input_node, nodes)
@@ -111,8 +110,7 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
     ]
     under = [_parameters_under(node, input_path) for node in boundary]
     if not _disjoint([visited for _, visited in under]):
-        torch.autograd.backward(output, grad_tensors=grad, inputs=[input_tensor],
-                                retain_graph=True)  # fmt: skip
+        torch.autograd.backward(output, grad_tensors=grad, inputs=[input_tensor], retain_graph=True)
         return PendingWeightGradient(output, grad, None)
     kept: dict = {}
     hooks = [
@@ -120,8 +118,7 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
         for node in boundary
     ]
     try:
-        torch.autograd.backward(output, grad_tensors=grad, inputs=[input_tensor],
-                                retain_graph=True)  # fmt: skip
+        torch.autograd.backward(output, grad_tensors=grad, inputs=[input_tensor], retain_graph=True)
     finally:
         for hook in hooks:
             hook.remove()

@@ -186,8 +186,9 @@ class RankState:
     activations the rank keeps alive.
     """
 
-    def __init__(self, rank, placement, schedule_name="schedule", *, splits_backward=False,
-                 chunked=True):  # fmt: skip
+    def __init__(
+        self, rank, placement, schedule_name="schedule", *, splits_backward=False, chunked=True
+    ):
         self.rank = rank
         self.placement = placement
         self.chunked = chunked
@@ -319,8 +320,10 @@ class RankState:
             f"W={c.weight_grads}"
             for i, c in enumerate(self.chunks)
         )
-        return f"rank {self.rank} of {self.placement.num_ranks}, call {self.calls}, " \
-               f"S={self.steps}: {parts}"  # fmt: skip
+        return (
+            f"rank {self.rank} of {self.placement.num_ranks}, call {self.calls}, "
+            f"S={self.steps}: {parts}"
+        )
 
     def recent_actions(self) -> str:
         if not self.chunked:

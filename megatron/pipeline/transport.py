@@ -119,27 +119,45 @@ class DistributedTransport:
     """Streams over torch.distributed, as `links` (one `LaneLinks` per lane) say; loopbacks
     where a lane's neighbour is on this rank."""
 
-    def __init__(self, *, rank: int, links: list[LaneLinks], backend: str, device, dtype,
-                 max_pending: int):  # fmt: skip
+    def __init__(
+        self, *, rank: int, links: list[LaneLinks], backend: str, device, dtype, max_pending: int
+    ):
         self.rank, self.links = rank, links
         self.backend, self.device, self.dtype = backend, device, dtype
         self.max_pending = max_pending
         self._loopbacks: dict[tuple[str, int], QueueInbox] = {}  # (stream, receiving lane)
 
-    def open(self, lane: int, ends: LaneEnds, *, activation_elements: int,
-             gradient_elements: int, arrivals: threading.Condition) -> LaneStreams:  # fmt: skip
+    def open(
+        self,
+        lane: int,
+        ends: LaneEnds,
+        *,
+        activation_elements: int,
+        gradient_elements: int,
+        arrivals: threading.Condition,
+    ) -> LaneStreams:
         links, streams = self.links[lane], LaneStreams()
         if ends.has_input:
             streams.activations_in = self._inbox(
-                "activation", lane, links.input_peer, links.input_group, activation_elements,
-                arrivals)  # fmt: skip
+                "activation",
+                lane,
+                links.input_peer,
+                links.input_group,
+                activation_elements,
+                arrivals,
+            )
             streams.gradients_out = self._outbox(
                 "gradient", links.grad_out_peer, links.grad_out_group, lane, -1
             )
         if ends.has_output:
             streams.gradients_in = self._inbox(
-                "gradient", lane, links.grad_in_peer, links.grad_in_group, gradient_elements,
-                arrivals)  # fmt: skip
+                "gradient",
+                lane,
+                links.grad_in_peer,
+                links.grad_in_group,
+                gradient_elements,
+                arrivals,
+            )
             streams.activations_out = self._outbox(
                 "activation", links.output_peer, links.output_group, lane, +1
             )
@@ -150,8 +168,15 @@ class DistributedTransport:
             inbox = self._loopbacks.setdefault((stream, lane), QueueInbox())
             inbox.arrivals = arrivals
             return inbox
-        return make_inbox(backend=self.backend, peer=peer, group=group, shape=(elements,),
-                          dtype=self.dtype, device=self.device, arrivals=arrivals)  # fmt: skip
+        return make_inbox(
+            backend=self.backend,
+            peer=peer,
+            group=group,
+            shape=(elements,),
+            dtype=self.dtype,
+            device=self.device,
+            arrivals=arrivals,
+        )
 
     def _outbox(self, stream, peer, group, lane, direction):
         if peer == self.rank:  # the neighbouring lane of this rank: the next/previous chunk
@@ -195,8 +220,15 @@ class _InProcessRankTransport:
     hub: InProcessTransport
     virtual_stages: list[int]
 
-    def open(self, lane: int, ends: LaneEnds, *, activation_elements: int,
-             gradient_elements: int, arrivals: threading.Condition) -> LaneStreams:  # fmt: skip
+    def open(
+        self,
+        lane: int,
+        ends: LaneEnds,
+        *,
+        activation_elements: int,
+        gradient_elements: int,
+        arrivals: threading.Condition,
+    ) -> LaneStreams:
         stage, hub, streams = self.virtual_stages[lane], self.hub, LaneStreams()
         if ends.has_input:
             streams.activations_in = hub.queue("activation", stage)

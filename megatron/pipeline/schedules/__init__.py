@@ -25,9 +25,16 @@ from .base import Action, ActionKind, Schedule, StageView
 
 SCHEDULES: dict[str, Schedule] = {
     s.name: s
-    for s in (flush_1f1b.SCHEDULE, paci.SCHEDULE, pipedream_2bw.SCHEDULE, pipedream.SCHEDULE,
-              zb_h1.SCHEDULE, zb_v.SCHEDULE, dualpipe_v.SCHEDULE)
-}  # fmt: skip
+    for s in (
+        flush_1f1b.SCHEDULE,
+        paci.SCHEDULE,
+        pipedream_2bw.SCHEDULE,
+        pipedream.SCHEDULE,
+        zb_h1.SCHEDULE,
+        zb_v.SCHEDULE,
+        dualpipe_v.SCHEDULE,
+    )
+}
 
 SIMULATED_SCHEDULES: dict[str, Schedule] = {
     **SCHEDULES,
@@ -41,8 +48,12 @@ SIMULATED_SCHEDULES: dict[str, Schedule] = {
 VIRTUAL_STAGE_SCHEDULES = ("1f1b", "paci")
 
 
-def virtual_schedule(name: str, group_size: int | None = None, arrival_rule: str | None = None,
-                     inflight_limit: str | None = None) -> Schedule:  # fmt: skip
+def virtual_schedule(
+    name: str,
+    group_size: int | None = None,
+    arrival_rule: str | None = None,
+    inflight_limit: str | None = None,
+) -> Schedule:
     """The schedule that --pipeline-schedule `name` runs with several model chunks per rank;
     `group_size`: microbatches per group (--microbatch-group-size-per-virtual-pipeline-stage,
     None: the number of ranks); PACI's options as `paci.with_paci_options` takes them.

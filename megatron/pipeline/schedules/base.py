@@ -67,8 +67,13 @@ class Action:
         return (Action(self.kind, self.microbatch, self.chunk), *self.together)
 
 
-FORWARD, BACKWARD, STEP, WAIT, DONE = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP,
-                                       ActionKind.WAIT, ActionKind.DONE)  # fmt: skip
+FORWARD, BACKWARD, STEP, WAIT, DONE = (
+    ActionKind.FORWARD,
+    ActionKind.BACKWARD,
+    ActionKind.STEP,
+    ActionKind.WAIT,
+    ActionKind.DONE,
+)
 WEIGHT_GRAD = ActionKind.WEIGHT_GRAD
 
 

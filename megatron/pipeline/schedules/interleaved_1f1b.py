@@ -48,14 +48,16 @@ def chunk_order(microbatches: int, chunks: int, group_size: int) -> tuple[int, .
     return tuple(order)
 
 
-def warmup_forwards(rank: int, num_ranks: int, microbatches: int, chunks: int,
-                    group_size: int) -> int:  # fmt: skip
+def warmup_forwards(
+    rank: int, num_ranks: int, microbatches: int, chunks: int, group_size: int
+) -> int:
     """Forwards rank `rank` runs before its first backward."""
     return min((num_ranks - rank - 1) * 2 + (chunks - 1) * group_size, microbatches * chunks)
 
 
-def check_microbatches(num_ranks: int, chunks: int, microbatches: int,
-                       group_size: int | None = None) -> None:  # fmt: skip
+def check_microbatches(
+    num_ranks: int, chunks: int, microbatches: int, group_size: int | None = None
+) -> None:
     """Megatron's conditions for interleaving, as one ValueError."""
     group = num_ranks if group_size is None else group_size
     if chunks < 2:

@@ -160,8 +160,9 @@ def paci_interleaved(group_size: int | None = None, rule: str = DEFAULT_ARRIVAL_
     --deterministic-mode runs)."""
 
     def lookahead(rank, chunk, placement, accumulation):
-        return window(rank, placement.num_ranks, accumulation, placement.chunks_per_rank,
-                      group_size)  # fmt: skip
+        return window(
+            rank, placement.num_ranks, accumulation, placement.chunks_per_rank, group_size
+        )
 
     fixed = None if rule == "fixed" else paci_interleaved(group_size, "fixed")
     return Schedule(

@@ -38,8 +38,10 @@ class Placement:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.shape == "v" and self.chunks_per_rank % 2:
-            raise ValueError(f"the V placement needs an even number of chunks per rank, "
-                             f"got {self.chunks_per_rank}")  # fmt: skip
+            raise ValueError(
+                f"the V placement needs an even number of chunks per rank, "
+                f"got {self.chunks_per_rank}"
+            )
 
     @property
     def num_virtual_stages(self) -> int:

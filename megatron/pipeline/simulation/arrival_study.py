@@ -129,8 +129,9 @@ def summarize(rows: list[dict], default_rule: str) -> dict:
     return {
         "default_rule": default_rule,
         "noise_levels": levels,
-        "drift_within_bound": {r: all(x["drift_within_bound"] for x in rows if x["rule"] == r)
-                               for r in rules},  # fmt: skip
+        "drift_within_bound": {
+            r: all(x["drift_within_bound"] for x in rows if x["rule"] == r) for r in rules
+        },
         "inflight_within_admission": {
             r: all(x["inflight_within_admission"] for x in rows if x["rule"] == r) for r in rules
         },
@@ -141,9 +142,7 @@ def noiseless_table(rows: list[dict]) -> str:
     """Markdown: pace per rule for every noiseless case (one line per N, a, slow stage)."""
     rules = sorted({row["rule"] for row in rows})
     factors = sorted({row["slow_factor"] for row in rows})
-    header = "| N | a | slow | " + " | ".join(
-        f"{r} x{f:g}" for r in rules for f in factors
-    )  # fmt: skip
+    header = "| N | a | slow | " + " | ".join(f"{r} x{f:g}" for r in rules for f in factors)
     lines = [header + " |", "|" + "---|" * (3 + len(rules) * len(factors))]
     table: dict[tuple, float] = {(*_key(r), r["rule"]): r["pace"] for r in rows if r["cv"] == 0}
     for n in sorted({row["num_stages"] for row in rows}):
@@ -165,7 +164,8 @@ def noise_table(summary: dict) -> str:
         cells = [f"{level['mean_pace'][r]:.3f} / {level['worst_pace'][r]:.3f}" for r in rules]
         seeds = level["runs_per_rule"] // max(level["cases"], 1)
         lines.append(
-            f"| {cv:g} | {level['cases']} x {seeds} | " + " | ".join(cells)
+            f"| {cv:g} | {level['cases']} x {seeds} | "
+            + " | ".join(cells)
             + f" | {100 * level['default_shortfall_vs_best']:.2f}% |"
-        )  # fmt: skip
+        )
     return "\n".join(lines)

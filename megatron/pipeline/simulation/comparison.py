@@ -45,16 +45,29 @@ MODELS = {
     # Megatron-LM's 70B setting: TP 4 x PP 8 x VP 5, two layers per chunk. Grouped-query
     # attention is counted as full attention (a few % of the layer's FLOPs, the same on every
     # stage); TP divides every stage's work alike, so it leaves the ratios unchanged.
-    "llama-70b": Model("Llama-style 70B, TP 4 x PP 8 x VP 5",
-                       Shape(80, 8192, 28672, 4096, 128256), 8, 1, 5,
-                       "grouped-query attention counted as full attention"),  # fmt: skip
+    "llama-70b": Model(
+        "Llama-style 70B, TP 4 x PP 8 x VP 5",
+        Shape(80, 8192, 28672, 4096, 128256),
+        8,
+        1,
+        5,
+        "grouped-query attention counted as full attention",
+    ),
 }
 
 # (schedule, chunks per rank or None for the model's interleaved v); PACI steps every m.
 SCHEDULES = [
-    ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", None), ("zb-h1", 1), ("zb-v", 2),
-    ("dualpipe-v", 2), ("2bw", 1), ("pipedream", 1), ("paci", 1), ("paci-interleaved", None),
-]  # fmt: skip
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved-1f1b", None),
+    ("zb-h1", 1),
+    ("zb-v", 2),
+    ("dualpipe-v", 2),
+    ("2bw", 1),
+    ("pipedream", 1),
+    ("paci", 1),
+    ("paci-interleaved", None),
+]
 
 
 @dataclass
@@ -133,12 +146,19 @@ def compare(model: Model, schedule: str, chunks: int | None, m: int) -> Row:
     runs = []
     try:
         for steps in (k, 2 * k):
-            runs.append(simulate(
-                definition, num_stages=model.ranks, microbatches_per_step=m, steps=steps,
-                forward_cost=forward, backward_cost=backward, weight_grad_cost=wgrad,
-                record_timeline=False,
-                chunks_per_rank=chunks if definition.placement is not None else None,
-            ))  # fmt: skip
+            runs.append(
+                simulate(
+                    definition,
+                    num_stages=model.ranks,
+                    microbatches_per_step=m,
+                    steps=steps,
+                    forward_cost=forward,
+                    backward_cost=backward,
+                    weight_grad_cost=wgrad,
+                    record_timeline=False,
+                    chunks_per_rank=chunks if definition.placement is not None else None,
+                )
+            )
     except ValueError as error:  # the schedule's own rule on m (interleaving, DualPipeV)
         return Row(schedule, chunks, m, None, None, None, None, None, str(error).split(";")[0])
     step_time = (runs[1].makespan - runs[0].makespan) / k
@@ -147,9 +167,15 @@ def compare(model: Model, schedule: str, chunks: int | None, m: int) -> Row:
     peak = max(result.peak_inflight_per_stage) / chunks
     copies = 1 + max(definition.extra_weight_versions(s, model.ranks) for s in range(model.ranks))
     return Row(
-        schedule, chunks, m, limit / step_time, peak, copies, max(result.max_drift_per_stage),
+        schedule,
+        chunks,
+        m,
+        limit / step_time,
+        peak,
+        copies,
+        max(result.max_drift_per_stage),
         max(result.max_gradient_delay_per_stage),
-    )  # fmt: skip
+    )
 
 
 def table(model: Model, microbatch_counts: list[int]) -> list[Row]:
@@ -171,8 +197,10 @@ def markdown(model: Model, rows: list[Row]) -> str:
     ]
     for row in rows:
         if row.pace is None:
-            lines.append(f"| {row.microbatches} | {row.schedule} | {row.chunks_per_rank} | "
-                         f"not defined: {row.note} | | | | |")  # fmt: skip
+            lines.append(
+                f"| {row.microbatches} | {row.schedule} | {row.chunks_per_rank} | "
+                f"not defined: {row.note} | | | | |"
+            )
             continue
         lines.append(
             f"| {row.microbatches} | {row.schedule} | {row.chunks_per_rank} | {row.pace:.3f} | "

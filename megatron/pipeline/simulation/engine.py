@@ -105,8 +105,9 @@ class _Stage:
 
 
 class _Simulator:
-    def __init__(self, schedule, placement, m, steps, costs, p2p_latency, record_timeline,
-                 noise=None):  # fmt: skip
+    def __init__(
+        self, schedule, placement, m, steps, costs, p2p_latency, record_timeline, noise=None
+    ):
         self.schedule = schedule
         self.noise = noise
         self.placement = placement
@@ -127,9 +128,13 @@ class _Simulator:
             self.full_backward_cost = [b + w for b, w in zip(self.backward_cost, self.wgrad_cost)]
 
     def _new_state(self, rank: int) -> RankState:
-        state = RankState(rank, self.placement, self.schedule.name,
-                          splits_backward=self.schedule.splits_backward,
-                          chunked=self.schedule.placement is not None)  # fmt: skip
+        state = RankState(
+            rank,
+            self.placement,
+            self.schedule.name,
+            splits_backward=self.schedule.splits_backward,
+            chunked=self.schedule.placement is not None,
+        )
         state.begin_call(self.m, forward_limit=self.calls * self.m)
         return state
 
@@ -356,9 +361,13 @@ class _Simulator:
         busy = [st.busy_time for st in stages]
         util = [b / makespan if makespan > 0 else 1.0 for b in busy]
         mean_util = sum(util) / n
-        steady = steady_utilization({st.index: st.backward_ends for st in stages},
-                                    [st.busy_intervals for st in stages], n, self.m,
-                                    self.calls)  # fmt: skip
+        steady = steady_utilization(
+            {st.index: st.backward_ends for st in stages},
+            [st.busy_intervals for st in stages],
+            n,
+            self.m,
+            self.calls,
+        )
         total = self.calls * self.m
         return SimulationResult(
             schedule=self.schedule.name,
@@ -390,8 +399,9 @@ class _Simulator:
         )
 
 
-def _check_arguments(schedule: Schedule, num_stages, microbatches_per_step, steps, p2p_latency,
-                     chunks_per_rank):  # fmt: skip
+def _check_arguments(
+    schedule: Schedule, num_stages, microbatches_per_step, steps, p2p_latency, chunks_per_rank
+):
     counts = {"num_stages": num_stages, "microbatches_per_step": microbatches_per_step}
     for name, value in {**counts, "steps": steps, "chunks_per_rank": chunks_per_rank}.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -455,8 +465,14 @@ def simulate(
         )
     )
     sim = _Simulator(
-        schedule, placement, microbatches_per_step, steps, costs, float(p2p_latency),
-        record_timeline, noise,
-    )  # fmt: skip
+        schedule,
+        placement,
+        microbatches_per_step,
+        steps,
+        costs,
+        float(p2p_latency),
+        record_timeline,
+        noise,
+    )
     sim.run()
     return sim.result()

@@ -31,8 +31,9 @@ class PhasedRun:
         return self.microbatches / self.makespan
 
 
-def simulate_phases(schedule: Schedule, *, num_stages: int, phases: list[tuple[int, int]],
-                    **costs) -> PhasedRun:  # fmt: skip
+def simulate_phases(
+    schedule: Schedule, *, num_stages: int, phases: list[tuple[int, int]], **costs
+) -> PhasedRun:
     """Simulate each (a, steps) phase from an empty pipeline; `costs` as `simulate`'s."""
     results = [
         simulate(schedule, num_stages=num_stages, microbatches_per_step=a, steps=steps, **costs)

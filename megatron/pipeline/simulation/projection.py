@@ -304,8 +304,10 @@ def _schedules(value) -> list[str]:
         raise SettingsError(f"unknown schedule(s) {unknown} (known: {sorted(SIMULATED_SCHEDULES)})")
     chunked = [n for n in names if SIMULATED_SCHEDULES[n].placement is not None]
     if chunked:  # the cost model and the memory model are per stage: one chunk per rank
-        raise SettingsError(f"the projection models one model chunk per stage; {chunked} run "
-                            "several per rank (simulate them with tools/simulate_pipeline.py)")  # fmt: skip
+        raise SettingsError(
+            f"the projection models one model chunk per stage; {chunked} run "
+            "several per rank (simulate them with tools/simulate_pipeline.py)"
+        )
     return names
 
 

@@ -32,24 +32,40 @@ NUM_STAGES = 2
 def model_args(options) -> list[str]:
     """The GPT shape and data of every case (real data: the repository's built corpus)."""
     return [
-        "--num-layers", str(options.num_layers),
-        "--hidden-size", str(options.hidden_size),
-        "--num-attention-heads", str(options.num_attention_heads),
-        "--seq-length", str(options.seq_length),
-        "--micro-batch-size", str(options.micro_batch_size),
-        "--pipeline-model-parallel-size", str(NUM_STAGES),
-        "--data-path", options.data_path,
-        "--tokenizer-type", "SentencePieceTokenizer",
-        "--tokenizer-model", options.tokenizer_model,
-        "--distributed-backend", "gloo",
-        "--lr", "3e-4",
-        "--eval-iters", "0",
-        "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--num-layers",
+        str(options.num_layers),
+        "--hidden-size",
+        str(options.hidden_size),
+        "--num-attention-heads",
+        str(options.num_attention_heads),
+        "--seq-length",
+        str(options.seq_length),
+        "--micro-batch-size",
+        str(options.micro_batch_size),
+        "--pipeline-model-parallel-size",
+        str(NUM_STAGES),
+        "--data-path",
+        options.data_path,
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        options.tokenizer_model,
+        "--distributed-backend",
+        "gloo",
+        "--lr",
+        "3e-4",
+        "--eval-iters",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
         "--untie-embeddings-and-output-weights",  # PACI with two stages refuses tying
         # a speed benchmark: glibc's own malloc (the fixed mmap threshold that makes the
         # resident set follow live memory costs a page fault per page, host_memory.py)
-        "--cpu-mmap-threshold-kib", "0",
-    ]  # fmt: skip
+        "--cpu-mmap-threshold-kib",
+        "0",
+    ]
 
 
 def case(name: str, schedule: str, m: int, options, output: str, last_layers=None) -> dict:
@@ -57,16 +73,27 @@ def case(name: str, schedule: str, m: int, options, output: str, last_layers=Non
     steps = max(options.microbatches_per_run // m, 4)
     run_dir = os.path.join(output, name)
     args = model_args(options) + [
-        "--pipeline-schedule", schedule,
-        "--global-batch-size", str(m * options.micro_batch_size),
-        "--train-iters", str(steps),
-        "--log-interval", str(steps),
-        "--timeline-file", os.path.join(run_dir, "timeline.json"),
-    ]  # fmt: skip
+        "--pipeline-schedule",
+        schedule,
+        "--global-batch-size",
+        str(m * options.micro_batch_size),
+        "--train-iters",
+        str(steps),
+        "--log-interval",
+        str(steps),
+        "--timeline-file",
+        os.path.join(run_dir, "timeline.json"),
+    ]
     if last_layers is not None:
         args += ["--decoder-last-pipeline-num-layers", str(last_layers)]
-    return {"name": name, "args": args, "metrics_dir": run_dir, "m": m, "steps": steps,
-            "schedule": schedule}  # fmt: skip
+    return {
+        "name": name,
+        "args": args,
+        "metrics_dir": run_dir,
+        "m": m,
+        "steps": steps,
+        "schedule": schedule,
+    }
 
 
 def benchmark_cases(options, output: str, last_layers=None) -> list[dict]:

@@ -109,8 +109,10 @@ def measured_pass_costs(events, placement, num_virtual: int, nominal: dict) -> d
         durations.setdefault((action.kind, stage), []).append(event.duration_s)
 
     def means(kind, fallback):
-        return [statistics.fmean(durations[(kind, k)]) if durations.get((kind, k)) else f
-                for k, f in zip(range(num_virtual), fallback)]  # fmt: skip
+        return [
+            statistics.fmean(durations[(kind, k)]) if durations.get((kind, k)) else f
+            for k, f in zip(range(num_virtual), fallback)
+        ]
 
     return {
         "forward_cost": means(ActionKind.FORWARD, nominal["forward_cost"]),
@@ -142,14 +144,24 @@ def run_one(model, schedule: str, options, run_dir: str) -> dict:
     n, m, steps = model.ranks, options.microbatches, options.steps
     extra = ["--emulated-weight-grad-ms", ",".join(map(str, costs_ms["weight_grad"]))]
     args = emulated_run_args(
-        schedule=name, stages=n, microbatches=m, fwd_ms=costs_ms["forward"],
-        bwd_ms=costs_ms["backward"], steps=steps, metrics_dir=run_dir, timeline_file=timeline,
-        extra=extra, virtual_stages=chunks if name in ("1f1b", "paci") else 1,
-    )  # fmt: skip
+        schedule=name,
+        stages=n,
+        microbatches=m,
+        fwd_ms=costs_ms["forward"],
+        bwd_ms=costs_ms["backward"],
+        steps=steps,
+        metrics_dir=run_dir,
+        timeline_file=timeline,
+        extra=extra,
+        virtual_stages=chunks if name in ("1f1b", "paci") else 1,
+    )
     if name not in ("1f1b", "paci"):  # its own placement: the layers of its chunks
         args[args.index("--num-layers") + 1] = str(n * chunks)
-    launch(torchrun_command(n, PRETRAIN_SCRIPT, args), os.path.join(run_dir, "log.txt"),
-           options.timeout)  # fmt: skip
+    launch(
+        torchrun_command(n, PRETRAIN_SCRIPT, args),
+        os.path.join(run_dir, "log.txt"),
+        options.timeout,
+    )
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
     events = read_chrome_trace(timeline)
@@ -157,10 +169,16 @@ def run_one(model, schedule: str, options, run_dir: str) -> dict:
     plan = resolve_plan(name, num_stages=n, chunks_per_rank=chunks if chunks > 1 else None)
     nominal = _nominal_seconds(costs_ms, definition.splits_backward)
     replay_costs = measured_pass_costs(events, plan.placement, n * chunks, nominal)
-    replay = simulate(definition, num_stages=n, microbatches_per_step=m, steps=steps,
-                      p2p_latency=estimate_p2p_latency_on(events, plan.placement),
-                      chunks_per_rank=chunks if definition.placement is not None else None,
-                      record_timeline=True, **replay_costs)  # fmt: skip
+    replay = simulate(
+        definition,
+        num_stages=n,
+        microbatches_per_step=m,
+        steps=steps,
+        p2p_latency=estimate_p2p_latency_on(events, plan.placement),
+        chunks_per_rank=chunks if definition.placement is not None else None,
+        record_timeline=True,
+        **replay_costs,
+    )
     limit = n / sum(f + b for f, b in zip(costs_ms["forward"], costs_ms["backward"])) * 1000
     measured = steady_pace(events, m, steps)
     replayed = steady_pace(replay.timeline, m, steps)
