@@ -29,7 +29,7 @@ def get_batch(data_iterator, model):
     device = next(model.parameters()).device
     if not (first or last):
         return None, None, None, None
-    batch = next(data_iterator)
+    batch = _on_this_context_parallel_rank(next(data_iterator))
     tokens = batch["tokens"].to(device, non_blocking=True)
     position_ids = batch["position_ids"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True) if last else None
@@ -37,17 +37,49 @@ def get_batch(data_iterator, model):
     return tokens, position_ids, labels, loss_mask
 
 
+def _on_this_context_parallel_rank(batch: dict) -> dict:
+    """With --context-parallel-size > 1, this rank's 2 of the sequence's 2 x CP chunks
+    (megatron-core's `get_batch_on_this_cp_rank`); else the batch as it is."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    group = _context_parallel_group()
+    return batch if group is None else get_batch_on_this_cp_rank(dict(batch), group)
+
+
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: bool = False):
     """Mean per-token loss over the unmasked tokens of the microbatch. With
     --calculate-per-token-loss, Megatron's 3-tuple instead: the loss sum, the number of
-    unmasked tokens, and both for reporting (the schedule divides by the step's count)."""
+    unmasked tokens, and both for reporting (the schedule divides by the step's count).
+
+    With context parallelism each rank holds part of every sequence: the mean is over the
+    whole sequences (sum and count summed over the context-parallel group), and the loss a
+    rank backpropagates is its part of the sum over the whole count, times CP, since the step
+    averages gradients over the context-parallel ranks too (as Megatron's)."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     if per_token:
         loss_sum, num_tokens = torch.sum(losses * mask), mask.sum()
         return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum, num_tokens]).detach()}
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach()}
+    local_sum = torch.sum(losses * mask)
+    totals, cp_group = torch.stack([local_sum.detach(), mask.sum()]), _context_parallel_group()
+    if cp_group is None:
+        loss = local_sum / totals[1].clamp(min=1.0)
+        return loss, {"lm loss": loss.detach()}
+    torch.distributed.all_reduce(totals, group=cp_group)
+    count = totals[1].clamp(min=1.0)
+    loss = local_sum * torch.distributed.get_world_size(cp_group) / count
+    return loss, {"lm loss": totals[0] / count}
+
+
+def _context_parallel_group():
+    """The context-parallel group, None without context parallelism."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
 
 
 def forward_step(data_iterator, model):

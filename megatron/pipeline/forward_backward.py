@@ -201,7 +201,8 @@ def _run_schedule(
         optimizer_step_func = _divided_by_step_tokens(optimizer_step_func, runtime)
     first = model.chunks[0] if hasattr(model, "chunks") else model  # a rank's model chunks
     config = getattr(first, "config", None)
-    if getattr(config, "sequence_parallel", False):  # stages exchange [s / tp, b, h]
+    seq_length //= getattr(config, "context_parallel_size", 1) or 1  # a rank's 2 chunks
+    if getattr(config, "sequence_parallel", False):  # stages exchange [s / cp / tp, b, h]
         seq_length //= config.tensor_model_parallel_size
     expected_shape = (seq_length, micro_batch_size)
     if runtime.tensor_shape[:2] != expected_shape:

@@ -110,6 +110,9 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("parallelism").add_argument
     add("--tensor-model-parallel-size", type=int, default=1)
     add("--pipeline-model-parallel-size", type=int, default=1)
+    add("--context-parallel-size", type=int, default=1,
+        help="split each sequence over this many ranks (2 x CP chunks, chunk i and 2CP-1-i on "
+        "rank i); attention runs as a ring over them")  # fmt: skip
     add("--distributed-backend", default=None, choices=["nccl", "gloo"],
         help="default: nccl when CUDA is available, else gloo")  # fmt: skip
     add("--disable-gloo-process-groups", action="store_true",
@@ -356,17 +359,20 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
     if args.cpu_mmap_threshold_kib < 0:
         raise UserError("--cpu-mmap-threshold-kib must be >= 0 (0: glibc's dynamic threshold)")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
+    cp = args.context_parallel_size
+    if tp < 1 or pp < 1 or cp < 1:
         raise UserError(
-            "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1"
+            "--tensor-model-parallel-size, --pipeline-model-parallel-size and "
+            "--context-parallel-size must be >= 1"
         )
-    if world_size % (tp * pp) != 0:
+    if world_size % (tp * pp * cp) != 0:
         raise UserError(
-            f"world size {world_size} is not divisible by tensor x pipeline parallel size "
-            f"{tp} x {pp} = {tp * pp}"
+            f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
+            f"size {tp} x {pp} x {cp} = {tp * pp * cp}"
         )
     args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp)
+    args.data_parallel_size = world_size // (tp * pp * cp)
+    _validate_context_parallel(args)
     if args.pipeline_schedule not in SCHEDULES:
         known = ", ".join(sorted(SCHEDULES))
         raise UserError(f"unknown --pipeline-schedule {args.pipeline_schedule!r} (known: {known})")
@@ -393,6 +399,29 @@ def _pipeline_plan(args: argparse.Namespace, pp: int) -> PipelinePlan:
         arrival_rule=args.paci_arrival_rule if paci else None,
         inflight_limit=args.paci_inflight_limit if paci else None,
     )
+
+
+def _validate_context_parallel(args: argparse.Namespace) -> None:
+    """--context-parallel-size: each rank holds 2 chunks of s / (2 CP) tokens (and with
+    sequence parallelism a 1/tp share of them); the ring attention has no dropout."""
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    if cp == 1:
+        return
+    if args.seq_length % (2 * cp):
+        raise UserError(f"--seq-length {args.seq_length} must be divisible by 2 x "
+                        f"--context-parallel-size {cp} (two chunks per rank)")  # fmt: skip
+    if args.sequence_parallel and tp > 1 and (args.seq_length // cp) % tp:
+        raise UserError(f"--sequence-parallel: --seq-length {args.seq_length} / "
+                        f"--context-parallel-size {cp} must be divisible by "
+                        f"--tensor-model-parallel-size {tp}")  # fmt: skip
+    if args.attention_dropout:
+        raise UserError("--attention-dropout with --context-parallel-size > 1 is not supported "
+                        "yet (the ring attention has no dropout): pass --attention-dropout 0")  # fmt: skip
+    if args.emulated_forward_ms is not None:
+        raise UserError("emulated stages with --context-parallel-size > 1 are not supported yet")
+    if args.calculate_per_token_loss:
+        raise UserError("--calculate-per-token-loss with --context-parallel-size > 1 is not "
+                        "supported yet")  # fmt: skip
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:

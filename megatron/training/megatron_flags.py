@@ -71,7 +71,6 @@ OUR_BEHAVIOUR = [
     Flag("--empty-unused-memory-level", int, 0, supported=(1, 2)),
     Flag("--rerun-mode", str, "disabled"),
     Flag("--timing-log-level", int, 0),
-    Flag("--context-parallel-size", int, 1),
     Flag("--expert-model-parallel-size", int, 1),
 ]
 
@@ -98,7 +97,7 @@ NOT_SUPPORTED = [
     Flag("--tp-comm-overlap-cfg", str),
     Flag("--wgrad-deferral-limit", int, 0),
     # context, expert parallelism
-    Flag("--cp-comm-type", str),
+    Flag("--cp-comm-type", str, nargs="+", supported=(["p2p"],)),
     Flag("--hierarchical-context-parallel-sizes", str, nargs="+"),
     Flag("--expert-tensor-parallel-size", int),
     # mixture of experts and other attention variants

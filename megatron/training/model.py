@@ -42,6 +42,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.training.recompute import use_host_rng_states
+from megatron.training.ring_attention import ring_attention
 
 
 class SDPACoreAttention(MegatronModule):
@@ -65,6 +66,10 @@ class SDPACoreAttention(MegatronModule):
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"SDPACoreAttention supports causal masks only, got {attn_mask_type}")
+        # context parallelism: the ring over megatron-core's context-parallel group
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            self.cp_group = getattr(pg_collection, "cp", None) or _context_parallel_group()
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
@@ -76,6 +81,10 @@ class SDPACoreAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, **unused):
         # [s, b, heads, hn] -> [b, heads, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.cp_group is not None:  # this rank's 2 chunks against the whole sequence
+            context = ring_attention(q, k, v, group=self.cp_group, scale=self.softmax_scale)
+            sq, b = context.size(2), context.size(0)
+            return context.permute(2, 0, 1, 3).reshape(sq, b, -1)
         if k.size(1) != q.size(1):  # grouped-query attention: repeat the key/value groups
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
@@ -89,6 +98,12 @@ class SDPACoreAttention(MegatronModule):
         )
         sq, b = context.size(2), context.size(0)
         return context.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def _context_parallel_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group()
 
 
 class PortableNorm(torch.nn.Module):

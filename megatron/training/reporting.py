@@ -33,17 +33,15 @@ def holds_the_loss(args) -> bool:
 
 
 def is_logging_rank(args) -> bool:
-    """Megatron logs from the rank with the loss (`holds_the_loss`); its first TP/DP rank."""
-    return (
-        holds_the_loss(args)
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank() == 0
-    )
+    """Megatron logs from the rank with the loss (`holds_the_loss`); its first TP/CP/DP rank."""
+    return holds_the_loss(args) and is_stage_leader()
 
 
 def is_stage_leader() -> bool:
+    """The first tensor-, context- and data-parallel rank of its stage."""
     return (
         parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_context_parallel_rank() == 0
         and parallel_state.get_data_parallel_rank() == 0
     )
 

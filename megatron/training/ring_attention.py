@@ -52,7 +52,7 @@ def _ring_exchange(tensors: list[torch.Tensor], group, rank: int, cp: int) -> li
     """Send `tensors` to the next rank of the ring and receive the previous rank's."""
     ranks = dist.get_process_group_ranks(group)
     send_to, receive_from = ranks[(rank + 1) % cp], ranks[(rank - 1) % cp]
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), send_to, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, receive_from, group) for r in received]
     for work in dist.batch_isend_irecv(ops):

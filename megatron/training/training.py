@@ -106,6 +106,7 @@ def initialize_distributed(args) -> torch.device:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         # megatron-core's extra gloo groups serve only its own distributed optimizer
@@ -195,6 +196,7 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         **recompute_config_fields(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
@@ -321,7 +323,9 @@ def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
         model,
         optimizer,
         per_iteration(scheduler, args),  # PipeDream steps m times per iteration
-        data_parallel_group=parallel_state.get_data_parallel_group(),
+        # context-parallel ranks hold the same weights and each a part of every sequence's
+        # gradient: the step averages over data x context parallel ranks, as Megatron's DDP
+        data_parallel_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
         grad_norm_group=(
             parallel_state.get_model_parallel_group()
             if args.pipeline_plan.global_grad_norm
@@ -408,7 +412,8 @@ def _set_up_and_train(args, forward_step_func, wall_start, requests, device, gro
     unmap_large_blocks_when_freed(device, args.cpu_mmap_threshold_kib)
     print_rank_0(
         f"> world size {args.world_size}: tensor {args.tensor_model_parallel_size} x pipeline "
-        f"{args.pipeline_model_parallel_size} x data {args.data_parallel_size}, backend "
+        f"{args.pipeline_model_parallel_size} x context {args.context_parallel_size} x data "
+        f"{args.data_parallel_size}, backend "
         f"{dist.get_backend()}, schedule {args.pipeline_schedule}, {args.num_microbatches} "
         f"microbatches per step"
     )
@@ -482,16 +487,19 @@ def _build_checked_tokenizer(args):
 
 
 def boundary_sequence_length(args) -> int:
-    """The sequence length of the activations between stages: with sequence parallelism each
-    tensor-parallel rank sends its own part, [s / tp, b, h] (megatron-core's convention)."""
+    """The sequence length of the activations between stages: a context-parallel rank's two
+    chunks, s / cp, and with sequence parallelism each tensor-parallel rank's part of them,
+    [s / cp / tp, b, h] (megatron-core's convention)."""
+    local = args.seq_length // args.context_parallel_size
     tp = args.tensor_model_parallel_size
-    return args.seq_length // tp if args.sequence_parallel else args.seq_length
+    return local // tp if args.sequence_parallel else local
 
 
 def _build_stage_runtime(args, model, device) -> RankRuntime:
     """The rank's pipeline runtime, attached to the model with the run's pipeline plan."""
     dtype, plan = model_dtype(args), args.pipeline_plan
-    context = build_pipeline_context(device)
+    # a stage's context-parallel ranks run one ring per forward and backward: same order
+    context = build_pipeline_context(device, decide_per_stage=args.context_parallel_size > 1)
     placement, transport = plan.placement, None
     if placement is not None:  # several chunks per rank: a stream per chunk and neighbour
         transport = DistributedTransport(

@@ -128,7 +128,7 @@ def _save_torch(root: str, state, model, optimizer, scheduler, args) -> None:
     save_optim = not getattr(args, "no_save_optim", False)
     # On every rank: the distributed optimizer gathers its shards over data parallelism.
     optimizer_state = optimizer.state_dict() if save_optim else None
-    if parallel_state.get_data_parallel_rank() == 0:
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:  # one per replica
         payload = {
             "iteration": state.iteration,
             "consumed_train_samples": state.consumed_train_samples,

@@ -51,12 +51,14 @@ def is_dist_checkpoint(directory: str) -> bool:
 
 # ---------------------------------------------------------------------------- ranks
 def _layout() -> tuple[int, int, int, int, int, int]:
-    """(pp size, pp rank, tp size, tp rank, dp size, dp rank) of this process."""
+    """(pp size, pp rank, tp size, tp rank, dp size, dp rank) of this process; context-parallel
+    ranks hold the same weights and optimizer state, so they count as data-parallel replicas."""
     ps = parallel_state
     return (
         ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
         ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
-        ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
+        ps.get_data_parallel_world_size(with_context_parallel=True),
+        ps.get_data_parallel_rank(with_context_parallel=True),
     )  # fmt: skip
 
 

@@ -1,0 +1,44 @@
+"""Context parallelism on real 4-process runs (gloo, megatron-core's GPT, the portable ring
+attention): each sequence split into 2 x CP chunks over the context-parallel ranks.
+
+References independent of the code under test: the one-process run of the same model (flush
+over any layout equals it within float tolerance) and PACI's closed-form drift bound.
+"""
+
+import math
+
+import pytest
+import run_cases
+
+FLUSH = ["gpt_cp2pp2_1f1b", "gpt_tp2cp2_1f1b_sp", "gpt_cp2dp2_1f1b"]
+
+
+@pytest.mark.parametrize("name", FLUSH)
+def test_context_parallel_flush_matches_one_process(case_results, name):
+    reference = case_results["gpt_pp1_1f1b"]["loss"]
+    assert len(reference) == 8
+    assert run_cases.relative_difference(case_results[name]["loss"], reference) <= 1e-5
+    assert "context 2" in case_results[name]["log"]
+
+
+def test_paci_with_context_parallelism_keeps_its_bound_and_its_stages_apart(case_results):
+    """Each stage's ring and its decisions (shared by the stage's context-parallel ranks) stay
+    inside the stage: no collective crosses stages; the drift bound holds."""
+    summary = case_results["gpt_cp2pp2_paci"]
+    n, a = summary["pipeline_stages"], summary["num_microbatches"]
+    for report in summary["stages"]:
+        assert report["max_drift"] <= math.ceil((n - 1 - report["stage"]) / a)
+    assert summary["cross_stage_collectives"] == 0
+    flush = case_results["gpt_cp2pp2_1f1b"]["loss"]
+    assert summary["loss"][0] == pytest.approx(flush[0], rel=1e-6)
+    assert run_cases.relative_difference(summary["loss"], flush) <= 0.01
+
+
+def test_a_context_parallel_checkpoint_resumes_without_it(case_results):
+    """Saved at CP 2 x PP 2 after 4 iterations, resumed at CP 1 on 4 stages (torch_dist): the
+    rest of the run equals the one-process run's."""
+    reference = case_results["gpt_pp1_1f1b"]["loss"]
+    saved = case_results["gpt_cp_1_cp2pp2_save"]["loss"]
+    resumed = case_results["gpt_cp_2_pp4_load"]["loss"]
+    assert run_cases.relative_difference(saved, reference[:4]) <= 1e-5
+    assert len(resumed) == 4 and run_cases.relative_difference(resumed, reference[4:]) <= 1e-5
