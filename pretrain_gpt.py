@@ -54,14 +54,18 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: b
     With context parallelism each rank holds part of every sequence: the mean is over the
     whole sequences (sum and count summed over the context-parallel group), and the loss a
     rank backpropagates is its part of the sum over the whole count, times CP, since the step
-    averages gradients over the context-parallel ranks too (as Megatron's)."""
+    averages gradients over the context-parallel ranks too (as Megatron's). With a per-token
+    loss the rank backpropagates its own sum and counts its own tokens; the step divides by
+    the count summed over data x context ranks."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
-    if per_token:
-        loss_sum, num_tokens = torch.sum(losses * mask), mask.sum()
-        return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum, num_tokens]).detach()}
     local_sum = torch.sum(losses * mask)
     totals, cp_group = torch.stack([local_sum.detach(), mask.sum()]), _context_parallel_group()
+    if per_token:  # this rank's sum and count; the step sums counts over data x context ranks
+        reported = totals.clone()
+        if cp_group is not None:
+            torch.distributed.all_reduce(reported, group=cp_group)
+        return local_sum, totals[1], {"lm loss": reported}
     if cp_group is None:
         loss = local_sum / totals[1].clamp(min=1.0)
         return loss, {"lm loss": loss.detach()}

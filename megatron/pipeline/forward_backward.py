@@ -132,12 +132,15 @@ def _two_tuple_loss(loss_func: Callable, output):
 
 
 def _data_parallel_group():
-    """The stage's data-parallel group (None in a single process without process groups)."""
+    """The ranks the step averages gradients over: the stage's data- and context-parallel
+    ranks (None in a single process without process groups)."""
     if not torch.distributed.is_initialized():
         return None
     from megatron.core import parallel_state
 
-    return parallel_state.get_data_parallel_group()
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def _check_process_groups(p2p_communicator, pg_collection) -> None:

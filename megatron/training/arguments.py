@@ -419,9 +419,6 @@ def _validate_context_parallel(args: argparse.Namespace) -> None:
                         "yet (the ring attention has no dropout): pass --attention-dropout 0")  # fmt: skip
     if args.emulated_forward_ms is not None:
         raise UserError("emulated stages with --context-parallel-size > 1 are not supported yet")
-    if args.calculate_per_token_loss:
-        raise UserError("--calculate-per-token-loss with --context-parallel-size > 1 is not "
-                        "supported yet")  # fmt: skip
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:

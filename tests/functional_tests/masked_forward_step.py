@@ -1,7 +1,8 @@
 """A forward_step whose loss mask differs from microbatch to microbatch (for the per-token loss
-cases): pretrain_gpt's, keeping of each sample only the labels with `id % 8 < 1 + first % 8`
-(`first` the sample's first label), so from 1/8 to all of a sample's tokens count. The mask
-depends on the data only, so every layout of a run masks the same tokens."""
+cases): pretrain_gpt's, keeping only the labels with `id % 8 < 1 + (id // 8) % 8`, so each
+token id counts or not, and microbatches count different numbers of tokens. The mask depends
+on each token alone, so every layout of a run masks the same tokens (context parallelism's
+chunks included)."""
 
 from functools import partial
 
@@ -12,7 +13,7 @@ def forward_step(data_iterator, model):
     tokens, position_ids, labels, loss_mask = get_batch(data_iterator, model)
     output_tensor = model(tokens, position_ids, None, labels=labels)
     if loss_mask is not None:
-        threshold = 1 + labels[:, :1] % 8
+        threshold = 1 + (labels // 8) % 8
         loss_mask = loss_mask * (labels % 8 < threshold).to(loss_mask.dtype)
     per_token = getattr(getattr(model, "config", None), "calculate_per_token_loss", False)
     return output_tensor, partial(loss_func, loss_mask, per_token=per_token)

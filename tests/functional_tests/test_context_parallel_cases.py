@@ -42,3 +42,13 @@ def test_a_context_parallel_checkpoint_resumes_without_it(case_results):
     resumed = case_results["gpt_cp_2_pp4_load"]["loss"]
     assert run_cases.relative_difference(saved, reference[:4]) <= 1e-5
     assert len(resumed) == 4 and run_cases.relative_difference(resumed, reference[4:]) <= 1e-5
+
+
+def test_per_token_loss_with_context_parallelism_equals_one_process(case_results):
+    """--calculate-per-token-loss: each rank backpropagates its own chunks' loss sum and the
+    step divides by the tokens counted over data x context ranks (the mask differs per token,
+    so the ranks' counts differ)."""
+    one = case_results["gpt_pp1_pertoken_1f1b"]["loss"]
+    assert len(one) == 6
+    ours = case_results["gpt_cp2pp2_pertoken_1f1b"]["loss"]
+    assert run_cases.relative_difference(ours, one) <= 1e-5
