@@ -262,7 +262,20 @@ def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: b
 
 class HostRotaryEmbedding(RotaryEmbedding):
     """megatron-core's rotary embedding, without its move of the frequencies to CUDA at the
-    first forward (a CPU run keeps them on the host)."""
+    first forward (a CPU run keeps them on the host), and with context parallelism the
+    positions of this rank's two chunks (i and 2CP - 1 - i) picked on the host (megatron-core's
+    `get_pos_emb_on_this_cp_rank` stages its index in pinned, CUDA-only memory)."""
+
+    def forward(
+        self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None
+    ) -> torch.Tensor:
+        emb = self.get_emb(max_seq_len, offset)
+        cp_group = self.cp_group if cp_group is None else cp_group
+        if cp_group is None or cp_group.size() == 1 or packed_seq:
+            return emb
+        cp, rank = cp_group.size(), cp_group.rank()
+        chunks = emb.view(2 * cp, -1, *emb.shape[1:])  # [2cp, s / 2cp, 1, 1, dim]
+        return chunks[[rank, 2 * cp - 1 - rank]].reshape(-1, *emb.shape[1:])
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # [seq, dim / 2]

@@ -21,6 +21,14 @@ def test_context_parallel_flush_matches_one_process(case_results, name):
     assert "context 2" in case_results[name]["log"]
 
 
+def test_rope_and_grouped_query_attention_under_context_parallelism(case_results):
+    """Rotary positions of each rank's two chunks and the ring with 2 key/value groups: the
+    Llama-style model at CP 2 x PP 2 equals its one-process run."""
+    reference = case_results["gpt_llama_pp1_1f1b"]["loss"]
+    ours = case_results["gpt_llama_cp2pp2_1f1b"]["loss"]
+    assert len(reference) == 8 and run_cases.relative_difference(ours, reference) <= 1e-5
+
+
 def test_paci_with_context_parallelism_keeps_its_bound_and_its_stages_apart(case_results):
     """Each stage's ring and its decisions (shared by the stage's context-parallel ranks) stay
     inside the stage: no collective crosses stages; the drift bound holds."""
