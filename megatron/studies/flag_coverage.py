@@ -12,6 +12,7 @@ import contextlib
 import glob
 import io
 import json
+import math
 import os
 import re
 import unittest.mock
@@ -102,12 +103,17 @@ def command_line(flags: list) -> list[str]:
 
 
 def world_size_of(flags: list) -> int:
-    """TP x PP x the smallest data-parallel size the command line needs: 1, or the number of
-    distributed optimizer copies it asks for."""
+    """The smallest world the command line's layout runs on: PP x lcm(TP x CP, ETP x EP)
+    (the dense and the expert layouts must both fill it; megatron-core's rule), times the
+    number of distributed optimizer copies it asks for."""
     values = {entry[0]: entry[1] for entry in flags if len(entry) > 1}
     tp = int(values.get("--tensor-model-parallel-size", 1))
     pp = int(values.get("--pipeline-model-parallel-size", 1))
-    return tp * pp * int(values.get("--num-distributed-optimizer-instances", 1))
+    cp = int(values.get("--context-parallel-size", 1))
+    ep = int(values.get("--expert-model-parallel-size", 1))
+    etp = int(values.get("--expert-tensor-parallel-size", tp))
+    copies = int(values.get("--num-distributed-optimizer-instances", 1))
+    return pp * math.lcm(tp * cp, etp * ep) * copies
 
 
 def classify(flags: list) -> tuple[str, list[str]]:
