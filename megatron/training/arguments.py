@@ -22,6 +22,7 @@ from megatron.pipeline.schedules.paci import (
 )
 from megatron.pipeline.simulation.costs import stage_values
 from megatron.training.batch_schedule import validate_accumulation_schedule, validate_rampup
+from megatron.training.data.sources import add_data_source_args
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_group(parser)
     _add_optimizer_suite_args(parser)
     _add_precision_args(parser)
+    add_data_source_args(parser)
     add_recompute_args(parser)
     add_reliability_args(parser)
     add_compatibility_flags(parser)
@@ -192,9 +194,10 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     add("--lr-warmup-iters", type=int, default=0)
     add("--lr-warmup-samples", type=int, default=0)
     add("--lr-warmup-fraction", type=float, default=None)
-    add("--override-opt_param-scheduler", action="store_true",
+    add("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
         help="take the LR schedule from the command line, not the checkpoint")  # fmt: skip
-    add("--use-checkpoint-opt_param-scheduler", action="store_true",
+    add("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+        action="store_true",
         help="take the LR schedule from the checkpoint")  # fmt: skip
     add("--weight-decay", type=float, default=0.01)
     add("--clip-grad", type=float, default=1.0)
@@ -797,13 +800,9 @@ def _validate_data_args(args: argparse.Namespace) -> None:
         if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
             raise UserError("NullTokenizer needs --vocab-size")
         return
-    if not args.data_path:
-        raise UserError("no training data: pass --data-path PREFIX (or --mock-data)")
-    from megatron.training.data.datasets import parse_data_path, validate_indexed_dataset
+    from megatron.training.data.sources import validate_data_source
 
-    prefixes, _ = parse_data_path(args.data_path)
-    for prefix in prefixes:
-        validate_indexed_dataset(prefix)
+    validate_data_source(args)
 
 
 # ---------------------------------------------------------------------------- optimizer suite

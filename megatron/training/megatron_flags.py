@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 from megatron.training.errors import UserError
+from megatron.training.megatron_flags_not_yet import not_yet_specs
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,29 @@ OUR_BEHAVIOUR = [
         "--apply-query-key-layer-scaling",
         "--attention-softmax-in-fp32",
         "--overlap-p2p-communication-warmup-flush",
+        "--use-flash-attn",
+        "--no-bias-swiglu-fusion",
+        "--disable-jit-fuser",
+        "--use-cpu-initialization",
+        "--ddp-pad-buckets-for-high-nccl-busbw",
+        "--no-align-grad-reduce",
+        "--disable-align-grad-reduce",
+        "--no-align-param-gather",
+        "--no-manual-gc-eval",
+        "--disable-manual-gc-eval",
+        "--no-pin-cpu-grads",
+        "--no-pin-cpu-params",
     ),
+    Flag("--local-rank", int, None, supported=None),
+    Flag("--ddp-bucket-size", int, None, supported=None),
+    Flag("--ddp-num-buckets", int, None, supported=None),
+    Flag("--dist-ckpt-workers", int, 1, supported=None),
+    Flag("--async-ckpt-cpu-priority", int, None, supported=None),
+    Flag("--async-ckpt-io-priority", int, None, supported=None),
+    Flag("--manual-gc-interval", int, 0, supported=None),
+    Flag("--num-dataset-builder-threads", int, 1, supported=None),
+    Flag("--tensorboard-queue-size", int, 1000, supported=None),
+    Flag("--dataloader-type", str, None, supported=("single",)),
     Flag("--transformer-impl", str, "transformer_engine", supported=("local",)),
     Flag("--attention-backend", str, "auto", supported=("flash", "fused", "unfused", "local")),
     Flag("--async-strategy", str, "nvrx", supported=None),
@@ -134,6 +157,7 @@ NOT_SUPPORTED = [
     Flag("--step-batch-size-schedule", str),
     Flag("--eval-global-batch-size", int),
     # data variants
+    Flag("--reset-attention-mask"),  # needs the mask on every stage and in the core attention
     Flag("--fim-data"),
     Flag("--fim-rate", float),
     Flag("--fim-spm-rate", float),
@@ -155,6 +179,43 @@ NOT_SUPPORTED = [
     Flag("--profile-step-end", int, 12),
 ]
 
+# The rest of Megatron's pretraining parser (megatron_flags_not_yet.py): any use is refused.
+NOT_YET = [
+    Flag(name) if kind == "switch" else Flag(name, str, nargs="*" if kind == "values" else None)
+    for name, kind in not_yet_specs()
+]
+
+# Megatron's deprecated spellings, refused with Megatron's own message.
+DEPRECATED = {
+    "--batch-size": (
+        int,
+        "--batch-size argument is no longer valid, use --micro-batch-size instead",
+    ),
+    "--warmup": (int, "--warmup argument is no longer valid, use --lr-warmup-fraction instead"),
+    "--model-parallel-size": (
+        int,
+        "--model-parallel-size is no longer valid, use --tensor-model-parallel-size instead",
+    ),
+    "--checkpoint-activations": (
+        None,
+        "--checkpoint-activations is no longer valid, use --recompute-activations, or, for "
+        "more control, --recompute-granularity and --recompute-method.",
+    ),
+}
+# Deprecated and without effect in Megatron too: accepted, with Megatron's notice.
+NO_EFFECT = {
+    "--use-dist-ckpt": (
+        None,
+        "--use-dist-ckpt is deprecated and has no effect. Use --ckpt-format to select the "
+        "checkpoint format.",
+    ),
+    "--dist-ckpt-format": (
+        str,
+        "--dist-ckpt-format is deprecated and has no effect. Use --ckpt-format to select the "
+        "checkpoint format.",
+    ),
+}
+
 # Value flags whose other values are other features (`--ckpt-format torch_dcp` and
 # `fsdp_dtensor`: other checkpoint formats). These are parsed in arguments.py.
 VALUE_NOT_SUPPORTED = {
@@ -163,8 +224,10 @@ VALUE_NOT_SUPPORTED = {
 
 
 def add_compatibility_flags(parser: argparse.ArgumentParser) -> None:
+    deprecated = [Flag(name, kind) for name, (kind, _) in {**DEPRECATED, **NO_EFFECT}.items()]
     for title, flags in (("Megatron flags: our behaviour", OUR_BEHAVIOUR),
-                         ("Megatron flags: not supported yet", NOT_SUPPORTED)):  # fmt: skip
+                         ("Megatron flags: not supported yet", NOT_SUPPORTED + NOT_YET),
+                         ("Megatron flags: deprecated", deprecated)):  # fmt: skip
         add = parser.add_argument_group(title).add_argument
         for flag in flags:
             if flag.type is None:
@@ -188,7 +251,7 @@ def unsupported_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag.dest)
         if flag.type is not None and _rejected_value(flag, value):
             found.append(f"{flag.name} {value}")
-    for flag in NOT_SUPPORTED:
+    for flag in NOT_SUPPORTED + NOT_YET:
         if _rejected_value(flag, getattr(args, flag.dest)):
             found.append(flag.name)
     for name, supported in VALUE_NOT_SUPPORTED.items():
@@ -211,7 +274,23 @@ def apply_megatron_fallbacks(args: argparse.Namespace) -> None:
         args.sequence_parallel = False
 
 
+def _given(args: argparse.Namespace, name: str) -> bool:
+    value = getattr(args, name.lstrip("-").replace("-", "_"))
+    return value is not None and value is not False
+
+
+def reject_deprecated_flags(args: argparse.Namespace) -> None:
+    """Megatron's answer to its deprecated spellings: an error, or a notice and no effect."""
+    for name, (_, message) in DEPRECATED.items():
+        if _given(args, name):
+            raise UserError(message)
+    for name, (_, message) in NO_EFFECT.items():
+        if _given(args, name) and os.environ.get("RANK", "0") == "0":
+            print(message, flush=True)
+
+
 def reject_unsupported_flags(args: argparse.Namespace) -> None:
+    reject_deprecated_flags(args)
     apply_megatron_fallbacks(args)
     found = unsupported_flags(args)
     if found:

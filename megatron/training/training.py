@@ -48,7 +48,8 @@ from megatron.training.batch_schedule import (
 )
 from megatron.training.checkpointing import save_load as checkpointing
 from megatron.training.checkpointing.writer_lock import WriterLock, describe, new_run_id
-from megatron.training.data.datasets import data_iterators_from_args, parse_data_path
+from megatron.training.data.datasets import data_iterators_from_args
+from megatron.training.data.sources import data_source, prefixes_of
 from megatron.training.divergence import check_replicas_match
 from megatron.training.emulation import EmulatedStage
 from megatron.training.errors import RunFailed, UserError
@@ -462,7 +463,7 @@ def _build_checked_tokenizer(args):
     tokenizer = build_tokenizer_from_args(args)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
     if not args.mock_data:
-        check_token_ids(parse_data_path(args.data_path)[0], tokenizer.vocab_size,
+        check_token_ids(prefixes_of(data_source(args)), tokenizer.vocab_size,
                         args.padded_vocab_size)  # fmt: skip
     return tokenizer
 
