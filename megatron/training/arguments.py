@@ -81,6 +81,19 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     add("--rotary-percent", type=float, default=1.0)
     add("--rotary-base", type=int, default=10000)
     add("--rotary-interleaved", action="store_true")
+    add("--use-rotary-position-embeddings", action="store_true",
+        help="Megatron's older spelling of --position-embedding-type rope")  # fmt: skip
+    add("--no-position-embedding", action="store_false", dest="add_position_embedding",
+        help="deprecated in Megatron: refused unless --position-embedding-type rope")  # fmt: skip
+    add("--use-rope-scaling", action="store_true",
+        help="Llama 3.1's RoPE frequency scaling (megatron-core's rotary embedding)")  # fmt: skip
+    add("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
+    add("--rotary-seq-len-interpolation-factor", type=int, default=None,
+        help="RoPE positions divided by this factor (linear sequence-length interpolation)")  # fmt: skip
+    add("--openai-gelu", action="store_true",
+        help="OpenAI's tanh approximation of GeLU as the MLP activation")  # fmt: skip
+    add("--init-method-xavier-uniform", action="store_true",
+        help="Xavier-uniform weights (of the full, unsharded matrix) instead of normal(std)")  # fmt: skip
     add("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     add("--norm-epsilon", type=float, default=1e-5)
     add("--apply-layernorm-1p", action="store_true",
@@ -531,8 +544,6 @@ def _validate_model_shape(args: argparse.Namespace) -> None:
             )
     else:
         args.num_query_groups = None  # megatron-core: one key/value head per query head
-    if args.swiglu and args.squared_relu:
-        raise UserError("--swiglu and --squared-relu exclude each other")
     if args.ffn_hidden_size is None:
         # Megatron's default: 4h, or 8h/3 rounded down to a multiple of 64 with SwiGLU
         four_h = 4 * args.hidden_size
@@ -544,6 +555,30 @@ def _validate_model_shape(args: argparse.Namespace) -> None:
         raise UserError("--seq-length exceeds --max-position-embeddings")
     if not 0.0 < args.rotary_percent <= 1.0:
         raise UserError("--rotary-percent must be in (0, 1]")
+    _validate_position_and_activation(args)
+
+
+def _validate_position_and_activation(args: argparse.Namespace) -> None:
+    """Megatron's legacy position-embedding spellings and the RoPE variants, which need RoPE
+    (Megatron would ignore them without it); the activation switches exclude each other."""
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        raise UserError("--no-position-embedding is deprecated, use --position-embedding-type")
+    for flag, given in (("--use-rope-scaling", args.use_rope_scaling),
+                        ("--rotary-seq-len-interpolation-factor",
+                         args.rotary_seq_len_interpolation_factor is not None)):  # fmt: skip
+        if given and args.position_embedding_type != "rope":
+            raise UserError(f"{flag} needs --position-embedding-type rope")
+    if args.rotary_seq_len_interpolation_factor is not None:
+        if args.rotary_seq_len_interpolation_factor < 1:
+            raise UserError("--rotary-seq-len-interpolation-factor must be >= 1")
+    if not (math.isfinite(args.rope_scaling_factor) and args.rope_scaling_factor > 0):
+        raise UserError(f"--rope-scaling-factor must be > 0, got {args.rope_scaling_factor}")
+    chosen = [flag for flag, on in (("--swiglu", args.swiglu), ("--squared-relu", args.squared_relu),
+                                    ("--openai-gelu", args.openai_gelu)) if on]  # fmt: skip
+    if len(chosen) > 1:
+        raise UserError(f"{' and '.join(chosen)} exclude each other")
 
 
 def _validate_model_checks(args: argparse.Namespace) -> None:

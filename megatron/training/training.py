@@ -148,6 +148,7 @@ _MODEL_SWITCH_DEFAULTS = {
     "cross_entropy_loss_fusion": False,
     "cross_entropy_fusion_impl": "native",
     "test_mode": False,
+    "openai_gelu": False,
 }
 
 
@@ -161,6 +162,10 @@ def model_switches(args) -> dict:
         from megatron.core.activations import squared_relu
 
         activation = squared_relu
+    elif get["openai_gelu"]:
+        from megatron.core.transformer.utils import openai_gelu
+
+        activation = openai_gelu
     return dict(
         normalization=get["normalization"],
         layernorm_epsilon=get["norm_epsilon"],
@@ -274,6 +279,10 @@ def _build_chunk(args, config, layout, vocab_size: int, device: torch.device) ->
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         use_transformer_engine=args.transformer_impl == "transformer_engine",
+        rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
+        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
+        xavier_uniform=getattr(args, "init_method_xavier_uniform", False),
     )
     if not get_schedule(args.pipeline_schedule).flushes_every_call:
         for param in model.parameters():  # the last stage's copy of a tied embedding
