@@ -848,7 +848,14 @@ def _add_optimizer_suite_args(parser: argparse.ArgumentParser) -> None:
     """Muon's settings under Megatron's names and defaults; the delay mitigations (ours)."""
     add = parser.add_argument_group("optimizer suite and delay mitigations").add_argument
     add("--muon-momentum", type=float, default=0.9)
-    add("--muon-use-nesterov", action="store_true")
+    add("--muon-nesterov", "--muon-use-nesterov", action="store_true",
+        help="Nesterov momentum inside Muon (--muon-use-nesterov: this project's older spelling)")  # fmt: skip
+    add("--muon-coefficient-type", default="quintic",
+        help="Newton-Schulz coefficients: simple (torch's), quintic, polar_express, aol")  # fmt: skip
+    add("--muon-scalar-optimizer", default="adam", choices=["adam", "lion"],
+        help="for what Muon does not step: embeddings, output layer, 1-D parameters")  # fmt: skip
+    add("--lion-beta1", type=float, default=0.95, help="Lion: the update's sign mix")
+    add("--lion-beta2", type=float, default=0.98, help="Lion: the momentum's average")
     add("--muon-no-split-qkv", action="store_false", dest="muon_split_qkv",
         help="orthogonalize the fused QKV weight as one matrix (default: Q, K, V apart)")  # fmt: skip
     add("--muon-scale-mode", default="spectral",
@@ -857,8 +864,9 @@ def _add_optimizer_suite_args(parser: argparse.ArgumentParser) -> None:
     add("--muon-fp32-matmul-prec", default="medium",
         help="medium only: Newton-Schulz with bf16 operands (torch.optim.Muon)")  # fmt: skip
     add("--muon-num-ns-steps", type=int, default=5)
-    add("--muon-tp-mode", default="blockwise",
-        help="blockwise only: each tensor-parallel rank orthogonalizes its local shard")  # fmt: skip
+    add("--muon-tp-mode", default="duplicated",
+        help="duplicated: orthogonalize the full matrix gathered over tensor parallelism (the "
+        "TP = 1 update); blockwise: each rank its local shard")  # fmt: skip
     add("--muon-extra-scale-factor", type=float, default=1.0)
     add("--async-error-feedback", action="store_true",
         help="update-level error feedback x(t+1) = x(t) - 2u(t) + u(t-1), decay outside u")  # fmt: skip
@@ -870,6 +878,36 @@ def _add_optimizer_suite_args(parser: argparse.ArgumentParser) -> None:
         help="1F1B-flush for the last K iterations")  # fmt: skip
 
 
+def _validate_muon_args(args: argparse.Namespace) -> None:
+    from megatron.training.optimizer.muon import COEFFICIENT_SETS, TP_MODES, coefficient_schedule
+
+    if args.muon_tp_mode == "distributed":
+        raise UserError("--muon-tp-mode distributed is not supported yet (duplicated gives its "
+                        "update: the full matrix's)")  # fmt: skip
+    if args.muon_tp_mode not in TP_MODES:
+        raise UserError(f"unknown --muon-tp-mode {args.muon_tp_mode!r} (known: duplicated, "
+                        "blockwise, distributed)")  # fmt: skip
+    if args.muon_fp32_matmul_prec != "medium":
+        raise UserError(f"--muon-fp32-matmul-prec {args.muon_fp32_matmul_prec} is not supported "
+                        "yet (only medium)")  # fmt: skip
+    if args.muon_coefficient_type not in COEFFICIENT_SETS:
+        known = ", ".join(COEFFICIENT_SETS)
+        raise UserError(f"--muon-coefficient-type {args.muon_coefficient_type} is not supported "
+                        f"yet (known: {known})")  # fmt: skip
+    if args.muon_num_ns_steps >= 1:
+        try:
+            coefficient_schedule(args.muon_coefficient_type, args.muon_num_ns_steps)
+        except ValueError as error:
+            raise UserError(f"--muon-coefficient-type {args.muon_coefficient_type}: {error} "
+                            "(--muon-num-ns-steps)") from None  # fmt: skip
+    for flag in ("lion_beta1", "lion_beta2"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and 0.0 <= value < 1.0):
+            raise UserError(
+                f"--{flag.replace('_', '-')} must be a number >= 0 and < 1, got {value}"
+            )
+
+
 def _validate_optimizer_suite_args(args: argparse.Namespace) -> None:
     if args.optimizer not in OPTIMIZER_NAMES:
         known = ", ".join(OPTIMIZER_NAMES)
@@ -879,10 +917,7 @@ def _validate_optimizer_suite_args(args: argparse.Namespace) -> None:
         raise UserError(
             f"unknown --muon-scale-mode {args.muon_scale_mode!r} (known: {', '.join(scale_modes)})"
         )
-    for flag, supported in (("muon_tp_mode", "blockwise"), ("muon_fp32_matmul_prec", "medium")):
-        if getattr(args, flag) != supported:
-            name = "--" + flag.replace("_", "-")
-            raise UserError(f"{name} {getattr(args, flag)} is not supported yet (only {supported})")
+    _validate_muon_args(args)
     if args.muon_num_ns_steps < 1:
         raise UserError("--muon-num-ns-steps must be >= 1")
     if args.delay_compensation_lambda < 0:

@@ -21,6 +21,12 @@ def one_rank_group():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    if dist.is_initialized():  # left by an earlier in-process run (delayed_reference.py)
+        assert dist.get_world_size() == 1
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1)
+        yield
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
