@@ -134,3 +134,23 @@ def test_every_flag_of_the_long_tail_fails_with_one_line():
             validate_args(args, world_size=1)
         assert str(caught.value) == f"{flag.name} is not supported yet", flag.name
     assert len(NOT_YET) > 300
+
+
+def test_no_flag_of_megatrons_pretraining_parser_is_unknown():
+    """tools/megatron_flag_coverage.py's list of Megatron-LM's in-scope parser flags: each one
+    parses here (works, is our behaviour, is deprecated with Megatron's message, or is refused
+    in one line)."""
+    import json
+    import os
+
+    from megatron.studies.flag_coverage import in_scope, parser_flag_statuses
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    with open(os.path.join(repo, "tools", "data", "megatron_pretraining_flags.json")) as handle:
+        stored = json.load(handle)["flags"]
+    assert len(stored) > 600 and all(in_scope(group, flag) for group, flag, _ in stored)
+    statuses = parser_flag_statuses(stored)
+    assert [flag for flag, _, status in statuses if status == "unknown"] == []
+    implemented = {flag for flag, _, status in statuses if status == "implemented"}
+    assert {"--eod-mask-loss", "--train-data-path", "--use-rope-scaling",
+            "--muon-nesterov", "--lion-beta1"} <= implemented  # fmt: skip
