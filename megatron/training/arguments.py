@@ -27,6 +27,7 @@ from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
 from megatron.training.validation import add_reliability_args, validate_reliability
+from megatron.training.wandb_logging import add_wandb_args, validate_wandb_args
 
 TOKENIZER_CHOICES = [
     "GPT2BPETokenizer",
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optimizer_suite_args(parser)
     _add_precision_args(parser)
     add_data_source_args(parser)
+    add_wandb_args(parser)
     add_recompute_args(parser)
     add_reliability_args(parser)
     add_compatibility_flags(parser)
@@ -324,6 +326,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     `check_files=False` skips the checks that read the data files (for measuring which command
     lines parse, see tools/megatron_flag_coverage.py)."""
     reject_unsupported_flags(args)
+    validate_wandb_args(args)
     validate_reliability(args)
     _validate_parallel_layout(args, world_size)
     _validate_model_shape(args)

@@ -170,10 +170,6 @@ NOT_SUPPORTED = [
     Flag("--export-kd-teacher-load", str),
     Flag("--export-kd-cfg", str),
     # logging and profiling outside this process
-    Flag("--wandb-project", str),
-    Flag("--wandb-entity", str),
-    Flag("--wandb-exp-name", str),
-    Flag("--wandb-save-dir", str),
     Flag("--profile"),
     Flag("--profile-step-start", int, 10),
     Flag("--profile-step-end", int, 12),

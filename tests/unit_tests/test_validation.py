@@ -137,7 +137,7 @@ UNCREATABLE = "/proc/x"  # /proc takes no new directory, even from root
     "flag, value",
     [("--save", UNCREATABLE + "/ckpt"), ("--tensorboard-dir", UNCREATABLE + "/tb"),
      ("--metrics-dir", UNCREATABLE + "/metrics"), ("--data-cache-path", UNCREATABLE + "/cache"),
-     ("--timeline-file", UNCREATABLE + "/trace.json")],
+     ("--timeline-file", UNCREATABLE + "/trace.json"), ("--wandb-save-dir", UNCREATABLE + "/wb")],
 )  # fmt: skip
 def test_output_path_that_cannot_be_created_is_one_line(flag, value, capsys, monkeypatch):
     """pretrain_gpt.py stops at validation, before any process group, with one line."""
@@ -147,7 +147,8 @@ def test_output_path_that_cannot_be_created_is_one_line(flag, value, capsys, mon
     monkeypatch.setenv("WORLD_SIZE", "4")
     import pretrain_gpt
 
-    assert pretrain_gpt.main(with_flags(flag, value)) == 2
+    extra = ("--wandb-project", "p", "--wandb-exp-name", "e") if flag == "--wandb-save-dir" else ()
+    assert pretrain_gpt.main(with_flags(flag, value, *extra)) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith(f"error: {flag} {value}: cannot create a directory in /proc")
     assert captured.err.count("\n") == 1 and "Traceback" not in captured.err + captured.out
