@@ -26,8 +26,8 @@ from megatron.training.data.sources import add_data_source_args
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
+from megatron.training.tracking.wandb_run import add_wandb_args, validate_wandb_args
 from megatron.training.validation import add_reliability_args, validate_reliability
-from megatron.training.wandb_logging import add_wandb_args, validate_wandb_args
 
 TOKENIZER_CHOICES = [
     "GPT2BPETokenizer",

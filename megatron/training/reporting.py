@@ -154,8 +154,8 @@ def _interval_counts(state, step_func) -> tuple[int, int]:
 
 def tensorboard_writer(args):
     """The logging rank's scalar writer: TensorBoard (--tensorboard-dir), W&B
-    (--wandb-project, wandb_logging.py), both, or None."""
-    from megatron.training.wandb_logging import ScalarWriters, WandbWriter, wandb_enabled
+    (--wandb-project, wandb_run.py), both, or None."""
+    from megatron.training.tracking.wandb_run import ScalarWriters, WandbWriter, wandb_enabled
 
     if not is_logging_rank():
         return None

@@ -30,7 +30,7 @@ def test_scalars_reach_the_offline_run_as_in_tensorboard(tmp_path, monkeypatch):
     from torch.utils.tensorboard import SummaryWriter
     from wandb_records import read_run, run_file
 
-    from megatron.training.wandb_logging import ScalarWriters, WandbWriter
+    from megatron.training.tracking.wandb_run import ScalarWriters, WandbWriter
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -85,7 +85,10 @@ class WandbWriter:
         pass
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        wandb.teardown()  # waits for the run's files to be written
 
 
 class ScalarWriters:
