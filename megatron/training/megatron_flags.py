@@ -332,10 +332,7 @@ NOT_YET_BY_GROUP = {
     ),
     "workload inspector": ("--run-workload-inspector-server "),
     "Transformer-Engine": ("--fp4-param-gather --te-precision-config-file= "),
-    "experimental": (
-        "--enable-experimental --spec=* --yaml-cfg= --use-precision-aware-optimizer "
-        "--main-grads-dtype= --main-params-dtype= --exp-avg-dtype= --exp-avg-sq-dtype= "
-    ),
+    "experimental": ("--enable-experimental --spec=* --yaml-cfg=  " "    "),
     "one logger": (
         "--no-one-logger --one-logger-project= --one-logger-run-name= --one-logger-async "
         "--app-tag-run-name= --app-tag-run-version= "

@@ -64,6 +64,10 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: float = 1000
     hysteresis: int = 2
+    # --use-precision-aware-optimizer: adam's moments stored in these dtypes (precision_aware.py)
+    use_precision_aware_optimizer: bool = False
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
     async_error_feedback: bool = False  # delay mitigation (delay_mitigation.py)
     delay_compensation_lambda: float = 0.0
 

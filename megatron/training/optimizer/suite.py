@@ -197,6 +197,14 @@ def elementwise_optimizer(named, config: OptimizerConfig) -> torch.optim.Optimiz
     groups = decay_groups(named, decoupled_lr_of(config))
     name, lr, wd = config.optimizer, config.lr, config.weight_decay
     beta1 = config.optimizer_beta1  # set by the delay study's momentum sweep
+    if name == "adam" and config.use_precision_aware_optimizer:
+        from megatron.training.optimizer.precision_aware import DTYPES, PrecisionAwareAdamW
+
+        return PrecisionAwareAdamW(
+            groups, lr=lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+            weight_decay=wd,
+            moment_dtypes=(DTYPES[config.exp_avg_dtype], DTYPES[config.exp_avg_sq_dtype]),
+        )  # fmt: skip
     if name == "adam":
         return adamw(groups, config)
     if name == "sgd":
