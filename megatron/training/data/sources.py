@@ -57,24 +57,25 @@ def _read(path: str, flag: str) -> str:
 
 def data_source(args: argparse.Namespace) -> DataSource:
     """The blend the flags ask for; one line on conflicting or unreadable ones."""
+    given = {flag: getattr(args, flag[2:].replace("-", "_"), None)
+             for flag in PER_SPLIT_FLAGS + ("--per-split-data-args-path", "--data-path",
+                                            "--data-args-path")}  # fmt: skip
     per_split_given = [flag for flag in PER_SPLIT_FLAGS + ("--per-split-data-args-path",)
-                       if getattr(args, flag[2:].replace("-", "_"), None) is not None]  # fmt: skip
-    single_given = [flag for flag in ("--data-path", "--data-args-path")
-                    if getattr(args, flag[2:].replace("-", "_"), None) is not None]  # fmt: skip
+                       if given[flag] is not None]  # fmt: skip
+    single_given = [f for f in ("--data-path", "--data-args-path") if given[f] is not None]
     if len(single_given) > 1:
         raise UserError("--data-path and --data-args-path exclude each other")
     if single_given and per_split_given:
         raise UserError(f"{single_given[0]} and {per_split_given[0]} exclude each other")
     if "--per-split-data-args-path" in per_split_given and len(per_split_given) > 1:
         raise UserError(f"--per-split-data-args-path and {per_split_given[0]} exclude each other")
-    if args.data_args_path is not None:
-        return DataSource(data_path=_read(args.data_args_path, "--data-args-path").split())
-    if args.per_split_data_args_path is not None:
-        return DataSource(per_split=_per_split_file(args.per_split_data_args_path))
+    if given["--data-args-path"] is not None:
+        return DataSource(data_path=_read(given["--data-args-path"], "--data-args-path").split())
+    if given["--per-split-data-args-path"] is not None:
+        return DataSource(per_split=_per_split_file(given["--per-split-data-args-path"]))
     if per_split_given:
-        per_split = [getattr(args, f"{name}_data_path") for name in SPLITS]
-        return DataSource(per_split=[paths or None for paths in per_split])
-    return DataSource(data_path=args.data_path)
+        return DataSource(per_split=[given[flag] or None for flag in PER_SPLIT_FLAGS])
+    return DataSource(data_path=given["--data-path"])
 
 
 def _per_split_file(path: str) -> List[Optional[List[str]]]:
@@ -110,6 +111,13 @@ def validate_data_source(args: argparse.Namespace) -> None:
         raise UserError('no training data: --train-data-path (or the file\'s "train") is empty')
     if source.per_split is None and not source.data_path:
         raise UserError("no training data: pass --data-path PREFIX (or --mock-data)")
+    evaluations = args.eval_iters and args.train_iters and args.train_iters // args.eval_interval
+    if source.per_split is not None and not source.per_split[1] and evaluations:
+        raise UserError(
+            f"no validation data (--valid-data-path), but --eval-interval {args.eval_interval} "
+            f"and --eval-iters {args.eval_iters} ask for evaluation (pass --eval-iters 0 to "
+            "train without it)"
+        )
     for prefix in prefixes_of(source):
         validate_indexed_dataset(prefix)
 

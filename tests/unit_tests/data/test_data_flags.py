@@ -123,7 +123,8 @@ def test_data_args_path_is_the_data_path_in_a_file(corpora, tmp_path):
         (["--data-args-path", "/nonexistent/blend.txt"],
          "--data-args-path /nonexistent/blend.txt: No such file or directory"),
         (["--valid-data-path", "x"], "no training data: --train-data-path"),
-        (["--train-data-path", "/nonexistent/corpus"], "/nonexistent/corpus"),
+        (["--train-data-path", "x"], "no validation data (--valid-data-path)"),
+        (["--train-data-path", "/nonexistent/corpus", "--eval-iters", "0"], "/nonexistent/corpus"),
     ],
 )  # fmt: skip
 def test_bad_data_flags_are_one_line(extra, message):
