@@ -22,7 +22,7 @@ from megatron.pipeline.schedules.paci import (
 )
 from megatron.pipeline.simulation.costs import stage_values
 from megatron.training.batch_schedule import validate_accumulation_schedule, validate_rampup
-from megatron.training.data.sources import add_data_source_args
+from megatron.training.data.sources import add_data_source_args, validate_sample_options
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
@@ -349,6 +349,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         if args.ckpt_format == "torch_dist":  # its keys come from megatron-core's model
             raise UserError("emulated stages have no megatron-core model: checkpoint them with "
                             "--ckpt-format torch")  # fmt: skip
+    validate_sample_options(args)
     _validate_optimizer_suite_args(args)
     _validate_weight_stashing(args)
     _validate_precision_args(args)

@@ -157,7 +157,6 @@ NOT_SUPPORTED = [
     Flag("--step-batch-size-schedule", str),
     Flag("--eval-global-batch-size", int),
     # data variants
-    Flag("--reset-attention-mask"),  # needs the mask on every stage and in the core attention
     Flag("--fim-data"),
     Flag("--fim-rate", float),
     Flag("--fim-spm-rate", float),

@@ -45,7 +45,8 @@ from megatron.training.recompute import use_host_rng_states
 
 
 class SDPACoreAttention(MegatronModule):
-    """Causal core attention on `torch.nn.functional.scaled_dot_product_attention`.
+    """Causal core attention on `torch.nn.functional.scaled_dot_product_attention`; with an
+    attention mask (megatron-core's convention, True = masked out), that mask.
 
     Same call contract as megatron-core's `DotProductAttention`: query [sq, b, np, hn],
     key/value [sk, b, ng, hn] (already split over tensor-parallel ranks), returns [sq, b, np*hn].
@@ -79,12 +80,16 @@ class SDPACoreAttention(MegatronModule):
         if k.size(1) != q.size(1):  # grouped-query attention: repeat the key/value groups
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        # megatron-core's mask (--reset-attention-mask): True where attention is masked out;
+        # causal already. Without one, causal attention.
+        allowed = None if attention_mask is None else ~attention_mask
         context = torch.nn.functional.scaled_dot_product_attention(
             q,
             k,
             v,
+            attn_mask=allowed,
             dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=True,
+            is_causal=allowed is None,
             scale=self.softmax_scale,
         )
         sq, b = context.size(2), context.size(0)

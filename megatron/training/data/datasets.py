@@ -312,7 +312,8 @@ class MicrobatchIterator:
     def collate(samples: List[Dict]) -> Dict[str, "torch.Tensor"]:  # noqa: F821
         import torch
 
-        return {key: torch.stack([sample[key] for sample in samples]) for key in BATCH_KEYS}
+        keys = BATCH_KEYS + (("attention_mask",) if "attention_mask" in samples[0] else ())
+        return {key: torch.stack([sample[key] for sample in samples]) for key in keys}
 
 
 def data_iterators_from_args(
@@ -551,9 +552,9 @@ def _build_datasets(blends, split, seq_length, seed, tokenizer, data_cache_path,
         path_to_cache=data_cache_path,
         tokenizer=tokenizer,
         reset_position_ids=options.get("reset_position_ids", False),
-        reset_attention_mask=False,
+        reset_attention_mask=options.get("reset_attention_mask", False),
         eod_mask_loss=options.get("eod_mask_loss", False),
-        create_attention_mask=False,
+        create_attention_mask=options.get("reset_attention_mask", False),
     )
     cls = MockGPTDataset if not blended else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()

@@ -7,7 +7,8 @@
   (`--split` is then not used, as in Megatron);
 * per-sample options of megatron-core's GPT dataset: `--eod-mask-loss` (no loss on
   end-of-document tokens), `--reset-position-ids` (positions restart after each end of
-  document).
+  document), `--reset-attention-mask` (attention within each document only: the dataset's
+  per-sample mask goes with the batch to the core attention).
 
 The result is megatron-core's blend configuration (`blend` or `blend_per_split` of its
 `BlendedMegatronDatasetConfig`).
@@ -36,6 +37,8 @@ def add_data_source_args(parser: argparse.ArgumentParser) -> None:
     add("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     add("--reset-position-ids", action="store_true",
         help="position ids restart after each end-of-document token")  # fmt: skip
+    add("--reset-attention-mask", action="store_true",
+        help="tokens attend only within their document (a per-sample attention mask)")  # fmt: skip
 
 
 @dataclass
@@ -127,4 +130,31 @@ def sample_options(args: argparse.Namespace) -> dict:
     return dict(
         eod_mask_loss=getattr(args, "eod_mask_loss", False),
         reset_position_ids=getattr(args, "reset_position_ids", False),
+        reset_attention_mask=getattr(args, "reset_attention_mask", False),
     )
+
+
+def validate_sample_options(args: argparse.Namespace) -> None:
+    """--reset-attention-mask: the mask travels with the batch, which only the first and the
+    last stage read, into our SDPA core attention; one line where that does not hold."""
+    if not getattr(args, "reset_attention_mask", False):
+        return
+    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    if args.pipeline_model_parallel_size > 2 or chunks > 1:
+        raise UserError(
+            "--reset-attention-mask with pipeline stages that read no batch (more than 2 "
+            "stages, or virtual stages) is not supported yet"
+        )
+    if args.emulated_forward_ms is not None:
+        raise UserError("--reset-attention-mask needs the model, not emulated compute")
+    import importlib.util
+
+    import torch
+
+    te_attention = (args.transformer_impl == "transformer_engine" and torch.cuda.is_available()
+                    and importlib.util.find_spec("transformer_engine") is not None)  # fmt: skip
+    if te_attention:
+        raise UserError(
+            "--reset-attention-mask with Transformer Engine's attention is not supported yet "
+            "(add --transformer-impl local)"
+        )

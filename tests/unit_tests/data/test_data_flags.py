@@ -131,3 +131,73 @@ def test_bad_data_flags_are_one_line(extra, message):
     with pytest.raises(UserError) as caught:
         validated(*extra)
     assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_reset_attention_mask_is_megatron_cores_and_keeps_documents_apart(corpora, tmp_path):
+    """The batch carries megatron-core's per-document mask; with it (and positions reset), the
+    model's output on a document that starts mid-sample equals that document run alone."""
+    import socket
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron.training.training import build_stage_model
+
+    low, _ = corpora
+    extra = ("--data-path", low, "--reset-attention-mask", "--reset-position-ids",
+             "--position-embedding-type", "rope", "--attention-dropout", "0",
+             "--hidden-dropout", "0", "--transformer-impl", "local")  # fmt: skip
+    args = validated(*extra)
+    train, _ = batches(args, tmp_path, count=1)
+    batch = train[0]
+    mask = batch["attention_mask"]
+    assert mask.shape == (2, 1, SEQ, SEQ) and mask.dtype == torch.bool
+    tokens = batch["tokens"][0]
+    end = int((tokens == EOD).nonzero()[0])  # the first document ends here
+    assert 0 < end < SEQ - 2
+    assert mask[0, 0, end + 1, end] and not mask[0, 0, end, end]  # no look across documents
+    created = not dist.is_initialized()  # leave the process as found (other tests make one)
+    if created:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)  # fmt: skip
+        parallel_state.initialize_model_parallel(1, 1)
+    try:
+        model = build_stage_model(args, VOCAB, torch.device("cpu")).eval()
+        with torch.no_grad():
+            whole = model(batch["tokens"][:1], batch["position_ids"][:1], mask[:1])
+            rest = tokens[end + 1 :].unsqueeze(0)
+            alone = model(rest, torch.arange(rest.size(1)).unsqueeze(0), None)
+            unmasked = model(batch["tokens"][:1], batch["position_ids"][:1], None)
+    finally:
+        if created:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+    torch.testing.assert_close(whole[:, end + 1 :], alone, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(unmasked[:, end + 1 :], alone, atol=1e-3)
+
+
+def test_pretrain_gpts_forward_step_trains_with_the_mask(corpora, tmp_path):
+    """pretrain_gpt.py's forward_step hands the batch's mask to the model (one process, the
+    reference engine): the losses differ from the run without --reset-attention-mask."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron.studies.delayed_reference import parse_reference_args, run_delayed
+
+    low, _ = corpora
+    created = not dist.is_initialized()
+    losses = {}
+    try:
+        for extra in ([], ["--reset-attention-mask"]):
+            argv = flags("--data-path", low, "--data-cache-path", str(tmp_path / "cache"),
+                         "--eval-iters", "0", "--transformer-impl", "local", *extra)  # fmt: skip
+            losses[bool(extra)] = run_delayed(parse_reference_args(argv), delay=0).losses
+    finally:
+        if created and dist.is_initialized():
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+    assert all(torch.isfinite(torch.tensor(losses[True])))
+    assert losses[True][0] != losses[False][0]

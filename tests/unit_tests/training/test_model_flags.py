@@ -95,7 +95,6 @@ def test_xavier_uniform_init_of_every_weight_matrix(one_rank_group):
         (["--rotary-seq-len-interpolation-factor", "2"],
          "--rotary-seq-len-interpolation-factor needs --position-embedding-type rope"),
         (["--openai-gelu", "--swiglu"], "--swiglu and --openai-gelu exclude each other"),
-        (["--reset-attention-mask"], "--reset-attention-mask is not supported yet"),
     ],
 )  # fmt: skip
 def test_model_flag_mistakes_are_one_line(extra, message):
@@ -154,3 +153,15 @@ def test_no_flag_of_megatrons_pretraining_parser_is_unknown():
     implemented = {flag for flag, _, status in statuses if status == "implemented"}
     assert {"--eod-mask-loss", "--train-data-path", "--use-rope-scaling",
             "--muon-nesterov", "--lion-beta1"} <= implemented  # fmt: skip
+
+
+def test_reset_attention_mask_needs_every_stage_to_read_the_batch():
+    args = build_parser().parse_args(
+        BASE + ["--reset-attention-mask", "--pipeline-model-parallel-size", "4"]
+    )
+    with pytest.raises(UserError) as caught:
+        validate_args(args, world_size=4)
+    assert str(caught.value).startswith(
+        "--reset-attention-mask with pipeline stages that read no batch"
+    )
+    validated(["--reset-attention-mask"])  # one stage: accepted
