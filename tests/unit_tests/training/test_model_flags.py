@@ -150,6 +150,10 @@ def test_no_flag_of_megatrons_pretraining_parser_is_unknown():
     assert len(stored) > 600 and all(in_scope(group, flag) for group, flag, _ in stored)
     statuses = parser_flag_statuses(stored)
     assert [flag for flag, _, status in statuses if status == "unknown"] == []
+    with open(os.path.join(repo, "docs", "megatron_flags.md")) as handle:
+        docs = handle.read()
+    missing = [f for f, group, status in statuses if f"| `{f}` | {group} | {status} |" not in docs]
+    assert not missing, f"rows of docs/megatron_flags.md out of date (--flag-table): {missing[:5]}"
     implemented = {flag for flag, _, status in statuses if status == "implemented"}
     assert {"--eod-mask-loss", "--train-data-path", "--use-rope-scaling",
             "--muon-nesterov", "--lion-beta1"} <= implemented  # fmt: skip
