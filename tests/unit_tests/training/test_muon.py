@@ -75,10 +75,15 @@ SHARDED = {"decoder.layers.0.self_attention.linear_qkv.weight": 0,
            "decoder.layers.0.self_attention.linear_proj.weight": 1}  # fmt: skip
 
 
-def run_muon(model, config, tp_rank: int = 0, tp_size: int = 1) -> dict:
-    """STEPS Muon steps on `model` (its tensor-parallel weights this rank's shards)."""
+def run_muon(model, config, tp_rank: int = 0, tp_size: int = 1, *, resume_at=None) -> dict:
+    """STEPS Muon steps on `model` (its tensor-parallel weights this rank's shards); with
+    `resume_at`, the optimizer is rebuilt there from its state_dict (a checkpoint's path)."""
     chain = build_suite_optimizer(model, config)
     for step in range(STEPS):
+        if step == resume_at:
+            saved = chain.state_dict()
+            chain = build_suite_optimizer(model, config)
+            chain.load_state_dict(saved)
         grads = random_grads(TinyGPT(), step)
         for name, param in model.named_parameters():
             grad = grads[name]
@@ -111,6 +116,9 @@ def _tp_worker(rank: int, port: int, results) -> None:
             config = optimizer_config("muon", tensor_model_parallel_size=2, muon_tp_mode=mode,
                                       muon_coefficient_type="quintic", weight_decay=0.1)  # fmt: skip
             results[(mode, rank)] = run_muon(sharded_model(rank, 2), config, rank, 2)
+            if mode == "duplicated":  # the full momentum survives a state_dict round trip
+                results[("resumed", rank)] = run_muon(sharded_model(rank, 2), config, rank, 2,
+                                                      resume_at=2)  # fmt: skip
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -132,6 +140,9 @@ def test_duplicated_tp_mode_at_tp2_equals_tp1_and_blockwise_does_not():
         gathered = torch.cat(shards, dim=SHARDED[name]) if name in SHARDED else shards[0]
         torch.testing.assert_close(gathered, full, rtol=1e-5, atol=1e-5)
         assert not torch.equal(full, initial[name].detach())  # the steps moved it
+    for rank in range(2):
+        for name, value in results[("duplicated", rank)].items():
+            assert torch.equal(results[("resumed", rank)][name], value), name
     blockwise = torch.cat([results[("blockwise", r)][next(iter(SHARDED))] for r in range(2)])
     assert not torch.allclose(blockwise, reference[next(iter(SHARDED))], atol=1e-4)
 
