@@ -1010,10 +1010,6 @@ def _validate_precision_aware_optimizer(args: argparse.Namespace) -> None:
         raise UserError(
             f"--use-precision-aware-optimizer with --optimizer {args.optimizer} is not supported yet"
         )
-    if args.use_distributed_optimizer:
-        raise UserError(
-            "--use-precision-aware-optimizer with --use-distributed-optimizer is not supported yet"
-        )
     for flag, value in dtypes.items():
         if value == "fp8" or (value != "fp32" and flag in ("--main-params-dtype",
                                                            "--main-grads-dtype")):  # fmt: skip
