@@ -23,18 +23,22 @@ from megatron.training.faults import (
 
 
 def get_batch(data_iterator, model):
-    """The first stage needs tokens and positions, the last stage labels and the loss mask;
-    stages in between read nothing (their input comes from the previous stage)."""
+    """The first stage needs tokens and positions, the last stage labels and the loss mask,
+    both the attention mask where the data has one (--reset-attention-mask); stages in between
+    read nothing (their input comes from the previous stage)."""
     first, last = model.pre_process, model.post_process
     device = next(model.parameters()).device
     if not (first or last):
-        return None, None, None, None
+        return None, None, None, None, None
     batch = _on_this_context_parallel_rank(next(data_iterator))
     tokens = batch["tokens"].to(device, non_blocking=True)
     position_ids = batch["position_ids"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True) if last else None
     loss_mask = batch["loss_mask"].to(device, non_blocking=True) if last else None
-    return tokens, position_ids, labels, loss_mask
+    attention_mask = batch.get("attention_mask")
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device, non_blocking=True)
+    return tokens, position_ids, attention_mask, labels, loss_mask
 
 
 def _on_this_context_parallel_rank(batch: dict) -> dict:
@@ -87,8 +91,8 @@ def _context_parallel_group():
 
 
 def forward_step(data_iterator, model):
-    tokens, position_ids, labels, loss_mask = get_batch(data_iterator, model)
-    output_tensor = model(tokens, position_ids, None, labels=labels)
+    tokens, position_ids, attention_mask, labels, loss_mask = get_batch(data_iterator, model)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
     per_token = getattr(getattr(model, "config", None), "calculate_per_token_loss", False)
     return output_tensor, partial(loss_func, loss_mask, per_token=per_token)
 

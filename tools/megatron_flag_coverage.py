@@ -7,6 +7,12 @@ flags of two example scripts, stored as flag/value lists in
 
     python tools/megatron_flag_coverage.py                  # report (markdown)
     python tools/megatron_flag_coverage.py --extract DIR    # refresh the list from a checkout
+    python tools/megatron_flag_coverage.py --extract-flags DIR  # refresh the parser's flags
+    python tools/megatron_flag_coverage.py --flag-table     # one docs row per Megatron flag
+
+Besides the command lines, it reports every flag of Megatron-LM's pretraining parser (its
+in-scope flags, stored in `tools/data/megatron_pretraining_flags.json` and read from a
+checkout by tools/megatron_parser_flags.py) that our parser does not know.
 
 Each command line is parsed by `build_parser()` and validated by `validate_args(...,
 check_files=False)` with data parallel size 1. Outcomes: `accepted`; `not supported yet`
@@ -19,10 +25,19 @@ import json
 import os
 import sys
 
-from megatron.studies.flag_coverage import decode, encode, extract_functional_configs, report
+from megatron.studies.flag_coverage import (
+    decode,
+    encode,
+    extract_functional_configs,
+    extract_parser_flags,
+    parser_flag_report,
+    parser_flag_table,
+    report,
+)
 
-DATA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
-                         "megatron_gpt_command_lines.json")  # fmt: skip
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+DATA_FILE = os.path.join(TOOLS, "data", "megatron_gpt_command_lines.json")
+FLAGS_FILE = os.path.join(TOOLS, "data", "megatron_pretraining_flags.json")
 
 
 def main(argv=None) -> int:
@@ -30,7 +45,23 @@ def main(argv=None) -> int:
     parser.add_argument("--extract", metavar="MEGATRON_DIR",
                         help="refresh the functional-test configs from a Megatron-LM checkout")  # fmt: skip
     parser.add_argument("--data", default=DATA_FILE)
+    parser.add_argument("--flags", default=FLAGS_FILE, help="Megatron's stored parser flags")
+    parser.add_argument("--extract-flags", metavar="MEGATRON_DIR",
+                        help="refresh the stored parser flags from a Megatron-LM checkout")  # fmt: skip
+    parser.add_argument("--flag-table", action="store_true",
+                        help="print one markdown row per Megatron flag, nothing else")  # fmt: skip
     options = parser.parse_args(argv)
+    with open(options.flags) as handle:
+        stored_flags = json.load(handle)
+    if options.extract_flags:
+        script = os.path.join(TOOLS, "megatron_parser_flags.py")
+        stored_flags["flags"] = extract_parser_flags(options.extract_flags, script)
+        with open(options.flags, "w") as handle:
+            json.dump(stored_flags, handle, separators=(",", ":"))
+            handle.write("\n")
+    if options.flag_table:
+        print(parser_flag_table(stored_flags["flags"]))
+        return 0
     with open(options.data) as handle:
         stored = json.load(handle)
     command_lines = decode(stored)
@@ -42,6 +73,8 @@ def main(argv=None) -> int:
             json.dump(stored, handle, separators=(",", ":"))
             handle.write("\n")
     print(report(command_lines))
+    print()
+    print(parser_flag_report(stored_flags["flags"]))
     return 0
 
 

@@ -47,7 +47,9 @@ MODEL_FLAGS = (
     "--seq-length 128 --max-position-embeddings 128 --micro-batch-size 8 --global-batch-size 8 "
     "--min-lr-ratio-placeholder --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95 "
     "--clip-grad 1.0 --attention-dropout 0.0 --hidden-dropout 0.0 --split 969,30,1 "
-    "--tokenizer-type SentencePieceTokenizer --eval-interval 1000000"
+    "--tokenizer-type SentencePieceTokenizer --eval-interval 1000000 "
+    # the settings the documented results ran with (before Megatron's defaults were followed)
+    "--muon-coefficient-type simple --lion-beta2 0.99"
 )
 
 
@@ -97,7 +99,8 @@ def reference_flags(run: StudyRun, *, iterations: int, data_prefix: str, tokeniz
 
 def set_first_momentum(args, value: float) -> None:
     """The coefficient the momentum sweep varies (first beta / momentum of the optimizer)."""
-    flag = {"adam": "adam_beta1", "sgd": "sgd_momentum", "muon": "muon_momentum"}
+    flag = {"adam": "adam_beta1", "sgd": "sgd_momentum", "muon": "muon_momentum",
+            "lion": "lion_beta1"}  # fmt: skip
     setattr(args, flag.get(args.optimizer, "optimizer_beta1"), value)
 
 

@@ -19,7 +19,15 @@ import unittest.mock
 
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.errors import UserError
-from megatron.training.megatron_flags import apply_megatron_fallbacks, unsupported_flags
+from megatron.training.megatron_flags import (
+    DEPRECATED,
+    NO_EFFECT,
+    NOT_SUPPORTED,
+    NOT_YET,
+    OUR_BEHAVIOUR,
+    apply_megatron_fallbacks,
+    unsupported_flags,
+)
 
 PLACEHOLDERS = {  # what a placeholder stands for when the command line is parsed
     "<data-prefix>": "data/stdlib_text_document",
@@ -235,3 +243,70 @@ def _error_list(outcomes: dict) -> list[str]:
     return ["Other failures:", ""] + [
         f"- {name}: {outcome}: {line}" for name, outcome, line in errors
     ]
+
+
+# ---------------------------------------------------------------------------- parser flags
+# Megatron-LM's pretraining flags left aside (the scope of docs/megatron_flags.md): RL,
+# inference, vision, BERT/T5/retro, Mamba and hybrid models, FSDP, CUDA graphs, and mixture of
+# experts with multi-token prediction.
+LEFT_ASIDE_GROUPS = ("rl", "inference", "vision", "biencoder", "moe")
+LEFT_ASIDE_NAMES = re.compile(
+    r"moe|expert|mamba|hybrid|fsdp|cuda-graph|inference|^--rl-|grpo|bert|t5|retro|mtp"
+)
+
+
+def in_scope(group: str, flag: str) -> bool:
+    return group not in LEFT_ASIDE_GROUPS and not LEFT_ASIDE_NAMES.search(flag)
+
+
+def extract_parser_flags(megatron_dir: str, script: str) -> list:
+    """[group, flag, kind] of every in-scope flag of a Megatron-LM checkout's parser, read by
+    `script` (tools/megatron_parser_flags.py) in a process of its own."""
+    import subprocess
+    import sys
+
+    listed = subprocess.run([sys.executable, script, megatron_dir], capture_output=True,
+                            text=True, check=True).stdout  # fmt: skip
+    return [entry for entry in json.loads(listed) if in_scope(entry[0], entry[1])]
+
+
+def status_of(flag: str, known: set) -> str:
+    """How our parser treats one of Megatron's flags."""
+    if flag not in known:
+        return "unknown"
+    if flag in DEPRECATED:
+        return "deprecated: Megatron's error"
+    if flag in NO_EFFECT:
+        return "deprecated: no effect, Megatron's notice"
+    behaviour = {f.name: f for f in OUR_BEHAVIOUR}
+    if flag in behaviour:
+        partly = behaviour[flag].type is not None and behaviour[flag].supported not in (None,)
+        return "our behaviour (other values: not supported yet)" if partly else "our behaviour"
+    if flag in {f.name for f in NOT_SUPPORTED + NOT_YET}:
+        return "not supported yet"
+    return "implemented"
+
+
+def parser_flag_statuses(parser_flags: list) -> list[tuple[str, str, str]]:
+    """(flag, Megatron's group, status) for each stored Megatron flag."""
+    known = set(build_parser()._option_string_actions)
+    return [(flag, group, status_of(flag, known)) for group, flag, _ in parser_flags]
+
+
+def parser_flag_report(parser_flags: list) -> str:
+    statuses = parser_flag_statuses(parser_flags)
+    counts = collections.Counter(status for _, _, status in statuses)
+    lines = [f"Megatron-LM pretraining flags in scope: {len(statuses)}", "",
+             "| status | flags |", "|---|---|"]  # fmt: skip
+    lines += [f"| {status} | {n} |" for status, n in sorted(counts.items())]
+    unknown = [f"{flag} ({group})" for flag, group, status in statuses if status == "unknown"]
+    lines += ["", f"Unknown to our parser: {len(unknown)}" + (":" if unknown else ".")]
+    return "\n".join(lines + [f"- {entry}" for entry in unknown])
+
+
+def parser_flag_table(parser_flags: list) -> str:
+    """One markdown row per Megatron flag (docs/megatron_flags.md)."""
+    rows = ["| flag | Megatron's group | here |", "|---|---|---|"]
+    rows += [f"| `{flag}` | {group} | {status} |"
+             for flag, group, status in parser_flag_statuses(parser_flags)]  # fmt: skip
+    return "\n".join(rows)

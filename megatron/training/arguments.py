@@ -23,9 +23,11 @@ from megatron.pipeline.schedules.paci import (
 )
 from megatron.pipeline.simulation.costs import stage_values
 from megatron.training.batch_schedule import validate_accumulation_schedule, validate_rampup
+from megatron.training.data.sources import add_data_source_args, validate_sample_options
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
+from megatron.training.tracking.wandb_run import add_wandb_args, validate_wandb_args
 from megatron.training.validation import add_reliability_args, validate_reliability
 
 TOKENIZER_CHOICES = [
@@ -49,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_group(parser)
     _add_optimizer_suite_args(parser)
     _add_precision_args(parser)
+    add_data_source_args(parser)
+    add_wandb_args(parser)
     add_recompute_args(parser)
     add_reliability_args(parser)
     add_compatibility_flags(parser)
@@ -80,6 +84,19 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     add("--rotary-percent", type=float, default=1.0)
     add("--rotary-base", type=int, default=10000)
     add("--rotary-interleaved", action="store_true")
+    add("--use-rotary-position-embeddings", action="store_true",
+        help="Megatron's older spelling of --position-embedding-type rope")  # fmt: skip
+    add("--no-position-embedding", action="store_false", dest="add_position_embedding",
+        help="deprecated in Megatron: refused unless --position-embedding-type rope")  # fmt: skip
+    add("--use-rope-scaling", action="store_true",
+        help="Llama 3.1's RoPE frequency scaling (megatron-core's rotary embedding)")  # fmt: skip
+    add("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
+    add("--rotary-seq-len-interpolation-factor", type=int, default=None,
+        help="RoPE positions divided by this factor (linear sequence-length interpolation)")  # fmt: skip
+    add("--openai-gelu", action="store_true",
+        help="OpenAI's tanh approximation of GeLU as the MLP activation")  # fmt: skip
+    add("--init-method-xavier-uniform", action="store_true",
+        help="Xavier-uniform weights (of the full, unsharded matrix) instead of normal(std)")  # fmt: skip
     add("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     add("--norm-epsilon", type=float, default=1e-5)
     add("--apply-layernorm-1p", action="store_true",
@@ -196,9 +213,10 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     add("--lr-warmup-iters", type=int, default=0)
     add("--lr-warmup-samples", type=int, default=0)
     add("--lr-warmup-fraction", type=float, default=None)
-    add("--override-opt_param-scheduler", action="store_true",
+    add("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
         help="take the LR schedule from the command line, not the checkpoint")  # fmt: skip
-    add("--use-checkpoint-opt_param-scheduler", action="store_true",
+    add("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+        action="store_true",
         help="take the LR schedule from the checkpoint")  # fmt: skip
     add("--weight-decay", type=float, default=0.01)
     add("--clip-grad", type=float, default=1.0)
@@ -319,6 +337,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     `check_files=False` skips the checks that read the data files (for measuring which command
     lines parse, see tools/megatron_flag_coverage.py)."""
     reject_unsupported_flags(args)
+    validate_wandb_args(args)
     validate_reliability(args)
     _validate_parallel_layout(args, world_size)
     _validate_model_shape(args)
@@ -343,6 +362,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         if args.ckpt_format == "torch_dist":  # its keys come from megatron-core's model
             raise UserError("emulated stages have no megatron-core model: checkpoint them with "
                             "--ckpt-format torch")  # fmt: skip
+    validate_sample_options(args)
     _validate_optimizer_suite_args(args)
     _validate_weight_stashing(args)
     _validate_precision_args(args)
@@ -419,6 +439,9 @@ def _validate_context_parallel(args: argparse.Namespace) -> None:
                         "yet (the ring attention has no dropout): pass --attention-dropout 0")  # fmt: skip
     if args.emulated_forward_ms is not None:
         raise UserError("emulated stages with --context-parallel-size > 1 are not supported yet")
+    if args.reset_attention_mask:
+        raise UserError("--reset-attention-mask with --context-parallel-size > 1 is not supported "
+                        "yet (the ring attention is causal over the whole sequence)")  # fmt: skip
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
@@ -612,8 +635,6 @@ def _validate_model_shape(args: argparse.Namespace) -> None:
             )
     else:
         args.num_query_groups = None  # megatron-core: one key/value head per query head
-    if args.swiglu and args.squared_relu:
-        raise UserError("--swiglu and --squared-relu exclude each other")
     if args.ffn_hidden_size is None:
         # Megatron's default: 4h, or 8h/3 rounded down to a multiple of 64 with SwiGLU
         four_h = 4 * args.hidden_size
@@ -625,6 +646,30 @@ def _validate_model_shape(args: argparse.Namespace) -> None:
         raise UserError("--seq-length exceeds --max-position-embeddings")
     if not 0.0 < args.rotary_percent <= 1.0:
         raise UserError("--rotary-percent must be in (0, 1]")
+    _validate_position_and_activation(args)
+
+
+def _validate_position_and_activation(args: argparse.Namespace) -> None:
+    """Megatron's legacy position-embedding spellings and the RoPE variants, which need RoPE
+    (Megatron would ignore them without it); the activation switches exclude each other."""
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        raise UserError("--no-position-embedding is deprecated, use --position-embedding-type")
+    for flag, given in (("--use-rope-scaling", args.use_rope_scaling),
+                        ("--rotary-seq-len-interpolation-factor",
+                         args.rotary_seq_len_interpolation_factor is not None)):  # fmt: skip
+        if given and args.position_embedding_type != "rope":
+            raise UserError(f"{flag} needs --position-embedding-type rope")
+    if args.rotary_seq_len_interpolation_factor is not None:
+        if args.rotary_seq_len_interpolation_factor < 1:
+            raise UserError("--rotary-seq-len-interpolation-factor must be >= 1")
+    if not (math.isfinite(args.rope_scaling_factor) and args.rope_scaling_factor > 0):
+        raise UserError(f"--rope-scaling-factor must be > 0, got {args.rope_scaling_factor}")
+    chosen = [flag for flag, on in (("--swiglu", args.swiglu), ("--squared-relu", args.squared_relu),
+                                    ("--openai-gelu", args.openai_gelu)) if on]  # fmt: skip
+    if len(chosen) > 1:
+        raise UserError(f"{' and '.join(chosen)} exclude each other")
 
 
 def _validate_model_checks(args: argparse.Namespace) -> None:
@@ -882,13 +927,9 @@ def _validate_data_args(args: argparse.Namespace) -> None:
         if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
             raise UserError("NullTokenizer needs --vocab-size")
         return
-    if not args.data_path:
-        raise UserError("no training data: pass --data-path PREFIX (or --mock-data)")
-    from megatron.training.data.datasets import parse_data_path, validate_indexed_dataset
+    from megatron.training.data.sources import validate_data_source
 
-    prefixes, _ = parse_data_path(args.data_path)
-    for prefix in prefixes:
-        validate_indexed_dataset(prefix)
+    validate_data_source(args)
 
 
 # ---------------------------------------------------------------------------- optimizer suite
@@ -899,7 +940,14 @@ def _add_optimizer_suite_args(parser: argparse.ArgumentParser) -> None:
     """Muon's settings under Megatron's names and defaults; the delay mitigations (ours)."""
     add = parser.add_argument_group("optimizer suite and delay mitigations").add_argument
     add("--muon-momentum", type=float, default=0.9)
-    add("--muon-use-nesterov", action="store_true")
+    add("--muon-nesterov", "--muon-use-nesterov", action="store_true",
+        help="Nesterov momentum inside Muon (--muon-use-nesterov: this project's older spelling)")  # fmt: skip
+    add("--muon-coefficient-type", default="quintic",
+        help="Newton-Schulz coefficients: simple (torch's), quintic, polar_express, aol")  # fmt: skip
+    add("--muon-scalar-optimizer", default="adam", choices=["adam", "lion"],
+        help="for what Muon does not step: embeddings, output layer, 1-D parameters")  # fmt: skip
+    add("--lion-beta1", type=float, default=0.95, help="Lion: the update's sign mix")
+    add("--lion-beta2", type=float, default=0.98, help="Lion: the momentum's average")
     add("--muon-no-split-qkv", action="store_false", dest="muon_split_qkv",
         help="orthogonalize the fused QKV weight as one matrix (default: Q, K, V apart)")  # fmt: skip
     add("--muon-scale-mode", default="spectral",
@@ -908,8 +956,9 @@ def _add_optimizer_suite_args(parser: argparse.ArgumentParser) -> None:
     add("--muon-fp32-matmul-prec", default="medium",
         help="medium only: Newton-Schulz with bf16 operands (torch.optim.Muon)")  # fmt: skip
     add("--muon-num-ns-steps", type=int, default=5)
-    add("--muon-tp-mode", default="blockwise",
-        help="blockwise only: each tensor-parallel rank orthogonalizes its local shard")  # fmt: skip
+    add("--muon-tp-mode", default="duplicated",
+        help="duplicated: orthogonalize the full matrix gathered over tensor parallelism (the "
+        "TP = 1 update); blockwise: each rank its local shard")  # fmt: skip
     add("--muon-extra-scale-factor", type=float, default=1.0)
     add("--async-error-feedback", action="store_true",
         help="update-level error feedback x(t+1) = x(t) - 2u(t) + u(t-1), decay outside u")  # fmt: skip
@@ -921,6 +970,36 @@ def _add_optimizer_suite_args(parser: argparse.ArgumentParser) -> None:
         help="1F1B-flush for the last K iterations")  # fmt: skip
 
 
+def _validate_muon_args(args: argparse.Namespace) -> None:
+    from megatron.training.optimizer.muon import COEFFICIENT_SETS, TP_MODES, coefficient_schedule
+
+    if args.muon_tp_mode == "distributed":
+        raise UserError("--muon-tp-mode distributed is not supported yet (duplicated gives its "
+                        "update: the full matrix's)")  # fmt: skip
+    if args.muon_tp_mode not in TP_MODES:
+        raise UserError(f"unknown --muon-tp-mode {args.muon_tp_mode!r} (known: duplicated, "
+                        "blockwise, distributed)")  # fmt: skip
+    if args.muon_fp32_matmul_prec != "medium":
+        raise UserError(f"--muon-fp32-matmul-prec {args.muon_fp32_matmul_prec} is not supported "
+                        "yet (only medium)")  # fmt: skip
+    if args.muon_coefficient_type not in COEFFICIENT_SETS:
+        known = ", ".join(COEFFICIENT_SETS)
+        raise UserError(f"--muon-coefficient-type {args.muon_coefficient_type} is not supported "
+                        f"yet (known: {known})")  # fmt: skip
+    if args.muon_num_ns_steps >= 1:
+        try:
+            coefficient_schedule(args.muon_coefficient_type, args.muon_num_ns_steps)
+        except ValueError as error:
+            raise UserError(f"--muon-coefficient-type {args.muon_coefficient_type}: {error} "
+                            "(--muon-num-ns-steps)") from None  # fmt: skip
+    for flag in ("lion_beta1", "lion_beta2"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and 0.0 <= value < 1.0):
+            raise UserError(
+                f"--{flag.replace('_', '-')} must be a number >= 0 and < 1, got {value}"
+            )
+
+
 def _validate_optimizer_suite_args(args: argparse.Namespace) -> None:
     if args.optimizer not in OPTIMIZER_NAMES:
         known = ", ".join(OPTIMIZER_NAMES)
@@ -930,10 +1009,7 @@ def _validate_optimizer_suite_args(args: argparse.Namespace) -> None:
         raise UserError(
             f"unknown --muon-scale-mode {args.muon_scale_mode!r} (known: {', '.join(scale_modes)})"
         )
-    for flag, supported in (("muon_tp_mode", "blockwise"), ("muon_fp32_matmul_prec", "medium")):
-        if getattr(args, flag) != supported:
-            name = "--" + flag.replace("_", "-")
-            raise UserError(f"{name} {getattr(args, flag)} is not supported yet (only {supported})")
+    _validate_muon_args(args)
     if args.muon_num_ns_steps < 1:
         raise UserError("--muon-num-ns-steps must be >= 1")
     if args.delay_compensation_lambda < 0:
@@ -979,6 +1055,12 @@ def _add_precision_args(parser: argparse.ArgumentParser) -> None:
     add("--num-distributed-optimizer-instances", type=int, default=1,
         help="copies of the distributed optimizer over the stage's data-parallel ranks: each "
         "copy shards over data-parallel size / copies ranks")  # fmt: skip
+    add("--use-precision-aware-optimizer", action="store_true",
+        help="adam: store the moments as --exp-avg-dtype / --exp-avg-sq-dtype, compute in fp32")  # fmt: skip
+    add("--main-params-dtype", default="fp32", choices=["fp32", "fp16"])
+    add("--main-grads-dtype", default="fp32", choices=["fp32", "bf16"])
+    add("--exp-avg-dtype", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"])
+    add("--exp-avg-sq-dtype", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"])
     add("--ddp-average-in-collective", action="store_true",
         help="average the data-parallel gradients in the collective (ReduceOp.AVG) instead of a "
         "sum and a division")  # fmt: skip
@@ -1000,7 +1082,30 @@ def _validate_optimizer_instances(args: argparse.Namespace) -> None:
         raise UserError("--num-distributed-optimizer-instances needs --use-distributed-optimizer")
 
 
+def _validate_precision_aware_optimizer(args: argparse.Namespace) -> None:
+    """--use-precision-aware-optimizer: Adam's moments in a lower dtype (optimizer/
+    precision_aware.py); what it does not cover yet, one line each."""
+    dtypes = {"--main-params-dtype": args.main_params_dtype,
+              "--main-grads-dtype": args.main_grads_dtype,
+              "--exp-avg-dtype": args.exp_avg_dtype,
+              "--exp-avg-sq-dtype": args.exp_avg_sq_dtype}  # fmt: skip
+    if not args.use_precision_aware_optimizer:
+        for flag, value in dtypes.items():
+            if value != "fp32":
+                raise UserError(f"{flag} {value} needs --use-precision-aware-optimizer")
+        return
+    if args.optimizer != "adam":
+        raise UserError(
+            f"--use-precision-aware-optimizer with --optimizer {args.optimizer} is not supported yet"
+        )
+    for flag, value in dtypes.items():
+        if value == "fp8" or (value != "fp32" and flag in ("--main-params-dtype",
+                                                           "--main-grads-dtype")):  # fmt: skip
+            raise UserError(f"{flag} {value} is not supported yet")
+
+
 def _validate_precision_args(args: argparse.Namespace) -> None:
+    _validate_precision_aware_optimizer(args)
     if args.fp16 and args.bf16:
         raise UserError("--fp16 and --bf16 exclude each other")
     for name in ("loss_scale", "initial_loss_scale", "min_loss_scale"):

@@ -46,7 +46,8 @@ from megatron.training.ring_attention import ring_attention
 
 
 class SDPACoreAttention(MegatronModule):
-    """Causal core attention on `torch.nn.functional.scaled_dot_product_attention`.
+    """Causal core attention on `torch.nn.functional.scaled_dot_product_attention`; with an
+    attention mask (megatron-core's convention, True = masked out), that mask.
 
     Same call contract as megatron-core's `DotProductAttention`: query [sq, b, np, hn],
     key/value [sk, b, ng, hn] (already split over tensor-parallel ranks), returns [sq, b, np*hn].
@@ -88,12 +89,16 @@ class SDPACoreAttention(MegatronModule):
         if k.size(1) != q.size(1):  # grouped-query attention: repeat the key/value groups
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        # megatron-core's mask (--reset-attention-mask): True where attention is masked out;
+        # causal already. Without one, causal attention.
+        allowed = None if attention_mask is None else ~attention_mask
         context = torch.nn.functional.scaled_dot_product_attention(
             q,
             k,
             v,
+            attn_mask=allowed,
             dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=True,
+            is_causal=allowed is None,
             scale=self.softmax_scale,
         )
         sq, b = context.size(2), context.size(0)
@@ -459,10 +464,16 @@ def build_gpt_stage(
     rotary_percent: float = 1.0,
     rotary_base: int = 10000,
     use_transformer_engine: bool = True,
+    rope_scaling: bool = False,
+    rope_scaling_factor: float = 8.0,
+    seq_len_interpolation_factor: float | None = None,
+    xavier_uniform: bool = False,
     built_as_other_rank: bool = False,
 ) -> GPTModel:
     """Build this rank's GPT stage on `device`, initialized independently of the layout. With
-    virtual stages (`layout.chunks` > 1) it is one of the rank's chunks (`chunk_layout`);
+    virtual stages (`layout.chunks` > 1) it is one of the rank's chunks (`chunk_layout`).
+    The RoPE variants are megatron-core's (Llama 3.1 frequency scaling, linear position
+    interpolation); `xavier_uniform`: Megatron's --init-method-xavier-uniform;
     `built_as_other_rank`: `layout.pipeline_rank` is the rank of the interleaved placement whose
     chunk is the same virtual stage (`v_chunk_layout`), not this rank's."""
     vp_stage = layout.chunk if layout.chunks > 1 else None
@@ -487,6 +498,9 @@ def build_gpt_stage(
         position_embedding_type=position_embedding_type,
         rotary_percent=rotary_percent,
         rotary_base=rotary_base,
+        rope_scaling=rope_scaling,
+        rope_scaling_factor=rope_scaling_factor,
+        seq_len_interpolation_factor=seq_len_interpolation_factor,
         vp_stage=vp_stage,
     )
     if device.type != "cuda" and isinstance(
@@ -499,7 +513,8 @@ def build_gpt_stage(
             f"stage {layout.pipeline_rank} chunk {layout.chunk}: megatron-core built {built} "
             f"layers, the layout says {layout.layers_per_stage}"
         )
-    initialize_layout_independent(model, layout, seed=seed, init_method_std=config.init_method_std)
+    initialize_layout_independent(model, layout, seed=seed, init_method_std=config.init_method_std,
+                                  xavier_uniform=xavier_uniform)  # fmt: skip
     return model.to(device)
 
 
@@ -533,10 +548,17 @@ def _init_kind(name: str, param: torch.nn.Parameter) -> str:
 
 @torch.no_grad()
 def initialize_layout_independent(
-    model: torch.nn.Module, layout: StageLayout, *, seed: int, init_method_std: float
+    model: torch.nn.Module,
+    layout: StageLayout,
+    *,
+    seed: int,
+    init_method_std: float,
+    xavier_uniform: bool = False,
 ) -> None:
     """Megatron's init scheme (normal(std), std/sqrt(2L) on residual outputs, ones/zeros for
-    norms and biases), drawn per parameter from its global name so it is layout-independent."""
+    norms and biases), drawn per parameter from its global name so it is layout-independent.
+    `xavier_uniform`: every weight matrix Xavier-uniform over its full (unsharded) shape, as
+    Megatron's init and scaled-init methods are then."""
     scaled_std = init_method_std / math.sqrt(2.0 * layout.num_layers)
     for name, param in model.named_parameters():
         kind = _init_kind(name, param)
@@ -554,7 +576,11 @@ def initialize_layout_independent(
         global_name = global_parameter_name(name, layout, tied=getattr(param, "shared", False))
         generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{global_name}".encode()))
         std = scaled_std if kind == "scaled_normal" else init_method_std
-        full = torch.empty(full_shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+        full = torch.empty(full_shape, dtype=torch.float32)
+        if xavier_uniform and full.dim() >= 2:
+            torch.nn.init.xavier_uniform_(full, generator=generator)
+        else:
+            full.normal_(0.0, std, generator=generator)
         if sharded:
             full = full.chunk(layout.tensor_size, dim=partition_dim)[layout.tensor_rank]
         param.copy_(full)

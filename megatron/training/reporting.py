@@ -161,11 +161,22 @@ def _interval_counts(state, step_func) -> tuple[int, int]:
 
 
 def tensorboard_writer(args):
-    if not args.tensorboard_dir or not is_logging_rank(args):
-        return None
-    from torch.utils.tensorboard import SummaryWriter
+    """The logging rank's scalar writer: TensorBoard (--tensorboard-dir), W&B
+    (--wandb-project, wandb_run.py), both, or None."""
+    from megatron.training.tracking.wandb_run import ScalarWriters, WandbWriter, wandb_enabled
 
-    return SummaryWriter(log_dir=args.tensorboard_dir)
+    if not is_logging_rank(args):
+        return None
+    writers = []
+    if args.tensorboard_dir:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writers.append(SummaryWriter(log_dir=args.tensorboard_dir))
+    if wandb_enabled(args):
+        writers.append(WandbWriter(args))
+    if len(writers) > 1:
+        return ScalarWriters(writers)
+    return writers[0] if writers else None
 
 
 # ---------------------------------------------------------------------------- metrics

@@ -46,7 +46,8 @@ from megatron.training.batch_schedule import (
 )
 from megatron.training.checkpointing import save_load as checkpointing
 from megatron.training.checkpointing.writer_lock import WriterLock, describe, new_run_id
-from megatron.training.data.datasets import data_iterators_from_args, parse_data_path
+from megatron.training.data.datasets import data_iterators_from_args
+from megatron.training.data.sources import data_source, prefixes_of
 from megatron.training.divergence import check_replicas_match
 from megatron.training.emulated_stage import EmulatedStage
 from megatron.training.errors import RunFailed, UserError
@@ -148,6 +149,7 @@ _MODEL_SWITCH_DEFAULTS = {
     "cross_entropy_loss_fusion": False,
     "cross_entropy_fusion_impl": "native",
     "test_mode": False,
+    "openai_gelu": False,
 }
 
 
@@ -161,6 +163,10 @@ def model_switches(args) -> dict:
         from megatron.core.activations import squared_relu
 
         activation = squared_relu
+    elif get["openai_gelu"]:
+        from megatron.core.transformer.utils import openai_gelu
+
+        activation = openai_gelu
     return dict(
         normalization=get["normalization"],
         layernorm_epsilon=get["norm_epsilon"],
@@ -287,6 +293,10 @@ def _build_chunk(args, config, layout, vocab_size: int, device: torch.device,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         use_transformer_engine=args.transformer_impl == "transformer_engine",
+        rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
+        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
+        xavier_uniform=getattr(args, "init_method_xavier_uniform", False),
         built_as_other_rank=built_as_other_rank,
     )
     if not args.pipeline_plan.flushes:
@@ -481,7 +491,7 @@ def _build_checked_tokenizer(args):
     tokenizer = build_tokenizer_from_args(args)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
     if not args.mock_data:
-        check_token_ids(parse_data_path(args.data_path)[0], tokenizer.vocab_size,
+        check_token_ids(prefixes_of(data_source(args)), tokenizer.vocab_size,
                         args.padded_vocab_size)  # fmt: skip
     return tokenizer
 

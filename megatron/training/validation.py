@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import tempfile
 from types import SimpleNamespace
 
 import numpy
@@ -149,9 +150,12 @@ def _check_validation_split(args) -> None:
 
 
 # ---------------------------------------------------------------------------- output paths
+OUTPUT_DIRECTORIES = ("save", "metrics_dir", "tensorboard_dir", "data_cache_path", "wandb_save_dir")
+
+
 def check_output_paths(args: argparse.Namespace) -> None:
     """Every path the run writes to must be writable now, not after the training is done."""
-    for name in ("save", "metrics_dir", "tensorboard_dir"):
+    for name in OUTPUT_DIRECTORIES:
         path = getattr(args, name, None)
         if path:
             _check_writable_directory(flag(name), path)
@@ -159,12 +163,13 @@ def check_output_paths(args: argparse.Namespace) -> None:
         path = args.timeline_file
         if os.path.isdir(path):
             raise UserError(f"--timeline-file {path} is a directory, not a file")
-        _check_writable_directory("--timeline-file", os.path.dirname(os.path.abspath(path)))
+        _check_writable_directory("--timeline-file", path, os.path.dirname(os.path.abspath(path)))
 
 
-def _check_writable_directory(option: str, path: str) -> None:
-    """The directory exists and is writable, or its nearest existing ancestor is."""
-    probe = os.path.abspath(path)
+def _check_writable_directory(option: str, path: str, directory: str | None = None) -> None:
+    """The directory (`path`, or the one `path` is written into) exists and is writable, or
+    can be created: its nearest existing ancestor is writable."""
+    probe = os.path.abspath(directory or path)
     while not os.path.exists(probe):
         if os.path.islink(probe):  # a dangling link: nothing can be created through it
             raise UserError(
@@ -179,6 +184,19 @@ def _check_writable_directory(option: str, path: str) -> None:
         raise UserError(f"{option} {path}: {probe} is a file, not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UserError(f"{option} {path}: {probe} is not writable")
+    _try_creating_in(option, path, probe)
+
+
+def _try_creating_in(option: str, path: str, parent: str) -> None:
+    """Create (and remove) a directory in `parent`: permission bits do not tell everything
+    (root passes `os.access` everywhere, yet nothing can be made under /proc, on a read-only
+    mount or a full disk)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=parent))
+    except OSError as error:
+        raise UserError(
+            f"{option} {path}: cannot create a directory in {parent}: {error.strerror}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------- data vs tokenizer

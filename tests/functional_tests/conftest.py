@@ -3,6 +3,10 @@ import os
 import pytest
 import run_cases  # beside this file; pyproject.toml puts this directory on pytest's pythonpath
 
+# Cases that log to Weights & Biases (--wandb-project) write their run files and never go online.
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
 
 @pytest.fixture(scope="session")
 def case_results(tmp_path_factory):

@@ -73,6 +73,7 @@ CASES = {
         "/nonexistent/corpus",
     ),
     "world_size": (GOOD, 6, "world size 6"),
+    "save_uncreatable": (GOOD + ["--save", "/proc/x/ckpt"], 4, "--save /proc/x/ckpt: cannot"),
     # numeric ranges (most are checked in process: tests/unit_tests/test_validation.py)
     "heads_zero": (with_flag(GOOD, "--num-attention-heads", "0"), 4, "--num-attention-heads"),
     "lr_nan": (with_flag(GOOD, "--lr", "nan"), 4, "--lr must be a number >= 0, got nan"),

@@ -81,6 +81,24 @@ def test_megatron_logging_switches_reach_tensorboard(case_results):
     assert all(v > 1e6 for v in scalars["mem-max-rss-bytes"])
 
 
+def test_wandb_offline_run_holds_the_tensorboard_scalars(case_results):
+    """--wandb-project under PACI on 4 stages, offline: the run file holds every scalar of
+    TensorBoard (each stage's drift among them) under the same name and iteration."""
+    from wandb_records import read_run, run_file
+
+    summary = case_results["gpt_gpt3style_pp4_paci"]
+    run = read_run(run_file(os.path.join(summary["metrics_dir"], "wandb_files")))
+    assert (run["project"], run["name"]) == ("paci-functional", "gpt_gpt3style_pp4_paci")
+    assert run["config"]["pipeline_schedule"] == "paci"
+    scalars = tensorboard_scalars(summary)
+    assert {f"drift/stage{s}/max" for s in range(4)} <= set(scalars)
+    assert sorted(run["history"]) == sorted(scalars)
+    for tag, values in scalars.items():
+        assert list(run["history"][tag].values()) == pytest.approx(values, rel=1e-6), tag
+    assert list(run["history"]["lm loss"]) == list(range(1, 9))
+    assert list(run["history"]["lm loss"].values()) == pytest.approx(summary["loss"], rel=1e-6)
+
+
 def test_params_norm_is_the_models_under_flush(case_results):
     """The norm summed over the stages (the tied embedding counted once) is the one-stage
     model's; PACI's line reports the last stage's own, which is smaller."""

@@ -88,3 +88,17 @@ def test_synchronous_start_and_cooldown_switch_schedules_at_drained_boundaries(c
     assert [stage["max_drift"] for stage in phased["stages"]] == [1, 1, 1, 0]
     assert all(stage["optimizer_steps"] == 6 for stage in phased["stages"])
     assert phased["cross_stage_collectives"] == 0
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_precision_aware_optimizer_halves_adams_state_on_every_stage(case_results, schedule):
+    """--use-precision-aware-optimizer with bf16 moments on 4 stages (flush and PACI): every
+    stage steps as often as with fp32 moments, holds half the optimizer-state bytes, and the
+    losses stay within bf16 rounding of the fp32-moment run."""
+    plain = case_results[f"gpt_pp4_{schedule}_opt_adam"]
+    low = case_results[f"gpt_pp4_{schedule}_opt_adam_pao"]
+    assert low["loss"][0] == plain["loss"][0]
+    assert relative_difference(low["loss"], plain["loss"]) <= 1e-3
+    for ours, fp32 in zip(low["stages"], plain["stages"], strict=True):
+        assert ours["optimizer_steps"] == fp32["optimizer_steps"] == 3
+        assert 2 * ours["optimizer_state_bytes"] == fp32["optimizer_state_bytes"]

@@ -130,6 +130,41 @@ def test_unwritable_directory(tmp_path):
     assert "is not writable" in validation_error(with_flags("--save", str(locked / "ckpt")))
 
 
+UNCREATABLE = "/proc/x"  # /proc takes no new directory, even from root
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--save", UNCREATABLE + "/ckpt"), ("--tensorboard-dir", UNCREATABLE + "/tb"),
+     ("--metrics-dir", UNCREATABLE + "/metrics"), ("--data-cache-path", UNCREATABLE + "/cache"),
+     ("--timeline-file", UNCREATABLE + "/trace.json"), ("--wandb-save-dir", UNCREATABLE + "/wb")],
+)  # fmt: skip
+def test_output_path_that_cannot_be_created_is_one_line(flag, value, capsys, monkeypatch):
+    """pretrain_gpt.py stops at validation, before any process group, with one line."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux /proc")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    import pretrain_gpt
+
+    extra = ("--wandb-project", "p", "--wandb-exp-name", "e") if flag == "--wandb-save-dir" else ()
+    assert pretrain_gpt.main(with_flags(flag, value, *extra)) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: {flag} {value}: cannot create a directory in /proc")
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err + captured.out
+    assert not os.path.exists(UNCREATABLE)
+
+
+def test_writer_lock_reports_an_uncreatable_directory_in_one_line():
+    """The lock itself, should the directory become uncreatable after validation."""
+    from megatron.training.checkpointing.writer_lock import WriterLock
+
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux /proc")
+    with pytest.raises(UserError, match=r"^--save /proc/x/ckpt: No such file or directory$"):
+        WriterLock("/proc/x/ckpt", "run").acquire()
+
+
 def test_good_flags_still_pass(tmp_path):
     args = build_parser().parse_args(
         with_flags("--save", str(tmp_path / "new" / "ckpt"), "--save-interval", "5",

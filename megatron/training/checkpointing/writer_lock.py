@@ -47,9 +47,12 @@ class WriterLock:
         self.taken_over: dict | None = None  # the dead owner whose lock this run took
 
     def acquire(self) -> None:
-        os.makedirs(self.directory, exist_ok=True)
+        try:  # checked at validation; the directory may have changed since
+            os.makedirs(self.directory, exist_ok=True)
+            handle = open(os.path.join(self.directory, LOCK_FILE), "a+")
+        except OSError as error:
+            raise UserError(f"--save {self.directory}: {error.strerror}") from None
         previous = read_owner(self.directory)
-        handle = open(os.path.join(self.directory, LOCK_FILE), "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -312,7 +312,8 @@ class MicrobatchIterator:
     def collate(samples: List[Dict]) -> Dict[str, "torch.Tensor"]:  # noqa: F821
         import torch
 
-        return {key: torch.stack([sample[key] for sample in samples]) for key in BATCH_KEYS}
+        keys = BATCH_KEYS + (("attention_mask",) if "attention_mask" in samples[0] else ())
+        return {key: torch.stack([sample[key] for sample in samples]) for key in keys}
 
 
 def data_iterators_from_args(
@@ -328,8 +329,13 @@ def data_iterators_from_args(
     """`build_data_iterators` with the data flags of `args` (--data-path or --mock-data,
     --split, --seq-length, --seed, --data-cache-path, --micro-batch-size); (train, valid).
     Their batches are checked against ``args.padded_vocab_size`` once the tokenizer set it."""
+    from megatron.training.data.sources import data_source, sample_options
+
+    source = None if args.mock_data else data_source(args)
     train, valid, _ = build_data_iterators(
-        data_path=None if args.mock_data else args.data_path,
+        data_path=source and source.data_path,
+        per_split=source and source.per_split,
+        sample_options=sample_options(args),
         mock_data=args.mock_data,
         split=args.split,
         seq_length=args.seq_length,
@@ -365,8 +371,14 @@ def build_data_iterators(
     test_samples: int,
     consumed_train_samples: int = 0,
     vocab_limit: Optional[int] = None,
+    per_split: Optional[List[Optional[List[str]]]] = None,
+    sample_options: Optional[Dict] = None,
 ):
     """Build (train, valid, test) ``MicrobatchIterator`` s over megatron-core GPT datasets.
+
+    ``per_split``: one blend per split instead of ``data_path`` split by ``split`` (lists of
+    prefixes or weight/prefix pairs, None for a split without data). ``sample_options``:
+    megatron-core's ``eod_mask_loss`` / ``reset_position_ids`` (default off).
 
     Each split is built for at least the requested number of samples; a split that is not
     requested (0 samples) or that ``--split`` leaves empty gives None. Microbatches are dicts of
@@ -382,7 +394,7 @@ def build_data_iterators(
     """
     sizes = [train_samples, valid_samples, test_samples]
     _check_iterator_arguments(
-        data_path=data_path,
+        data_path=data_path or per_split,
         mock_data=mock_data,
         seq_length=seq_length,
         tokenizer=tokenizer,
@@ -392,14 +404,23 @@ def build_data_iterators(
         sizes=sizes,
         consumed_train_samples=consumed_train_samples,
     )
-    blend = None
-    if not mock_data:
+    blend = blend_per_split = None
+    if per_split is not None:
+        blend_per_split = [parse_data_path(paths) if paths else None for paths in per_split]
+        for prefixes in (b[0] for b in blend_per_split if b is not None):
+            for prefix in prefixes:
+                validate_indexed_dataset(prefix)
+        split = None  # megatron-core: per-split blends take no --split
+    elif not mock_data:
         parse_split(split)
         blend = parse_data_path(data_path)
         for prefix in blend[0]:
             _check_splits_have_tokens(prefix, split)
 
-    datasets = _build_datasets(blend, split, seq_length, seed, tokenizer, data_cache_path, sizes)
+    datasets = _build_datasets(
+        (blend, blend_per_split), split, seq_length, seed, tokenizer, data_cache_path, sizes,
+        sample_options or {},
+    )  # fmt: skip
 
     common = dict(
         micro_batch_size=micro_batch_size,
@@ -502,16 +523,19 @@ def _check_splits_have_tokens(prefix: str, split: str) -> None:
     del lengths
 
 
-def _build_datasets(blend, split, seq_length, seed, tokenizer, data_cache_path, sizes):
+def _build_datasets(blends, split, seq_length, seed, tokenizer, data_cache_path, sizes, options):
+    """megatron-core's GPT datasets for `blends` = (blend, blend_per_split), both None: mock
+    data; `options`: GPTDatasetConfig's per-sample settings."""
     import torch.distributed
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
+    blend, blend_per_split = blends
+    blended = [b for b in ([blend] + (blend_per_split or [])) if b is not None]
     if (
-        blend is not None
-        and (len(blend[0]) > 1 or blend[1] is not None)
+        any(len(b[0]) > 1 or b[1] is not None for b in blended)
         and data_cache_path
         and not torch.distributed.is_initialized()
     ):
@@ -523,15 +547,16 @@ def _build_datasets(blend, split, seq_length, seed, tokenizer, data_cache_path, 
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
+        blend_per_split=blend_per_split,
         split=split if blend is not None else None,
         path_to_cache=data_cache_path,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
+        reset_position_ids=options.get("reset_position_ids", False),
+        reset_attention_mask=options.get("reset_attention_mask", False),
+        eod_mask_loss=options.get("eod_mask_loss", False),
+        create_attention_mask=options.get("reset_attention_mask", False),
     )
-    cls = MockGPTDataset if blend is None else GPTDataset
+    cls = MockGPTDataset if not blended else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 
 

@@ -39,9 +39,14 @@ class OptimizerConfig:
     # The first-moment coefficient of lion/adan/soap/mars (the delay study's momentum sweep);
     # None keeps each library's default.
     optimizer_beta1: float | None = None
+    lion_beta1: float = 0.95
+    lion_beta2: float = 0.98
     muon_momentum: float = 0.9
-    muon_use_nesterov: bool = False
+    muon_nesterov: bool = False
     muon_num_ns_steps: int = 5
+    muon_coefficient_type: str = "quintic"
+    muon_tp_mode: str = "duplicated"
+    muon_scalar_optimizer: str = "adam"
     muon_scale_mode: str = "spectral"
     muon_extra_scale_factor: float = 1.0
     muon_split_qkv: bool = True
@@ -59,6 +64,10 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: float = 1000
     hysteresis: int = 2
+    # --use-precision-aware-optimizer: adam's moments stored in these dtypes (precision_aware.py)
+    use_precision_aware_optimizer: bool = False
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
     async_error_feedback: bool = False  # delay mitigation (delay_mitigation.py)
     delay_compensation_lambda: float = 0.0
 

@@ -1,7 +1,8 @@
 """The optimizer suite behind `--optimizer`: AdamW, SGD, Muon, Lion, Adan, SOAP and MARS.
 
-Libraries, not our own update rules: torch's AdamW, SGD and Muon (`torch.optim.Muon`), and
-`pytorch_optimizer`'s Lion, Adan, SOAP and MARS.
+Libraries, not our own update rules: torch's AdamW and SGD, and `pytorch_optimizer`'s Lion,
+Adan, SOAP and MARS; Muon is torch's update (`torch.optim.Muon`) with Megatron's per-step
+Newton-Schulz coefficients (muon.py; with `simple` coefficients it is torch's bit for bit).
 
 Which parameters each one steps:
 
@@ -13,14 +14,19 @@ Which parameters each one steps:
 Weight decay follows Megatron's rule (`no_weight_decay`: none on 1-D parameters, biases, norms) and is
 decoupled for every optimizer except SGD (torch's SGD adds it to the gradient).
 
-Muon, as Megatron's flags describe it (`--muon-momentum`, `--muon-use-nesterov`,
-`--muon-num-ns-steps`, `--muon-scale-mode`, `--muon-extra-scale-factor`, `--muon-split-qkv`
-by default, `--muon-tp-mode blockwise`):
+Muon, as Megatron's flags describe it (`--muon-momentum`, `--muon-nesterov`,
+`--muon-num-ns-steps`, `--muon-coefficient-type`, `--muon-scale-mode`,
+`--muon-extra-scale-factor`, `--muon-split-qkv` by default, `--muon-tp-mode`,
+`--muon-scalar-optimizer`; the update itself in muon.py):
 
-* **What is orthogonalized under tensor parallelism**: each rank's *local shard* of a weight
-  (Megatron's `blockwise` mode). The matrix is never gathered, so TP = 2 gives a different
-  update from TP = 1 (tested in `tests/unit_tests/training/test_optimizers.py`); the scale
+* **What is orthogonalized under tensor parallelism**: by default (Megatron's `duplicated`)
+  the full matrix: the shards and gradients are gathered over the tensor-parallel group and
+  every rank steps the whole matrix, so TP = 2 gives TP = 1's update (tested); the full
+  momentum is then held on every rank (TP times the Muon state). With `blockwise` each rank's
+  *local shard* is orthogonalized on its own, so TP = 2 differs from TP = 1, and the scale
   factor uses the local shard's shape, as Megatron's blockwise mode does.
+* **The other parameters** (embeddings, output layer, 1-D) go to AdamW, or to Lion with
+  `--muon-scalar-optimizer lion` (`--lion-beta1`, `--lion-beta2`).
 * **Fused QKV** is split into its query, key and value blocks (per query group, Megatron's
   layout) and each block is orthogonalized on its own, unless `--muon-no-split-qkv`.
 * **Scale**: torch scales each update by `sqrt(max(1, rows / cols))`; Megatron's modes
@@ -173,6 +179,17 @@ def adamw(groups: list[dict], config: OptimizerConfig) -> torch.optim.AdamW:
     )
 
 
+def lion(groups: list[dict], config: OptimizerConfig) -> torch.optim.Optimizer:
+    """pytorch_optimizer's Lion with Megatron's --lion-beta1 (sign of the update's mix) and
+    --lion-beta2 (the momentum's average)."""
+    import pytorch_optimizer
+
+    betas = (config.lion_beta1, config.lion_beta2)
+    return pytorch_optimizer.Lion(
+        groups, lr=config.lr, betas=betas, weight_decay=config.weight_decay
+    )
+
+
 def elementwise_optimizer(named, config: OptimizerConfig) -> torch.optim.Optimizer:
     """adam, sgd, lion, adan, mars over every parameter."""
     import pytorch_optimizer
@@ -180,13 +197,20 @@ def elementwise_optimizer(named, config: OptimizerConfig) -> torch.optim.Optimiz
     groups = decay_groups(named, decoupled_lr_of(config))
     name, lr, wd = config.optimizer, config.lr, config.weight_decay
     beta1 = config.optimizer_beta1  # set by the delay study's momentum sweep
+    if name == "adam" and config.use_precision_aware_optimizer:
+        from megatron.training.optimizer.precision_aware import DTYPES, PrecisionAwareAdamW
+
+        return PrecisionAwareAdamW(
+            groups, lr=lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+            weight_decay=wd,
+            moment_dtypes=(DTYPES[config.exp_avg_dtype], DTYPES[config.exp_avg_sq_dtype]),
+        )  # fmt: skip
     if name == "adam":
         return adamw(groups, config)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=config.sgd_momentum, weight_decay=wd)
     if name == "lion":
-        betas = (0.9 if beta1 is None else beta1, 0.99)
-        return pytorch_optimizer.Lion(groups, lr=lr, betas=betas, weight_decay=wd)
+        return lion(groups, config)
     if name == "adan":
         betas = (0.98 if beta1 is None else beta1, 0.92, 0.99)
         return pytorch_optimizer.Adan(
@@ -269,23 +293,67 @@ def muon_groups(matrices, config: OptimizerConfig, qkv_splits) -> list[dict]:
     return groups
 
 
-def build_muon(matrices, config: OptimizerConfig, query_groups: tuple[int, int]):
-    """query_groups: (local query groups, query heads per group) of the attention layers."""
+class StandIns:
+    """The copies Muon steps in place of some model weights, in the order they are filled:
+    full matrices gathered over tensor parallelism first, then the split QKV blocks."""
+
+    def __init__(self, gathered: list, splits: list):
+        self.gathered, self.splits = gathered, splits
+
+    def copy_in(self) -> None:
+        for stand_in in self.gathered + self.splits:
+            stand_in.copy_in()
+
+    def copy_out(self) -> None:
+        for stand_in in self.splits + self.gathered:
+            stand_in.copy_out()
+
+    def by_model_weight(self) -> dict:
+        """model parameter -> one tensor stepped in its place (for its group's settings)."""
+        stepped = {split.weight: split.blocks[0] for split in self.splits}
+        mapping = {g.weight: stepped.get(g.full, g.full) for g in self.gathered}
+        return {**stepped, **mapping}
+
+
+def _gathered_matrices(matrices, config: OptimizerConfig, tp_group):
+    """--muon-tp-mode duplicated: each tensor-parallel matrix replaced by its full matrix."""
+    from megatron.training.optimizer.muon import GatheredMatrix, tensor_parallel_dim
+
+    if config.muon_tp_mode != "duplicated" or config.tensor_model_parallel_size == 1:
+        return matrices, []
+    replaced, gathered = [], []
+    for name, param in matrices:
+        dim = tensor_parallel_dim(param)
+        if dim is None:
+            replaced.append((name, param))
+            continue
+        gathered.append(GatheredMatrix(param, tp_group, dim))
+        replaced.append((name, gathered[-1].full))
+    return replaced, gathered
+
+
+def build_muon(matrices, config: OptimizerConfig, query_groups: tuple[int, int], tp_group=None):
+    """query_groups: (local query groups, query heads per group) of the attention layers;
+    tp_group: the tensor-parallel group (--muon-tp-mode duplicated)."""
+    from megatron.training.optimizer.muon import Muon, coefficient_schedule
+
+    matrices, gathered = _gathered_matrices(matrices, config, tp_group)
+    if gathered:  # the fused QKV is whole: every rank's query groups
+        query_groups = (query_groups[0] * config.tensor_model_parallel_size, query_groups[1])
     qkv_splits = {}
     if config.muon_split_qkv:
         for name, param in matrices:
             if is_fused_qkv(name):
                 qkv_splits[name] = QKVSplit(param, *query_groups)
-    muon = torch.optim.Muon(
+    muon = Muon(
         muon_groups(matrices, config, qkv_splits),
         lr=config.lr,
         weight_decay=config.weight_decay,
         momentum=config.muon_momentum,
-        nesterov=config.muon_use_nesterov,
-        ns_steps=config.muon_num_ns_steps,
-        adjust_lr_fn="original",
+        nesterov=config.muon_nesterov,
+        coefficients=coefficient_schedule(config.muon_coefficient_type, config.muon_num_ns_steps),
     )
-    return muon, list(qkv_splits.values())
+    return muon, StandIns(gathered, list(qkv_splits.values()))
 
 
 def build_soap(matrices, config: OptimizerConfig):
@@ -301,21 +369,24 @@ def build_soap(matrices, config: OptimizerConfig):
 
 
 def matrix_optimizer(
-    named, config: OptimizerConfig, query_groups: tuple[int, int]
+    named, config: OptimizerConfig, query_groups: tuple[int, int], tp_group=None
 ) -> OptimizerChain:
     """muon or soap for hidden matrices, AdamW (listed first) for everything else."""
     matrices = [(n, p) for n, p in named if is_hidden_matrix(n, p)]
     rest = [(n, p) for n, p in named if not is_hidden_matrix(n, p)]
-    optimizers = {"adamw": adamw(decay_groups(rest, decoupled_lr_of(config)), config)}
+    rest_groups = decay_groups(rest, decoupled_lr_of(config))
+    if config.optimizer == "muon" and config.muon_scalar_optimizer == "lion":
+        optimizers = {"lion": lion(rest_groups, config)}
+    else:
+        optimizers = {"adamw": adamw(rest_groups, config)}
     if config.optimizer == "soap":
         optimizers["soap"] = build_soap(matrices, config)
         return OptimizerChain(optimizers)
-    optimizers["muon"], splits = build_muon(matrices, config, query_groups)
+    optimizers["muon"], stand_ins = build_muon(matrices, config, query_groups, tp_group)
     chain = OptimizerChain(optimizers)
-    if splits:
-        chain.stand_ins = {split.weight: split.blocks[0] for split in splits}
-        chain.before_step = lambda: [s.copy_in() for s in splits]
-        chain.after_step = lambda: [s.copy_out() for s in splits]
+    if stand_ins.gathered or stand_ins.splits:
+        chain.stand_ins = stand_ins.by_model_weight()
+        chain.before_step, chain.after_step = stand_ins.copy_in, stand_ins.copy_out
     return chain
 
 
@@ -331,5 +402,14 @@ def build_suite_optimizer(model: torch.nn.Module, config: OptimizerConfig):
     """The optimizer `--optimizer` names, over the model's trainable parameters."""
     named = named_trainable(model)
     if config.optimizer in MATRIX_OPTIMIZERS:
-        return matrix_optimizer(named, config, query_groups_of(model, config))
+        return matrix_optimizer(named, config, query_groups_of(model, config), tp_group_of(config))
     return elementwise_optimizer(named, config)
+
+
+def tp_group_of(config: OptimizerConfig):
+    """megatron-core's tensor-parallel group, where Muon needs it (duplicated mode, TP > 1)."""
+    if config.tensor_model_parallel_size == 1 or config.muon_tp_mode != "duplicated":
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()

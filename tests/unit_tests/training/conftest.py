@@ -42,8 +42,8 @@ def optimizer_config(name: str, *, bf16: bool = False, fp16: bool = False, **ove
     fields = dict(
         optimizer=name, lr=1e-2, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.95, adam_eps=1e-8, sgd_momentum=0.9, muon_momentum=0.9,
-        muon_use_nesterov=False, muon_split_qkv=True, muon_scale_mode="spectral",
-        muon_num_ns_steps=5, muon_extra_scale_factor=1.0, tensor_model_parallel_size=1,
+        muon_nesterov=False, muon_split_qkv=True, muon_scale_mode="spectral",
+        muon_num_ns_steps=5, muon_extra_scale_factor=1.0, muon_coefficient_type="simple", tensor_model_parallel_size=1,
         num_attention_heads=HEADS, async_error_feedback=False, delay_compensation_lambda=0.0,
         params_dtype=torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32,
     )  # fmt: skip

@@ -27,12 +27,15 @@ def validated(extra: list[str]):
 
 def test_megatron_defaults_for_muon():
     args = validated(["--optimizer", "muon"])
-    assert (args.muon_momentum, args.muon_use_nesterov, args.muon_split_qkv) == (0.9, False, True)
+    assert (args.muon_momentum, args.muon_nesterov, args.muon_split_qkv) == (0.9, False, True)
     assert (args.muon_scale_mode, args.muon_tp_mode, args.muon_num_ns_steps) == (
         "spectral",
-        "blockwise",
+        "duplicated",
         5,
     )
+    assert (args.muon_coefficient_type, args.muon_scalar_optimizer) == ("quintic", "adam")
+    assert (args.lion_beta1, args.lion_beta2) == (0.95, 0.98)
+    assert validated(["--muon-use-nesterov"]).muon_nesterov  # the older spelling
     assert args.muon_fp32_matmul_prec == "medium" and args.muon_extra_scale_factor == 1.0
     assert validated(["--muon-no-split-qkv"]).muon_split_qkv is False
 
@@ -42,7 +45,12 @@ def test_megatron_defaults_for_muon():
     [
         (["--optimizer", "adamw"], "unknown --optimizer 'adamw'"),
         (["--muon-scale-mode", "rms"], "unknown --muon-scale-mode 'rms'"),
-        (["--muon-tp-mode", "duplicated"], "--muon-tp-mode duplicated is not supported yet"),
+        (["--muon-tp-mode", "distributed"], "--muon-tp-mode distributed is not supported yet"),
+        (["--muon-tp-mode", "sharded"], "unknown --muon-tp-mode 'sharded'"),
+        (["--muon-coefficient-type", "cubic"], "--muon-coefficient-type cubic is not supported"),
+        (["--muon-num-ns-steps", "6"], "quintic: quintic needs a multiple of 5 steps, got 6"),
+        (["--muon-coefficient-type", "polar_express"], "polar_express needs at least 8 steps"),
+        (["--lion-beta1", "1"], "--lion-beta1 must be a number >= 0 and < 1, got 1.0"),
         (["--muon-fp32-matmul-prec", "high"], "--muon-fp32-matmul-prec high is not supported"),
         (["--muon-num-ns-steps", "0"], "--muon-num-ns-steps must be >= 1"),
         (["--delay-compensation-lambda", "-1"], "--delay-compensation-lambda must be >= 0"),

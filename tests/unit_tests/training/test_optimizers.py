@@ -151,7 +151,7 @@ def test_muon_under_tensor_parallelism_orthogonalizes_the_local_shard():
     for rank in range(2):
         shard = slice(8 * rank, 8 * (rank + 1))
         model = ColumnParallelStandIn(full[shard])
-        config = optimizer_config("muon", tensor_model_parallel_size=2)
+        config = optimizer_config("muon", tensor_model_parallel_size=2, muon_tp_mode="blockwise")
         optimizer, _ = built(model, config)
         model.decoder.linear_fc1.weight.grad = grad[shard].clone()
         optimizer.step()

@@ -192,6 +192,10 @@ def _compare_sharded_with_unsharded(rank: int, name: str, dtype: torch.dtype, ex
         assert torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-7)
     unsharded_state = plain.state_dict()
     assert _tensors_close(sharded.state_dict(), unsharded_state)
+    if extra.get("use_precision_aware_optimizer"):  # bf16 moments on both, sharded or not
+        for optimizer in (plain, sharded.inner):
+            state = next(iter(getattr(optimizer, "inner", optimizer).state.values()))
+            assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
     whole, mine = _optimizer_state_bytes(plain), _optimizer_state_bytes(sharded)
     assert abs(mine - whole / 2) <= 64 * 4  # half, give or take the padding and boundaries
     fresh_model = TinyGPT(seed=3).to(dtype)
@@ -247,7 +251,9 @@ def test_distributed_optimizer_equals_the_unsharded_one_over_two_ranks():
     cases = [("adam", torch.float32, {}), ("sgd", torch.float32, {}),
              ("adam", torch.bfloat16, {}), ("lion", torch.float32, {}),
              ("adan", torch.float32, {}),
-             ("adam", torch.float32, {"decoupled_lr": 3e-2, "decoupled_min_lr": 1e-3})]  # fmt: skip
+             ("adam", torch.float32, {"decoupled_lr": 3e-2, "decoupled_min_lr": 1e-3}),
+             ("adam", torch.bfloat16, {"use_precision_aware_optimizer": True,
+                                       "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"})]  # fmt: skip
     torch.multiprocessing.start_processes(_worker, args=(port, cases), nprocs=2,
                                           start_method="spawn")  # fmt: skip
 

@@ -1,0 +1,1 @@
+"""Experiment tracking outside this process's log: Weights & Biases (wandb_run.py)."""
