@@ -111,7 +111,7 @@ def initialize_distributed(args) -> torch.device:
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         # megatron-core's extra gloo groups serve only its own distributed optimizer
-        create_gloo_process_groups=not getattr(args, "disable_gloo_process_groups", False),
+        create_gloo_process_groups=not args.disable_gloo_process_groups,
     )
     torch.manual_seed(args.seed)
     if args.sequence_parallel and device.type == "cpu":  # megatron-core's CUDA-only parts
@@ -215,7 +215,7 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=args.bf16,
-        fp16=getattr(args, "fp16", False),
+        fp16=args.fp16,
         use_cpu_initialization=True,  # draws on CPU; our layout-independent init overwrites it
         perform_initialization=True,  # (it also tags tensor-parallel attributes on weights)
         gradient_accumulation_fusion=False,
@@ -224,7 +224,7 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
+        calculate_per_token_loss=args.calculate_per_token_loss,
         sequence_parallel=args.sequence_parallel,
     )
 
@@ -293,10 +293,10 @@ def _build_chunk(args, config, layout, vocab_size: int, device: torch.device,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         use_transformer_engine=args.transformer_impl == "transformer_engine",
-        rope_scaling=getattr(args, "use_rope_scaling", False),
-        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
-        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
-        xavier_uniform=getattr(args, "init_method_xavier_uniform", False),
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        xavier_uniform=args.init_method_xavier_uniform,
         built_as_other_rank=built_as_other_rank,
     )
     if not args.pipeline_plan.flushes:
