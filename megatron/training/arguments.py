@@ -24,6 +24,7 @@ from megatron.pipeline.simulation.costs import stage_values
 from megatron.training.batch_schedule import validate_accumulation_schedule, validate_rampup
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
+from megatron.training.moe import add_moe_args, add_moe_unsupported_args, validate_moe_args
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
 from megatron.training.validation import add_reliability_args, validate_reliability
 
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_precision_args(parser)
     add_recompute_args(parser)
     add_reliability_args(parser)
+    add_moe_args(parser)
+    add_moe_unsupported_args(parser)
     add_compatibility_flags(parser)
     return parser
 
@@ -333,6 +336,8 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     _validate_optimizer_suite_args(args)
     _validate_weight_stashing(args)
     _validate_precision_args(args)
+    validate_moe_args(args, world_size=world_size,
+                      flushes_every_call=get_schedule(args.pipeline_schedule).flushes_every_call)  # fmt: skip
     validate_accumulation_schedule(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise UserError(

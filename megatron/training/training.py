@@ -60,7 +60,9 @@ from megatron.training.model import (
     chunk_layout,
     run_sequence_parallel_on_host,
 )
+from megatron.training.moe import MoEStepHooks, moe_config_fields, set_aux_loss_scale
 from megatron.training.optimizer.build import (
+    ExpertGroups,
     StageOptimizerStep,
     build_lr_scheduler,
     build_optimizer,
@@ -108,12 +110,17 @@ def initialize_distributed(args) -> torch.device:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         # megatron-core's extra gloo groups serve only its own distributed optimizer
         create_gloo_process_groups=not getattr(args, "disable_gloo_process_groups", False),
     )
     torch.manual_seed(args.seed)
-    if args.sequence_parallel and device.type == "cpu":  # megatron-core's CUDA-only parts
-        run_sequence_parallel_on_host(args.seed, parallel_state.get_tensor_model_parallel_rank())
+    moe = getattr(args, "num_experts", None) is not None
+    if (args.sequence_parallel or moe) and device.type == "cpu":  # megatron-core's CUDA parts
+        run_sequence_parallel_on_host(
+            args.seed, parallel_state.get_tensor_model_parallel_rank(), moe=moe
+        )
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -218,10 +225,22 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         persist_layer_norm=False,
         calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
         sequence_parallel=args.sequence_parallel,
+        **moe_config_fields(args, grouped_gemm_available=_grouped_gemm_available(args, device)),
     )
 
 
+def _grouped_gemm_available(args, device: torch.device) -> bool:
+    """--moe-grouped-gemm takes effect on CUDA with Transformer Engine (TEGroupedMLP); else
+    the experts are a SequentialMLP (same math, same checkpoint keys; docs/moe.md)."""
+    from megatron.training.model import transformer_engine_available
+
+    te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+    return te and device.type == "cuda" and transformer_engine_available()
+
+
 def stage_layout(args) -> StageLayout:
+    experts = getattr(args, "num_experts", None) or 0
+    moe = experts > 0
     return StageLayout(
         pipeline_rank=parallel_state.get_pipeline_model_parallel_rank(),
         pipeline_size=args.pipeline_model_parallel_size,
@@ -229,6 +248,11 @@ def stage_layout(args) -> StageLayout:
         tensor_size=args.tensor_model_parallel_size,
         num_layers=args.num_layers,
         stage_layers=tuple(args.stage_layers),
+        expert_rank=parallel_state.get_expert_model_parallel_rank() if moe else 0,
+        expert_size=args.expert_model_parallel_size if moe else 1,
+        local_experts=experts // args.expert_model_parallel_size if moe else 0,
+        expert_tensor_rank=parallel_state.get_expert_tensor_parallel_rank() if moe else 0,
+        expert_tensor_size=args.expert_tensor_parallel_size if moe else 1,
     )
 
 
@@ -318,8 +342,26 @@ def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
         clip_grad=args.clip_grad,
         average_in_collective=args.ddp_average_in_collective,
         tensor_parallel_group=parallel_state.get_tensor_model_parallel_group(),
+        experts=_expert_groups(args),
     )
     return MegatronStep(step_func, model, args)
+
+
+def _expert_groups(args) -> ExpertGroups | None:
+    """megatron-core's expert process groups, for the routed experts' gradients (None
+    without MoE)."""
+    if getattr(args, "num_experts", None) is None:
+        return None
+    global_norm = get_schedule(args.pipeline_schedule).global_grad_norm
+    return ExpertGroups(
+        data_parallel_group=parallel_state.get_expert_data_parallel_group(),
+        grad_norm_group=(
+            parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+            if global_norm
+            else parallel_state.get_expert_tensor_and_model_parallel_group()
+        ),
+        data_parallel_size=args.data_parallel_size,
+    )
 
 
 def _note_inflight_window(args) -> None:
@@ -562,6 +604,7 @@ class MegatronStep:
             shared[0], step_func, args
         )  # fmt: skip
         self.count_zeros, self.norm = args.log_num_zeros_in_grad, args.log_params_norm
+        self.moe_hooks = MoEStepHooks(model)
         self.num_zeros, self.params_norm_squared, self.step_seconds = 0.0, 0.0, 0.0
 
     def __call__(self):
@@ -571,6 +614,7 @@ class MegatronStep:
             self.tied_exchange.before_step()
         if self.count_zeros:
             self.num_zeros = _zeros_in_grad(self.step_func)
+        self.moe_hooks.before_step()
         start = time.perf_counter()
         report = self.step_func()
         self.step_seconds += time.perf_counter() - start
@@ -811,6 +855,10 @@ def _train_iteration(args, forward_step_func, model, train_iter, step_func, plan
         inflight_limit=args.paci_inflight_limit if paci else None,
         microbatch_group_size=_group_size(args),
     )
+    if getattr(args, "num_experts", None) is not None:
+        set_aux_loss_scale(
+            plan.microbatches(iteration), per_token_loss=args.calculate_per_token_loss
+        )
     if plan.ramp:  # Megatron's LR schedule of a ramp is in samples
         getattr(step_func, "step_func", step_func).scheduler_increment = plan.batch(iteration)
     return schedule_function(
