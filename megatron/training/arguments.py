@@ -313,6 +313,8 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     reject_unsupported_flags(args)
     validate_reliability(args)
     _validate_parallel_layout(args, world_size)
+    validate_moe_args(args, world_size=world_size,
+                      flushes_every_call=get_schedule(args.pipeline_schedule).flushes_every_call)  # fmt: skip
     _validate_model_shape(args)
     _validate_model_checks(args)
     validate_recompute_args(args, args.stage_layers)
@@ -336,8 +338,6 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     _validate_optimizer_suite_args(args)
     _validate_weight_stashing(args)
     _validate_precision_args(args)
-    validate_moe_args(args, world_size=world_size,
-                      flushes_every_call=get_schedule(args.pipeline_schedule).flushes_every_call)  # fmt: skip
     validate_accumulation_schedule(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise UserError(
