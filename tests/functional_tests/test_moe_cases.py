@@ -7,7 +7,7 @@ wrong expert-gradient reduction shows in the losses (dividing the experts' gradi
 data-parallel size left out moves the EP=2 x PP=2 losses by 1e-3 relative; measured).
 
     FUNCTIONAL_CASES=moe_pp1_1f1b,moe_ep2pp2_1f1b,moe_tp2ep2_sp_1f1b,moe_dp2pp2_1f1b_distopt,\
-moe_pp1_features_1f1b,moe_ep2pp2_features_1f1b pytest tests/functional_tests/test_moe_cases.py
+moe_pp1_features_1f1b,moe_ep2pp2_features_1f1b,moe_ckpt_1_ep2pp2_save,moe_ckpt_2_pp4_load pytest tests/functional_tests/test_moe_cases.py
 """
 
 import pytest
@@ -41,3 +41,16 @@ def test_the_moe_models_train(case_results):
     plain, features = case_results[REFERENCE]["loss"], case_results["moe_pp1_features_1f1b"]["loss"]
     assert plain[-1] < plain[0] - 0.05 and features[-1] < features[0] - 0.05
     assert relative_difference(plain, features) > 1e-4
+
+
+def test_an_ep2pp2_checkpoint_resumes_at_ep1pp4(case_results):
+    """torch_dist: saved after 3 iterations at EP=2 x PP=2 (experts 0-1 and 2-3 on two ranks,
+    momentum included), resumed at EP=1 x PP=4 (all four experts on each stage's rank): the
+    rest of the run equals the one-process run (the experts' global keys reshard)."""
+    reference = case_results[REFERENCE]["loss"]
+    saved = case_results["moe_ckpt_1_ep2pp2_save"]
+    assert relative_difference(saved["loss"], reference[:3]) <= 1e-5
+    resumed = case_results["moe_ckpt_2_pp4_load"]
+    assert resumed["pipeline_stages"] == 4 and len(resumed["loss"]) == 3
+    assert abs(resumed["loss"][0] - reference[3]) <= 1e-6 * abs(reference[3])
+    assert relative_difference(resumed["loss"], reference[3:]) <= 1e-5

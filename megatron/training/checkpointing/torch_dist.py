@@ -126,11 +126,16 @@ def _leaves(node, path=()):
 
 def _chunk_replica(sharded: ShardedTensor) -> tuple[tuple, tuple, tuple]:
     """Where a per-parameter object sits: (global shape, offset, replica id). One object per
-    parameter, whatever its tensor-parallel split: the first chunk's rank holds the main copy."""
+    parameter, whatever its tensor-parallel split: the first chunk's rank holds the main copy.
+    Tensors stacked along prepended axes (megatron-core's MoE experts: one axis over the
+    global expert index) are as many parameters: one object per position on those axes."""
+    prepended = sharded.prepend_axis_num
     chunk = sharded.local_chunk_offset_in_global()
-    first_chunk = int(any(chunk))
+    first_chunk = int(any(chunk[prepended:]))
     replica = sharded.replica_id if isinstance(sharded.replica_id, tuple) else (sharded.replica_id,)
-    return (1,), (0,), (first_chunk, *replica)
+    shape = (*sharded.global_shape[:prepended], 1)
+    offset = (*sharded.global_offset[:prepended], 0)
+    return shape, offset, (first_chunk, *replica)
 
 
 def _bound_placement(sharded: ShardedTensor) -> tuple[tuple, tuple]:
@@ -231,7 +236,12 @@ class OptimizerMapping:
         return seen + len(groups)
 
     def _add(self, entry, container, key) -> None:
-        unique = entry.unique_key if isinstance(entry, ShardedObject) else entry.key
+        if isinstance(entry, ShardedObject):
+            unique = entry.unique_key
+        elif entry.prepend_axis_num:  # a rank holds several pieces of it (MoE: local experts)
+            unique = f"{entry.key}@{','.join(map(str, entry.global_offset))}"
+        else:
+            unique = entry.key
         self.entries.setdefault(unique, entry)
         self.slots.setdefault(unique, []).append((container, key))
 
