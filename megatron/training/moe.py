@@ -22,6 +22,7 @@ import copy
 import importlib
 
 import torch
+import torch.distributed as dist
 
 _TE_NAMES = (
     "fused_compute_score_for_moe_aux_loss",
@@ -442,3 +443,95 @@ class MoEStepHooks:
         if self.config.moe_router_enable_expert_bias:
             _update_router_expert_bias(self.chunks, self.config)
         reset_model_temporary_tensors(self.config, self.chunks)
+
+
+# ---------------------------------------------------------------------------- load statistics
+# megatron-core's names in its aux-loss tracker -> ours in the log
+TRACKED_LOSSES = {
+    "load_balancing_loss": "load balancing loss",
+    "seq_load_balancing_loss": "seq load balancing loss",
+    "global_load_balancing_loss": "global load balancing loss",
+    "z_loss": "z loss",
+}
+IMBALANCE = "tokens per expert max/mean"
+
+
+class MoELoadStats:
+    """This stage's MoE figures over a logging interval, with no collective across stages:
+    the aux losses megatron-core's routers record (its tracker, without the reduction over
+    the pipeline that its own logging does; the losses without their coefficients), averaged
+    over the stage's MoE layers and training forwards, and the load imbalance: for each
+    layer the tokens routed to its busiest expert over the mean per expert (1.0 is perfectly
+    balanced), the worst layer of the stage. Averaged (losses) or summed (token counts) over
+    the stage's tensor x data-parallel ranks only."""
+
+    def __init__(self, model: torch.nn.Module):
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        get_moe_layer_wise_logging_tracker().clear()  # a process-wide dict: a run starts empty
+        self.routers = [m for c in _chunks(model) for m in c.modules() if isinstance(m, TopKRouter)]
+        self.tokens = [None] * len(self.routers)
+        self.forwards = [0] * len(self.routers)
+        for index, router in enumerate(self.routers):
+            router.register_forward_hook(self._counter(index))
+        self.history: list[dict] = []
+
+    def _counter(self, index: int):
+        def count(module, inputs, output):
+            if not (module.training and torch.is_grad_enabled()):
+                return
+            routing_map = output[1].detach()
+            counts = routing_map.reshape(-1, routing_map.shape[-1]).sum(dim=0).double()
+            previous = self.tokens[index]
+            self.tokens[index] = counts if previous is None else previous + counts
+            self.forwards[index] += 1
+
+        return count
+
+    def collect(self, group=None) -> dict:
+        """The interval's figures (empty on a stage without MoE layers); starts the next
+        interval. `group`: the stage's tensor x data-parallel group (or None)."""
+        from megatron.core.transformer.moe.moe_utils import (
+            clear_aux_losses_tracker,
+            get_moe_layer_wise_logging_tracker,
+        )
+
+        if not self.routers or not any(self.forwards):
+            return {}
+        tracker = get_moe_layer_wise_logging_tracker()
+        losses = {}
+        for name, label in TRACKED_LOSSES.items():
+            if name not in tracker:
+                continue
+            values = tracker[name]["values"]
+            per_layer = [float(values[r.layer_number - 1]) / max(n, 1)
+                         for r, n in zip(self.routers, self.forwards)]  # fmt: skip
+            losses[label] = sum(per_layer) / len(per_layer)
+        figures = torch.tensor(list(losses.values()), dtype=torch.float64)
+        counts = torch.stack([t for t in self.tokens if t is not None])
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(figures, group=group)
+            figures /= dist.get_world_size(group)
+            dist.all_reduce(counts, group=group)
+        result = dict(zip(losses, figures.tolist()))
+        mean = counts.mean(dim=1).clamp(min=1e-12)
+        result[IMBALANCE] = float((counts.max(dim=1).values / mean).max())
+        clear_aux_losses_tracker()
+        self.tokens = [None] * len(self.routers)
+        self.forwards = [0] * len(self.routers)
+        self.history.append(result)
+        return result
+
+    def report(self) -> dict:
+        """For summary.json: the last interval's figures and their mean over the run."""
+        if not self.history:
+            return {}
+        names = self.history[-1].keys()
+        return {
+            "last": self.history[-1],
+            "mean": {
+                n: sum(h.get(n, 0.0) for h in self.history) / len(self.history) for n in names
+            },
+            "intervals": len(self.history),
+        }

@@ -60,7 +60,12 @@ from megatron.training.model import (
     chunk_layout,
     run_sequence_parallel_on_host,
 )
-from megatron.training.moe import MoEStepHooks, moe_config_fields, set_aux_loss_scale
+from megatron.training.moe import (
+    MoELoadStats,
+    MoEStepHooks,
+    moe_config_fields,
+    set_aux_loss_scale,
+)
 from megatron.training.optimizer.build import (
     ExpertGroups,
     StageOptimizerStep,
@@ -605,6 +610,8 @@ class MegatronStep:
         )  # fmt: skip
         self.count_zeros, self.norm = args.log_num_zeros_in_grad, args.log_params_norm
         self.moe_hooks = MoEStepHooks(model)
+        moe = getattr(args, "num_experts", None) is not None and args.emulated_forward_ms is None
+        self.moe_stats = MoELoadStats(model) if moe else None
         self.num_zeros, self.params_norm_squared, self.step_seconds = 0.0, 0.0, 0.0
 
     def __call__(self):
@@ -698,6 +705,21 @@ def megatron_log_fields(args, step_func: MegatronStep) -> dict:
     return fields
 
 
+def moe_log_fields(step_func: MegatronStep, iteration: int) -> dict:
+    """MoE: the stage's aux losses and load imbalance over the interval (moe.py), reduced over
+    the stage's tensor x data-parallel ranks only. The logging (last) stage's go into the
+    iteration line and TensorBoard; every other stage's leader prints its own line."""
+    stats = getattr(step_func, "moe_stats", None)
+    if stats is None:
+        return {}
+    fields = stats.collect(parallel_state.get_tensor_and_data_parallel_group())
+    if fields and is_stage_leader() and not is_logging_rank():
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        text = "".join(f"{name}: {value:.6E} | " for name, value in fields.items())
+        print(f" stage {stage} MoE at iteration {iteration:8d} | {text}", flush=True)
+    return fields if is_logging_rank() else {}
+
+
 def _eval_samples(args) -> int:
     evaluations = args.train_iters // args.eval_interval + int(args.skip_train)
     return args.eval_iters * args.global_batch_size if evaluations and args.eval_iters else 0
@@ -789,6 +811,7 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
         if iteration % args.log_interval == 0:
             elapsed = time.perf_counter() - interval_start
             fields = megatron_log_fields(args, step_func)
+            fields.update(moe_log_fields(step_func, iteration))
             log_iteration(args, state, runtime, step_func, interval_losses, elapsed, writer,
                           fields)  # fmt: skip
             step_func.step_seconds = 0.0

@@ -54,3 +54,29 @@ def test_an_ep2pp2_checkpoint_resumes_at_ep1pp4(case_results):
     assert resumed["pipeline_stages"] == 4 and len(resumed["loss"]) == 3
     assert abs(resumed["loss"][0] - reference[3]) <= 1e-6 * abs(reference[3])
     assert relative_difference(resumed["loss"], reference[3:]) <= 1e-5
+
+
+def test_each_stage_reports_its_aux_loss_and_load(case_results):
+    """Per stage, without collectives across stages: the aux loss (without its coefficient)
+    and the load imbalance (busiest expert over the mean, at most experts / top-k = 2 here) in
+    summary.json, the last stage's in the iteration line, the others' on lines of their own.
+    The figures do not depend on where the experts live: EP=2 and EP=1 on the same two-stage
+    split report the same."""
+    with_ep, without = case_results["moe_ep2pp2_1f1b"], case_results["moe_dp2pp2_1f1b_distopt"]
+    for summary in (with_ep, without):
+        assert [s["stage"] for s in summary["stages"]] == [0, 1]
+        for stage in summary["stages"]:
+            assert stage["moe"]["intervals"] == 6
+            last = stage["moe"]["last"]
+            assert set(last) == {"load balancing loss", "tokens per expert max/mean"}
+            assert 1.0 <= last["tokens per expert max/mean"] <= 2.0
+            assert 0.9 < last["load balancing loss"] < 2.0
+    for a, b in zip(with_ep["stages"], without["stages"]):
+        for name, value in a["moe"]["mean"].items():
+            assert abs(value - b["moe"]["mean"][name]) <= 1e-5 * abs(value)
+    log = with_ep["log"]
+    assert "stage 0 MoE at iteration        6 | load balancing loss: " in log
+    line = next(line for line in log.splitlines() if "iteration        6/       6" in line)
+    assert "| load balancing loss: " in line and "| tokens per expert max/mean: " in line
+    features = case_results["moe_ep2pp2_features_1f1b"]["stages"][1]["moe"]["last"]
+    assert set(features) == {"seq load balancing loss", "z loss", "tokens per expert max/mean"}
