@@ -299,16 +299,12 @@ def validate_moe_args(args, *, world_size: int, flushes_every_call: bool) -> Non
             f"--pipeline-schedule {args.pipeline_schedule} with MoE (--num-experts) is not "
             "supported yet"
         )
-    if args.virtual_pipeline_model_parallel_size:
-        raise UserError("virtual pipeline stages with MoE (--num-experts) are not supported yet")
     if args.use_distributed_optimizer and (ep > 1 or etp != tp):
         raise UserError(
             "--use-distributed-optimizer with expert parallelism (--expert-model-parallel-size "
             "> 1 or --expert-tensor-parallel-size other than --tensor-model-parallel-size) is "
             "not supported yet"
         )
-    if args.fp16:
-        raise UserError("--fp16 with MoE (--num-experts) is not supported yet")
     if args.emulated_forward_ms is not None:
         raise UserError("--emulated-forward-ms with MoE (--num-experts) is not supported yet")
 
@@ -403,13 +399,16 @@ def moe_config_fields(args, *, grouped_gemm_available: bool = False) -> dict:
 
 
 # ---------------------------------------------------------------------------- training hooks
-def set_aux_loss_scale(num_microbatches: int, *, per_token_loss: bool = False) -> None:
+def set_aux_loss_scale(
+    num_microbatches: int, *, per_token_loss: bool = False, loss_scale: float = 1.0
+) -> None:
     """The gradient scale of the aux and z losses, as megatron-core's own forward_step sets it
-    before each microbatch: 1 / microbatches per step (the main loss is averaged over them),
-    1 with --calculate-per-token-loss (no fp16 loss scale: --fp16 with MoE is refused)."""
+    before each microbatch: the stage's fp16 loss scale (1 otherwise: its backward runs at that
+    scale, which the step divides out) over the microbatches per step (the main loss is
+    averaged over them), or the loss scale alone with --calculate-per-token-loss."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    scale = 1.0 if per_token_loss else 1.0 / num_microbatches
+    scale = loss_scale if per_token_loss else loss_scale / num_microbatches
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, dtype=torch.float32))
 
 

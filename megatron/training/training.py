@@ -880,7 +880,9 @@ def _train_iteration(args, forward_step_func, model, train_iter, step_func, plan
     )
     if getattr(args, "num_experts", None) is not None:
         set_aux_loss_scale(
-            plan.microbatches(iteration), per_token_loss=args.calculate_per_token_loss
+            plan.microbatches(iteration),
+            per_token_loss=args.calculate_per_token_loss,
+            loss_scale=step_func.loss_scale,  # fp16: the stage's, constant over a flush
         )
     if plan.ramp:  # Megatron's LR schedule of a ramp is in samples
         getattr(step_func, "step_func", step_func).scheduler_increment = plan.batch(iteration)

@@ -7,7 +7,8 @@ wrong expert-gradient reduction shows in the losses (dividing the experts' gradi
 data-parallel size left out moves the EP=2 x PP=2 losses by 1e-3 relative; measured).
 
     FUNCTIONAL_CASES=moe_pp1_1f1b,moe_ep2pp2_1f1b,moe_tp2ep2_sp_1f1b,moe_dp2pp2_1f1b_distopt,\
-moe_pp1_features_1f1b,moe_ep2pp2_features_1f1b,moe_ckpt_1_ep2pp2_save,moe_ckpt_2_pp4_load pytest tests/functional_tests/test_moe_cases.py
+moe_pp1_features_1f1b,moe_ep2pp2_features_1f1b,moe_ckpt_1_ep2pp2_save,moe_ckpt_2_pp4_load,\
+moe_ep2pp2vp2_1f1b,moe_pp1_aux1_1f1b,moe_pp1_aux1_fp16_1f1b pytest tests/functional_tests/test_moe_cases.py
 """
 
 import pytest
@@ -18,6 +19,7 @@ LAYOUTS = {  # case -> (one-process reference, (pipeline stages, tensor parallel
     "moe_ep2pp2_1f1b": (REFERENCE, (2, 1, 2)),  # EP=2 inside each stage's data-parallel pair
     "moe_tp2ep2_sp_1f1b": (REFERENCE, (1, 2, 2)),  # TP=2 + SP, EP=2, ETP=1, allgather
     "moe_dp2pp2_1f1b_distopt": (REFERENCE, (2, 1, 2)),  # --use-distributed-optimizer, EP=1
+    "moe_ep2pp2vp2_1f1b": (REFERENCE, (2, 1, 2)),  # virtual stages: interleaved 1F1B, EP=2
     # shared experts with their gate, z-loss, seq_aux_loss, sigmoid scores with the expert
     # bias (aux-loss-free balancing, updated at each step), group-limited top-k, top-k scaling,
     # fp32 router, capacity factor (dropping), MoE on layers 0, 2, 3 only, SwiGLU experts
@@ -80,3 +82,13 @@ def test_each_stage_reports_its_aux_loss_and_load(case_results):
     assert "| load balancing loss: " in line and "| tokens per expert max/mean: " in line
     features = case_results["moe_ep2pp2_features_1f1b"]["stages"][1]["moe"]["last"]
     assert set(features) == {"seq load balancing loss", "z loss", "tokens per expert max/mean"}
+
+
+def test_fp16_scales_the_aux_loss_gradient_like_the_main_loss(case_results):
+    """fp16 with a static loss scale of 4096 (aux-loss coefficient 1.0): the stage's backward
+    runs at the loss scale, so the aux loss's gradient must be too. Equal to fp32 within fp16
+    rounding (measured 3.6e-5); with the aux loss left unscaled they differ by 1.1e-3."""
+    fp16, fp32 = case_results["moe_pp1_aux1_fp16_1f1b"], case_results["moe_pp1_aux1_1f1b"]
+    assert fp16["stages"][0]["loss_scale"] == 4096.0
+    assert relative_difference(fp16["loss"], fp32["loss"]) <= 2e-4
+    assert relative_difference(fp32["loss"], case_results[REFERENCE]["loss"]) > 1e-4

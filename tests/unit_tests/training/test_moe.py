@@ -63,7 +63,6 @@ def error_of(extra: list[str], world_size: int = 1) -> str:
          "between 1 and it"),
         (["--moe-router-load-balancing-type", "quantile_balancing"], 1,
          "--moe-router-load-balancing-type quantile_balancing is not supported yet"),
-        (["--fp16"], 1, "--fp16 with MoE (--num-experts) is not supported yet"),
     ],
 )  # fmt: skip
 def test_bad_moe_settings_fail_in_one_line(extra, world_size, message):
@@ -207,3 +206,16 @@ def test_host_streams_stand_in_for_cuda_streams():
     assert event.query() and cuda.current_device() == "cpu"
     with cuda.stream(stream):
         pass
+
+
+def test_aux_loss_gradient_scale_follows_megatron_cores_forward_step():
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron.training.moe import set_aux_loss_scale
+
+    set_aux_loss_scale(4)
+    assert float(MoEAuxLossAutoScaler.main_loss_backward_scale) == 0.25
+    set_aux_loss_scale(4, loss_scale=1024.0)  # fp16: the stage's backward runs at its scale
+    assert float(MoEAuxLossAutoScaler.main_loss_backward_scale) == 256.0
+    set_aux_loss_scale(4, per_token_loss=True)
+    assert float(MoEAuxLossAutoScaler.main_loss_backward_scale) == 1.0
