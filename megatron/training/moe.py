@@ -300,11 +300,13 @@ def validate_moe_args(args, *, world_size: int, flushes_every_call: bool) -> Non
             "supported yet"
         )
     if args.use_distributed_optimizer and (ep > 1 or etp != tp):
-        raise UserError(
-            "--use-distributed-optimizer with expert parallelism (--expert-model-parallel-size "
-            "> 1 or --expert-tensor-parallel-size other than --tensor-model-parallel-size) is "
-            "not supported yet"
-        )
+        what = "--use-distributed-optimizer with expert parallelism (--expert-model-parallel-size"
+        what += " > 1 or --expert-tensor-parallel-size other than --tensor-model-parallel-size)"
+        if args.num_distributed_optimizer_instances > 1:
+            raise UserError(f"{what} and --num-distributed-optimizer-instances > 1 is not "
+                            "supported yet")  # fmt: skip
+        if args.save or args.load:
+            raise UserError(f"checkpoints (--save, --load) of {what} are not supported yet")
     if args.emulated_forward_ms is not None:
         raise UserError("--emulated-forward-ms with MoE (--num-experts) is not supported yet")
 

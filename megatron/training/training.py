@@ -352,6 +352,18 @@ def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
     return MegatronStep(step_func, model, args)
 
 
+def _expert_shard_group(args):
+    """The expert-data-parallel group, when the distributed optimizer shards the routed
+    experts over it apart from the dense parameters (MoE with EP > 1 or ETP != TP)."""
+    if getattr(args, "num_experts", None) is None or not args.use_distributed_optimizer:
+        return None
+    if (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (
+        1, args.tensor_model_parallel_size,
+    ):  # fmt: skip
+        return None  # the expert groups are the dense ones
+    return parallel_state.get_expert_data_parallel_group()
+
+
 def _expert_groups(args) -> ExpertGroups | None:
     """megatron-core's expert process groups, for the routed experts' gradients (None
     without MoE)."""
@@ -449,7 +461,9 @@ def _set_up_and_train(args, forward_step_func, wall_start, requests, device, gro
     _note_inflight_window(args)
     tokenizer = _build_checked_tokenizer(args)
     model = build_stage_model(args, args.padded_vocab_size, device)
-    optimizer = build_optimizer(model, OptimizerConfig.from_args(args))
+    optimizer = build_optimizer(
+        model, OptimizerConfig.from_args(args), expert_group=_expert_shard_group(args)
+    )
     scheduler = build_lr_scheduler(
         optimizer,
         LRScheduleConfig.from_args(args),

@@ -8,7 +8,7 @@ data-parallel size left out moves the EP=2 x PP=2 losses by 1e-3 relative; measu
 
     FUNCTIONAL_CASES=moe_pp1_1f1b,moe_ep2pp2_1f1b,moe_tp2ep2_sp_1f1b,moe_dp2pp2_1f1b_distopt,\
 moe_pp1_features_1f1b,moe_ep2pp2_features_1f1b,moe_ckpt_1_ep2pp2_save,moe_ckpt_2_pp4_load,\
-moe_ep2pp2vp2_1f1b,moe_pp1_aux1_1f1b,moe_pp1_aux1_fp16_1f1b pytest tests/functional_tests/test_moe_cases.py
+moe_ep2pp2vp2_1f1b,moe_pp1_aux1_1f1b,moe_pp1_aux1_fp16_1f1b,moe_ep2dp4_1f1b_distopt pytest tests/functional_tests/test_moe_cases.py
 """
 
 import pytest
@@ -20,6 +20,8 @@ LAYOUTS = {  # case -> (one-process reference, (pipeline stages, tensor parallel
     "moe_tp2ep2_sp_1f1b": (REFERENCE, (1, 2, 2)),  # TP=2 + SP, EP=2, ETP=1, allgather
     "moe_dp2pp2_1f1b_distopt": (REFERENCE, (2, 1, 2)),  # --use-distributed-optimizer, EP=1
     "moe_ep2pp2vp2_1f1b": (REFERENCE, (2, 1, 2)),  # virtual stages: interleaved 1F1B, EP=2
+    # the distributed optimizer in two parts: dense over DP=4, experts over EDP=2
+    "moe_ep2dp4_1f1b_distopt": (REFERENCE, (1, 1, 4)),
     # shared experts with their gate, z-loss, seq_aux_loss, sigmoid scores with the expert
     # bias (aux-loss-free balancing, updated at each step), group-limited top-k, top-k scaling,
     # fp32 router, capacity factor (dropping), MoE on layers 0, 2, 3 only, SwiGLU experts
@@ -92,3 +94,14 @@ def test_fp16_scales_the_aux_loss_gradient_like_the_main_loss(case_results):
     assert fp16["stages"][0]["loss_scale"] == 4096.0
     assert relative_difference(fp16["loss"], fp32["loss"]) <= 2e-4
     assert relative_difference(fp32["loss"], case_results[REFERENCE]["loss"]) > 1e-4
+
+
+def test_the_distributed_optimizer_shards_the_experts_over_their_own_group(case_results):
+    """EP=2 x DP=4: each dense element's optimizer state lives on one of the 4 data-parallel
+    ranks, each expert's on one of the 2 ranks that hold the expert: over the 4 ranks, the
+    state of the one-process run once (up to the padding of each shard)."""
+    unsharded = case_results[REFERENCE]["stages"][0]["optimizer_state_bytes"]
+    by_rank = case_results["moe_ep2dp4_1f1b_distopt"]["optimizer_state_bytes_by_rank"]
+    assert len(by_rank) == 4 and unsharded > 0
+    assert unsharded <= sum(by_rank) <= unsharded * 1.001
+    assert max(by_rank) <= unsharded / 4 * 1.01

@@ -49,12 +49,16 @@ def _optimizer_shard_groups(config: OptimizerConfig):
     )
 
 
-def build_optimizer(model: torch.nn.Module, config: OptimizerConfig):
+def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, *, expert_group=None):
     """`--optimizer`'s optimizer (optimizers.py), with the delay mitigations asked for; over
-    fp32 main weights when the model is bf16/fp16 or the optimizer is distributed."""
+    fp32 main weights when the model is bf16/fp16 or the optimizer is distributed.
+    `expert_group`: with the distributed optimizer, the expert-data-parallel group that the
+    routed experts (MoE) shard over when it is not the data-parallel group."""
     from megatron.training.optimizer.delay_mitigation import with_delay_mitigation
     from megatron.training.optimizer.suite import build_suite_optimizer
 
+    if config.needs_main_params and config.use_distributed_optimizer and expert_group is not None:
+        return build_expert_sharded_optimizer(model, config, expert_group)
     if config.needs_main_params:
         return build_main_params_optimizer(model, config)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -76,6 +80,27 @@ def build_main_params_optimizer(model: torch.nn.Module, config: OptimizerConfig)
     mains = [main for _, main in wrapper.named_main()]
     wrapper.attach(with_delay_mitigation(inner, mains, config), build_loss_scaler(config))
     return wrapper
+
+
+def build_expert_sharded_optimizer(model: torch.nn.Module, config: OptimizerConfig, expert_group):
+    """The distributed optimizer with expert parallelism: the dense parameters sharded over the
+    data-parallel group, the routed experts over `expert_group` (distributed_optimizer.py)."""
+    from megatron.training.optimizer.distributed_optimizer import (
+        ExpertShardedOptimizer,
+        ShardedMainOptimizer,
+        dense_and_expert_views,
+    )
+    from megatron.training.optimizer.loss_scaling import build_loss_scaler
+    from megatron.training.optimizer.suite import build_suite_optimizer, decoupled_lr_of
+
+    scaler = build_loss_scaler(config)
+    dense_group, _ = _optimizer_shard_groups(config)
+    parts = []
+    for view, group in zip(dense_and_expert_views(model), (dense_group, expert_group)):
+        part = ShardedMainOptimizer(view, group, decoupled_lr=decoupled_lr_of(config))
+        part.attach(build_suite_optimizer(part.main_view(view.config), config), scaler)
+        parts.append(part)
+    return ExpertShardedOptimizer(*parts)
 
 
 def stage_lr_scale(args, stage: int) -> float:
@@ -224,7 +249,7 @@ class StageOptimizerStep:
             )
         )
         if self.separate_experts and getattr(self.gradients, "norm_group", None) is not None:
-            raise ValueError("a sharded optimizer with expert parallelism is not supported")
+            raise ValueError("a sharded optimizer with expert parallelism shards in two parts")
         self.last = StepReport(grad_norm=0.0, learning_rate=0.0)
         self.calls = 0  # step calls, skipped ones included
         self.skipped_steps = 0  # steps this stage skipped, over the run
@@ -294,6 +319,12 @@ class StageOptimizerStep:
     def _average_dense_and_experts(self) -> None:
         """Dense gradients averaged over the data-parallel group; routed experts' summed
         over the expert-data-parallel group and divided by the data-parallel size."""
+        if hasattr(self.gradients, "average_dense_and_experts"):  # sharded in two parts
+            self.gradients.average_dense_and_experts(
+                self.data_parallel_group, self.experts.data_parallel_size,
+                in_collective=self.average_in_collective,
+            )  # fmt: skip
+            return
         dense = [self.gradient_of(p) for p in self.params if not getattr(p, "moe_expert", False)]
         if dense and dist.get_world_size(self.data_parallel_group) > 1:
             reduce_as_one(dense, lambda flat: average_over_group(
@@ -350,9 +381,15 @@ class StageOptimizerStep:
         def dense_counted(param):
             return not getattr(param, "moe_expert", False) and self._counted(param)
 
-        dense = self.gradients.squared_norm(dense_counted)
-        expert = self.gradients.squared_norm(lambda p: getattr(p, "moe_expert", False))
-        for total, group in ((dense, self.grad_norm_group), (expert, self.experts.grad_norm_group)):
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(total, group=group)
+        # the sharded optimizer in two parts: each part's squared norm covers its range only
+        dense_part, expert_part = getattr(self.gradients, "parts", (self.gradients,) * 2)
+        dense = dense_part.squared_norm(dense_counted)
+        expert = expert_part.squared_norm(lambda p: getattr(p, "moe_expert", False))
+        for total, groups in (
+            (dense, (dense_part.norm_group, self.grad_norm_group)),
+            (expert, (expert_part.norm_group, self.experts.grad_norm_group)),
+        ):
+            for group in groups:
+                if group is not None and dist.get_world_size(group) > 1:
+                    dist.all_reduce(total, group=group)
         return dense + expert
