@@ -12,6 +12,7 @@ import contextlib
 import glob
 import io
 import json
+import math
 import os
 import re
 import unittest.mock
@@ -65,14 +66,19 @@ def _placeholder(flag: str, value: str) -> str:
     return "<file>" if os.path.splitext(value)[1] else "<dir>"
 
 
-def extract_functional_configs(megatron_dir: str) -> dict:
+def extract_functional_configs(megatron_dir: str, families: tuple[str, ...] = ("gpt",)) -> dict:
+    """The pretraining configs of Megatron-LM's functional tests of these model families
+    (`tests/functional_tests/test_cases/<family>/*/model_config.yaml`)."""
     import yaml
 
-    pattern = os.path.join(
-        megatron_dir, "tests/functional_tests/test_cases/gpt/*/model_config.yaml"
-    )
+    paths = []
+    for family in families:
+        pattern = os.path.join(
+            megatron_dir, f"tests/functional_tests/test_cases/{family}/*/model_config.yaml"
+        )
+        paths += sorted(glob.glob(pattern))
     configs = {}
-    for path in sorted(glob.glob(pattern)):
+    for path in paths:
         with open(path) as handle:
             config = yaml.safe_load(handle)
         if config.get("MODE") in ("inference", "rl") or not config.get("MODEL_ARGS"):
@@ -102,12 +108,17 @@ def command_line(flags: list) -> list[str]:
 
 
 def world_size_of(flags: list) -> int:
-    """TP x PP x the smallest data-parallel size the command line needs: 1, or the number of
-    distributed optimizer copies it asks for."""
+    """The smallest world the command line's layout runs on: PP x lcm(TP x CP, ETP x EP)
+    (the dense and the expert layouts must both fill it; megatron-core's rule), times the
+    number of distributed optimizer copies it asks for."""
     values = {entry[0]: entry[1] for entry in flags if len(entry) > 1}
     tp = int(values.get("--tensor-model-parallel-size", 1))
     pp = int(values.get("--pipeline-model-parallel-size", 1))
-    return tp * pp * int(values.get("--num-distributed-optimizer-instances", 1))
+    cp = int(values.get("--context-parallel-size", 1))
+    ep = int(values.get("--expert-model-parallel-size", 1))
+    etp = int(values.get("--expert-tensor-parallel-size", tp))
+    copies = int(values.get("--num-distributed-optimizer-instances", 1))
+    return pp * math.lcm(tp * cp, etp * ep) * copies
 
 
 def classify(flags: list) -> tuple[str, list[str]]:
@@ -155,12 +166,14 @@ def uses_virtual_stages(flags: list) -> bool:
     return any(flag[0] in VIRTUAL_STAGE_FLAGS for flag in flags)
 
 
-def report(command_lines: dict, schedule: str = "paci") -> str:
+def report(command_lines: dict, schedule: str = "paci", examples: int = 2) -> str:
     """The outcomes of the command lines as they are, then with `--pipeline-schedule
     SCHEDULE` added (what a Megatron user who switches to it gets)."""
     total = len(command_lines)
+    sources = f"{total - examples} functional-test configs"
+    sources += f", {examples} examples" if examples else ""
     lines = [
-        f"Command lines: {total} ({total - 2} functional-test configs, 2 examples)",
+        f"Command lines: {total} ({sources})",
         "",
         "### As they are (Megatron's default schedule, 1F1B-flush)",
         "",

@@ -305,8 +305,6 @@ def validate_moe_args(args, *, world_size: int, flushes_every_call: bool) -> Non
         if args.num_distributed_optimizer_instances > 1:
             raise UserError(f"{what} and --num-distributed-optimizer-instances > 1 is not "
                             "supported yet")  # fmt: skip
-        if args.save or args.load:
-            raise UserError(f"checkpoints (--save, --load) of {what} are not supported yet")
     if args.emulated_forward_ms is not None:
         raise UserError("--emulated-forward-ms with MoE (--num-experts) is not supported yet")
 

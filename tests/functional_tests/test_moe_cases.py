@@ -7,8 +7,9 @@ wrong expert-gradient reduction shows in the losses (dividing the experts' gradi
 data-parallel size left out moves the EP=2 x PP=2 losses by 1e-3 relative; measured).
 
     FUNCTIONAL_CASES=moe_pp1_1f1b,moe_ep2pp2_1f1b,moe_tp2ep2_sp_1f1b,moe_dp2pp2_1f1b_distopt,\
-moe_pp1_features_1f1b,moe_ep2pp2_features_1f1b,moe_ckpt_1_ep2pp2_save,moe_ckpt_2_pp4_load,\
-moe_ep2pp2vp2_1f1b,moe_pp1_aux1_1f1b,moe_pp1_aux1_fp16_1f1b,moe_ep2dp4_1f1b_distopt pytest tests/functional_tests/test_moe_cases.py
+moe_pp1_features_1f1b,moe_ep2pp2_features_1f1b,moe_ckpt_1_ep2dp4_distopt_save,moe_ckpt_2_pp4_load,\
+moe_ckpt_3_ep2pp2_distopt_load,\
+moe_ep2pp2vp2_1f1b,moe_pp1_aux1_1f1b,moe_pp1_aux1_fp16_1f1b pytest tests/functional_tests/test_moe_cases.py
 """
 
 import pytest
@@ -20,8 +21,6 @@ LAYOUTS = {  # case -> (one-process reference, (pipeline stages, tensor parallel
     "moe_tp2ep2_sp_1f1b": (REFERENCE, (1, 2, 2)),  # TP=2 + SP, EP=2, ETP=1, allgather
     "moe_dp2pp2_1f1b_distopt": (REFERENCE, (2, 1, 2)),  # --use-distributed-optimizer, EP=1
     "moe_ep2pp2vp2_1f1b": (REFERENCE, (2, 1, 2)),  # virtual stages: interleaved 1F1B, EP=2
-    # the distributed optimizer in two parts: dense over DP=4, experts over EDP=2
-    "moe_ep2dp4_1f1b_distopt": (REFERENCE, (1, 1, 4)),
     # shared experts with their gate, z-loss, seq_aux_loss, sigmoid scores with the expert
     # bias (aux-loss-free balancing, updated at each step), group-limited top-k, top-k scaling,
     # fp32 router, capacity factor (dropping), MoE on layers 0, 2, 3 only, SwiGLU experts
@@ -47,17 +46,20 @@ def test_the_moe_models_train(case_results):
     assert relative_difference(plain, features) > 1e-4
 
 
-def test_an_ep2pp2_checkpoint_resumes_at_ep1pp4(case_results):
-    """torch_dist: saved after 3 iterations at EP=2 x PP=2 (experts 0-1 and 2-3 on two ranks,
-    momentum included), resumed at EP=1 x PP=4 (all four experts on each stage's rank): the
-    rest of the run equals the one-process run (the experts' global keys reshard)."""
+def test_an_ep2dp4_checkpoint_resumes_at_ep1pp4_and_ep2pp2(case_results):
+    """torch_dist: saved after 3 iterations at EP=2 x DP=4 with the distributed optimizer
+    (experts 0-1 and 2-3 on two ranks each, their momentum sharded over those two), resumed at
+    EP=1 x PP=4 (all four experts on each stage's rank, plain optimizer) and at EP=2 x PP=2
+    (distributed optimizer): the rest of each run equals the one-process run (the experts'
+    global keys reshard, model and optimizer state alike)."""
     reference = case_results[REFERENCE]["loss"]
-    saved = case_results["moe_ckpt_1_ep2pp2_save"]
+    saved = case_results["moe_ckpt_1_ep2dp4_distopt_save"]
     assert relative_difference(saved["loss"], reference[:3]) <= 1e-5
-    resumed = case_results["moe_ckpt_2_pp4_load"]
-    assert resumed["pipeline_stages"] == 4 and len(resumed["loss"]) == 3
-    assert abs(resumed["loss"][0] - reference[3]) <= 1e-6 * abs(reference[3])
-    assert relative_difference(resumed["loss"], reference[3:]) <= 1e-5
+    for name, stages in (("moe_ckpt_2_pp4_load", 4), ("moe_ckpt_3_ep2pp2_distopt_load", 2)):
+        resumed = case_results[name]
+        assert resumed["pipeline_stages"] == stages and len(resumed["loss"]) == 3
+        assert abs(resumed["loss"][0] - reference[3]) <= 1e-6 * abs(reference[3])
+        assert relative_difference(resumed["loss"], reference[3:]) <= 1e-5
 
 
 def test_each_stage_reports_its_aux_loss_and_load(case_results):
@@ -99,9 +101,10 @@ def test_fp16_scales_the_aux_loss_gradient_like_the_main_loss(case_results):
 def test_the_distributed_optimizer_shards_the_experts_over_their_own_group(case_results):
     """EP=2 x DP=4: each dense element's optimizer state lives on one of the 4 data-parallel
     ranks, each expert's on one of the 2 ranks that hold the expert: over the 4 ranks, the
-    state of the one-process run once (up to the padding of each shard)."""
+    state of the one-process run once (up to the padding of each shard). (Its losses: the
+    checkpoint test above.)"""
     unsharded = case_results[REFERENCE]["stages"][0]["optimizer_state_bytes"]
-    by_rank = case_results["moe_ep2dp4_1f1b_distopt"]["optimizer_state_bytes_by_rank"]
+    by_rank = case_results["moe_ckpt_1_ep2dp4_distopt_save"]["optimizer_state_bytes_by_rank"]
     assert len(by_rank) == 4 and unsharded > 0
     assert unsharded <= sum(by_rank) <= unsharded * 1.001
     assert max(by_rank) <= unsharded / 4 * 1.01

@@ -275,8 +275,40 @@ class ExpertShardedOptimizer:
         for part in self.parts:
             part.refresh_from_model(only)
 
+    # ------------------------------------------------------------------ checkpoints
+    # One unsharded per-parameter state dict, as one optimizer over `params` (the dense
+    # parameters, then the experts) would write: the experts' entries, groups and main
+    # weights numbered after the dense ones. Each part gathers over its own group.
     def state_dict(self) -> dict:
-        raise NotImplementedError("checkpoints of the distributed optimizer with experts")
+        dense, experts = self.dense.state_dict(), self.experts.state_dict()
+        shift = len(self.dense.params)
+        merged = dict(dense)
+        merged["state"] = {**dense["state"],
+                           **{k + shift: v for k, v in experts["state"].items()}}  # fmt: skip
+        merged["param_groups"] = dense["param_groups"] + [
+            {**g, "params": [i + shift for i in g["params"]]} for g in experts["param_groups"]
+        ]
+        if "main_params" in dense or "main_params" in experts:
+            merged["main_params"] = {
+                **dense.get("main_params", {}),
+                **{i + shift: m for i, m in experts.get("main_params", {}).items()},
+            }
+        return merged
 
     def load_state_dict(self, state_dict: dict) -> None:
-        raise NotImplementedError("checkpoints of the distributed optimizer with experts")
+        shift, groups = len(self.dense.params), len(self.dense.global_groups())
+        dense, experts = dict(state_dict), dict(state_dict)
+        dense["state"] = {k: v for k, v in state_dict["state"].items() if k < shift}
+        experts["state"] = {k - shift: v for k, v in state_dict["state"].items() if k >= shift}
+        dense["param_groups"] = state_dict["param_groups"][:groups]
+        experts["param_groups"] = [{**g, "params": [i - shift for i in g["params"]]}
+                                   for g in state_dict["param_groups"][groups:]]  # fmt: skip
+        if "main_params" in state_dict:
+            mains = state_dict["main_params"]
+            dense["main_params"] = {i: m for i, m in mains.items() if i < shift}
+            experts["main_params"] = {i - shift: m for i, m in mains.items() if i >= shift}
+        self.dense.load_state_dict(dense)
+        self.experts.load_state_dict(experts)
+
+    def state_index_params(self) -> list[torch.nn.Parameter]:
+        return self.dense.state_index_params() + self.experts.state_index_params()

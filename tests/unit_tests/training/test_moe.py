@@ -50,10 +50,11 @@ def error_of(extra: list[str], world_size: int = 1) -> str:
          "--pipeline-schedule 2bw with MoE (--num-experts) is not supported yet"),
         (["--pipeline-schedule", "pipedream"], 1,
          "--pipeline-schedule pipedream with MoE (--num-experts) is not supported yet"),
-        (["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--save", "x"], 2,
-         "checkpoints (--save, --load) of --use-distributed-optimizer with expert parallelism "
-         "(--expert-model-parallel-size > 1 or --expert-tensor-parallel-size other than "
-         "--tensor-model-parallel-size) are not supported yet"),
+        (["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+          "--num-distributed-optimizer-instances", "2"], 4,
+         "--use-distributed-optimizer with expert parallelism (--expert-model-parallel-size > 1 "
+         "or --expert-tensor-parallel-size other than --tensor-model-parallel-size) and "
+         "--num-distributed-optimizer-instances > 1 is not supported yet"),
         (["--moe-layer-freq", "[1,0,1]"], 1, "--moe-layer-freq lists 3 layers, the model has 4"),
         (["--moe-layer-freq", "[0,0,0,0]"], 1, "--moe-layer-freq puts no MoE layer in the model"),
         (["--moe-router-num-groups", "2"], 1,
