@@ -220,3 +220,32 @@ def test_aux_loss_gradient_scale_follows_megatron_cores_forward_step():
     assert float(MoEAuxLossAutoScaler.main_loss_backward_scale) == 256.0
     set_aux_loss_scale(4, per_token_loss=True)
     assert float(MoEAuxLossAutoScaler.main_loss_backward_scale) == 1.0
+
+
+def test_flag_coverage_of_megatron_moe_command_lines():
+    """Megatron-LM's MoE and Mixtral pretraining configs (tools/megatron_flag_coverage.py
+    --moe, figures in docs/megatron_flags.md): each is accepted or names what it lacks, at the
+    world size its layout needs; under PACI every MoE one stops with the same one line."""
+    import json
+    import os
+
+    from megatron.studies import flag_coverage as coverage
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    with open(os.path.join(repo, "tools", "data", "megatron_moe_command_lines.json")) as handle:
+        command_lines = coverage.decode(json.load(handle))
+    assert len(command_lines) == 59
+    outcomes = [coverage.classify(flags) for flags in command_lines.values()]
+    kinds = [outcome for outcome, _ in outcomes]
+    assert kinds.count("other error") == 0
+    assert kinds.count("parse error") == 22  # flags of features this project does not parse
+    assert kinds.count("accepted") >= 26
+    for flags, (outcome, _) in zip(command_lines.values(), outcomes):
+        if outcome == "accepted":
+            paci = coverage.classify(coverage.with_schedule(flags, "paci"))
+            assert paci == (
+                "not supported yet",
+                ["--pipeline-schedule paci with MoE (--num-experts)"],
+            )
+    mixtral = command_lines["mixtral_8x7b_alltoall_tp2pp4ep4_release"]
+    assert coverage.world_size_of(mixtral) == 4 * 8  # PP 4 x lcm(TP 2, ETP 2 (= TP) x EP 4)
