@@ -626,7 +626,8 @@ class MegatronStep:
         self.moe_hooks = MoEStepHooks(model)
         moe = getattr(args, "num_experts", None) is not None and args.emulated_forward_ms is None
         self.moe_stats = MoELoadStats(model) if moe else None
-        self.num_zeros, self.params_norm_squared, self.step_seconds = 0.0, 0.0, 0.0
+        self.num_zeros, self.params_norm_squared = (0.0, 0.0), (0.0, 0.0)  # dense, experts
+        self.step_seconds = 0.0
 
     def __call__(self):
         for weight in self.tied_weights:
@@ -676,27 +677,35 @@ def _tied_exchange(weight, step_func: StageOptimizerStep, args) -> TiedEmbedding
     )
 
 
-def _counted_once(params):
+def _counted_once(params, *, experts: bool = False):
     """Parameters as Megatron counts them for norms and zeros: the last stage's copy of a
-    tied embedding and tensor-parallel duplicates (norm weights, ...) off TP rank 0 skipped."""
+    tied embedding and tensor-parallel duplicates (norm weights, ...) off TP rank 0 skipped.
+    The routed experts (MoE) apart (`experts=True`): every rank's are its own (each expert
+    sharded over expert tensor parallelism), counted over the expert groups."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     for param in params:
-        if getattr(param, "shared", False):
+        if getattr(param, "moe_expert", False) != experts or getattr(param, "shared", False):
             continue
-        if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
+        if experts or getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
             yield param
 
 
-def _zeros_in_grad(step_func) -> float:
-    zeros = 0
-    for param in _counted_once(step_func.params):
-        nonzero = int(torch.count_nonzero(step_func.gradient_of(param)))
-        zeros += param.numel() - nonzero
-    return float(zeros)
+def _zeros_in_grad(step_func) -> tuple[float, float]:
+    """(dense, routed experts) zeros in the gradient."""
+    zeros = [0, 0]
+    for index, experts in enumerate((False, True)):
+        for param in _counted_once(step_func.params, experts=experts):
+            nonzero = int(torch.count_nonzero(step_func.gradient_of(param)))
+            zeros[index] += param.numel() - nonzero
+    return float(zeros[0]), float(zeros[1])
 
 
-def _squared_norm(params) -> float:
-    return sum(float(p.detach().float().pow(2).sum()) for p in _counted_once(params))
+def _squared_norm(params) -> tuple[float, float]:
+    """(dense, routed experts) squared parameter norm."""
+    return tuple(
+        sum(float(p.detach().float().pow(2).sum()) for p in _counted_once(params, experts=e))
+        for e in (False, True)
+    )
 
 
 def megatron_log_fields(args, step_func: MegatronStep) -> dict:
@@ -705,12 +714,21 @@ def megatron_log_fields(args, step_func: MegatronStep) -> dict:
     reports the logging (last) stage's own, since a sum over stages would synchronize them."""
     if not (args.log_num_zeros_in_grad or args.log_params_norm):
         return {}
-    local = [step_func.num_zeros, step_func.params_norm_squared]
-    values = torch.tensor(local, dtype=torch.float64)
+    (dense_zeros, expert_zeros), (dense_norm, expert_norm) = (
+        step_func.num_zeros,
+        step_func.params_norm_squared,
+    )
+    dense = torch.tensor([dense_zeros, dense_norm], dtype=torch.float64)
+    experts = torch.tensor([expert_zeros, expert_norm], dtype=torch.float64)
     if get_schedule(args.pipeline_schedule).global_grad_norm:
         params = step_func.step_func.params
-        values = values.to(params[0].device if params else torch.device("cpu"))
-        dist.all_reduce(values, group=parallel_state.get_model_parallel_group())
+        device = params[0].device if params else torch.device("cpu")
+        dense, experts = dense.to(device), experts.to(device)
+        dist.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+        if getattr(args, "num_experts", None) is not None:  # MoE: each expert once
+            group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+            dist.all_reduce(experts, group=group)
+    values = dense + experts
     fields = {}
     if args.log_num_zeros_in_grad:
         fields["num zeros"] = float(values[0])

@@ -12,6 +12,8 @@ moe_ckpt_3_ep2pp2_distopt_load,\
 moe_ep2pp2vp2_1f1b,moe_pp1_aux1_1f1b,moe_pp1_aux1_fp16_1f1b pytest tests/functional_tests/test_moe_cases.py
 """
 
+import re
+
 import pytest
 from run_cases import relative_difference
 
@@ -108,3 +110,23 @@ def test_the_distributed_optimizer_shards_the_experts_over_their_own_group(case_
     assert len(by_rank) == 4 and unsharded > 0
     assert unsharded <= sum(by_rank) <= unsharded * 1.001
     assert max(by_rank) <= unsharded / 4 * 1.01
+
+
+def _logged(case_results, name: str, field: str) -> list[float]:
+    """`field` on each iteration line of the case (its part of the launch's log)."""
+    section = case_results[name]["log"].split(f"=== case {name}\n")[1].split("=== case ")[0]
+    return [float(v) for v in re.findall(rf"\| {field}: ([0-9.eE+-]+) \|", section)]
+
+
+def test_params_norm_and_zeros_count_each_expert_once(case_results):
+    """--log-params-norm and --log-num-zeros-in-grad: routed experts are summed over the expert
+    groups, dense weights over the model-parallel group. The params norm equals the
+    one-process run's on every layout; the zeros (counted before the data-parallel average,
+    on each replica's own gradient) are the same on every DP=2 layout."""
+    reference = _logged(case_results, REFERENCE, "params norm")
+    assert len(reference) == 6
+    for name in ("moe_ep2pp2_1f1b", "moe_tp2ep2_sp_1f1b", "moe_dp2pp2_1f1b_distopt"):
+        assert _logged(case_results, name, "params norm") == reference
+    zeros = [_logged(case_results, name, "num zeros")
+             for name in ("moe_ep2pp2_1f1b", "moe_tp2ep2_sp_1f1b", "moe_dp2pp2_1f1b_distopt")]  # fmt: skip
+    assert len(zeros[0]) == 6 and zeros[0] == zeros[1] == zeros[2]
