@@ -96,10 +96,10 @@ NOT_SUPPORTED = [
     Flag("--megatron-fsdp-grad-comm-dtype", str),
     Flag("--tp-comm-overlap-cfg", str),
     Flag("--wgrad-deferral-limit", int, 0),
-    # context parallelism (expert parallelism: moe.py)
+    # context parallelism (expert parallelism: moe/flags.py)
     Flag("--cp-comm-type", str),
     Flag("--hierarchical-context-parallel-sizes", str, nargs="+"),
-    # other attention variants (MoE: moe.py)
+    # other attention variants (MoE: moe/flags.py)
     Flag("--multi-latent-attention"),
     Flag("--q-lora-rank", int),
     Flag("--kv-lora-rank", int),

@@ -70,7 +70,7 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fiel
         throughput = f"throughput per GPU (TFLOP/s/GPU): {tflops / args.world_size:.1f} | "
     known = (("num zeros", ".1f"), ("params norm", ".3f"))
     extra = "".join(f"{name}: {fields[name]:{form}} | " for name, form in known if name in fields)
-    # other fields (MoE: this stage's aux losses and load imbalance, moe.py)
+    # other fields (MoE: this stage's aux losses and load imbalance, moe/training_hooks.py)
     extra += "".join(f"{name}: {value:.6E} | " for name, value in fields.items()
                      if name not in dict(known))  # fmt: skip
     # Megatron's field order; our per-stage weight drift comes last.

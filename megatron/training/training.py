@@ -738,8 +738,8 @@ def megatron_log_fields(args, step_func: MegatronStep) -> dict:
 
 
 def moe_log_fields(step_func: MegatronStep, iteration: int) -> dict:
-    """MoE: the stage's aux losses and load imbalance over the interval (moe.py), reduced over
-    the stage's tensor x data-parallel ranks only. The logging (last) stage's go into the
+    """MoE: the stage's aux losses and load statistics over the interval
+    (moe/training_hooks.py), reduced over the stage's tensor x data-parallel ranks only. The logging (last) stage's go into the
     iteration line and TensorBoard; every other stage's leader prints its own line."""
     stats = getattr(step_func, "moe_stats", None)
     if stats is None:

@@ -87,7 +87,20 @@ def test_each_stage_reports_its_aux_loss_and_load(case_results):
     line = next(line for line in log.splitlines() if "iteration        6/       6" in line)
     assert "| load balancing loss: " in line and "| tokens per expert max/mean: " in line
     features = case_results["moe_ep2pp2_features_1f1b"]["stages"][1]["moe"]["last"]
-    assert set(features) == {"seq load balancing loss", "z loss", "tokens per expert max/mean"}
+    assert set(features) == {"seq load balancing loss", "z loss", "tokens per expert max/mean",
+                             "dropped tokens fraction"}  # fmt: skip
+
+
+def test_dropped_tokens_under_a_capacity_factor(case_results):
+    """Capacity factor 1.5: the fraction of token-to-expert assignments dropped, per stage.
+    The one-process run's (MoE layers 0, 2, 3) is the stages' weighted by their MoE layers
+    (stage 0: layer 0; stage 1: layers 2 and 3; each layer sees the same tokens)."""
+    dropped = "dropped tokens fraction"
+    stages = [s["moe"]["mean"][dropped] for s in case_results["moe_ep2pp2_features_1f1b"]["stages"]]
+    whole = case_results["moe_pp1_features_1f1b"]["stages"][0]["moe"]["mean"][dropped]
+    assert 0.0 < whole < 0.5
+    assert abs(whole - (stages[0] + 2 * stages[1]) / 3) <= 1e-9
+    assert dropped not in case_results[REFERENCE]["stages"][0]["moe"]["mean"]  # no capacity
 
 
 def test_fp16_scales_the_aux_loss_gradient_like_the_main_loss(case_results):

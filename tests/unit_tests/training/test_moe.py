@@ -1,5 +1,6 @@
 """Mixture of experts: Megatron's MoE flags reach megatron-core, bad settings fail in one line,
-and the fixes applied to megatron-core 0.16.1 at model build do what they say (moe.py)."""
+and the fixes applied to megatron-core 0.16.1 at model build do what they say (megatron/training/moe/).
+"""
 
 import argparse
 
