@@ -250,3 +250,14 @@ def test_flag_coverage_of_megatron_moe_command_lines():
             )
     mixtral = command_lines["mixtral_8x7b_alltoall_tp2pp4ep4_release"]
     assert coverage.world_size_of(mixtral) == 4 * 8  # PP 4 x lcm(TP 2, ETP 2 (= TP) x EP 4)
+
+
+def test_pretrain_gpt_stops_a_bad_moe_setting_with_one_line(capsys, monkeypatch):
+    from small_run_flags import BASE
+
+    monkeypatch.setenv("RANK", "0")
+    import pretrain_gpt
+
+    assert pretrain_gpt.main(BASE + MOE + ["--expert-model-parallel-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --num-experts 4 is not divisible by --expert-model-parallel-size 3\n"
