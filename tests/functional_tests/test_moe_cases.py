@@ -9,7 +9,8 @@ data-parallel size left out moves the EP=2 x PP=2 losses by 1e-3 relative; measu
     FUNCTIONAL_CASES=moe_pp1_1f1b,moe_ep2pp2_1f1b,moe_tp2ep2_sp_1f1b,moe_dp2pp2_1f1b_distopt,\
 moe_pp1_features_1f1b,moe_ep2pp2_features_1f1b,moe_ckpt_1_ep2dp4_distopt_save,moe_ckpt_2_pp4_load,\
 moe_ckpt_3_ep2pp2_distopt_load,\
-moe_ep2pp2vp2_1f1b,moe_pp1_aux1_1f1b,moe_pp1_aux1_fp16_1f1b pytest tests/functional_tests/test_moe_cases.py
+moe_ep2pp2vp2_1f1b,moe_pp1_aux1_1f1b,moe_pp1_aux1_fp16_1f1b,\
+moe_tp2etp2pp2_1f1b pytest tests/functional_tests/test_moe_cases.py
 """
 
 import re
@@ -23,6 +24,7 @@ LAYOUTS = {  # case -> (one-process reference, (pipeline stages, tensor parallel
     "moe_tp2ep2_sp_1f1b": (REFERENCE, (1, 2, 2)),  # TP=2 + SP, EP=2, ETP=1, allgather
     "moe_dp2pp2_1f1b_distopt": (REFERENCE, (2, 1, 2)),  # --use-distributed-optimizer, EP=1
     "moe_ep2pp2vp2_1f1b": (REFERENCE, (2, 1, 2)),  # virtual stages: interleaved 1F1B, EP=2
+    "moe_tp2etp2pp2_1f1b": (REFERENCE, (2, 2, 1)),  # experts sharded over ETP=2 (= TP), SP
     # shared experts with their gate, z-loss, seq_aux_loss, sigmoid scores with the expert
     # bias (aux-loss-free balancing, updated at each step), group-limited top-k, top-k scaling,
     # fp32 router, capacity factor (dropping), MoE on layers 0, 2, 3 only, SwiGLU experts

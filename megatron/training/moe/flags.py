@@ -192,6 +192,10 @@ def validate_moe_args(args, *, world_size: int, flushes_every_call: bool) -> Non
             f"world size {world_size} is not divisible by pipeline x expert tensor x expert "
             f"parallel size {pp} x {etp} x {ep} = {pp * etp * ep}"
         )
+    if tp > 1 and not args.sequence_parallel:  # megatron-core's MoELayer refuses it
+        raise UserError(
+            "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron)"
+        )
     if not 1 <= args.moe_router_topk <= experts:
         raise UserError(
             f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts "

@@ -35,6 +35,8 @@ def error_of(extra: list[str], world_size: int = 1) -> str:
         (["--expert-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"], 6,
          "world size 6 is not divisible by pipeline x expert tensor x expert parallel size "
          "2 x 1 x 4 = 8"),
+        (["--tensor-model-parallel-size", "2"], 2,
+         "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron)"),
         (["--moe-token-dispatcher-type", "flex"], 1,
          "--moe-token-dispatcher-type flex is not supported yet (DeepEP / HybridEP need CUDA): "
          "use allgather or alltoall"),
@@ -127,10 +129,11 @@ def test_moe_flags_reach_transformer_config():
 
 
 def test_expert_tensor_parallel_size_defaults_to_tensor_parallel_size():
-    args = validated(MOE + ["--tensor-model-parallel-size", "2"], 2)
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    args = validated(MOE + tp2, 2)
     assert args.expert_tensor_parallel_size == 2
-    args = validated(MOE + ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size",
-                            "2", "--expert-tensor-parallel-size", "1"], 2)  # fmt: skip
+    args = validated(MOE + tp2 + ["--expert-model-parallel-size", "2",
+                                  "--expert-tensor-parallel-size", "1"], 2)  # fmt: skip
     assert args.expert_tensor_parallel_size == 1 and args.data_parallel_size == 1
 
 
