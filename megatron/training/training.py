@@ -115,8 +115,15 @@ def initialize_distributed(args) -> torch.device:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
-        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
+        # expert groups only where there are experts (without, the sizes change nothing)
+        **(
+            dict(
+                expert_model_parallel_size=args.expert_model_parallel_size,
+                expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            )
+            if getattr(args, "num_experts", None) is not None
+            else {}
+        ),
         # megatron-core's extra gloo groups serve only its own distributed optimizer
         create_gloo_process_groups=not getattr(args, "disable_gloo_process_groups", False),
     )

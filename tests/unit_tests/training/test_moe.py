@@ -88,6 +88,13 @@ def test_megatron_cores_own_moe_rules_are_one_line(extra, needle):
     assert needle in message and "\n" not in message
 
 
+def test_expert_tensor_parallel_size_of_a_dense_model_changes_nothing():
+    args = validated(["--expert-tensor-parallel-size", "4"])
+    from megatron.training.moe import moe_config_fields
+
+    assert moe_config_fields(args) == {}  # no expert field reaches megatron-core
+
+
 def test_moe_flags_need_experts_and_biases_are_refused():
     assert error_of(["--moe-ffn-hidden-size", "32"]) == "--moe-ffn-hidden-size needs --num-experts"
     message = error_of(["--num-experts", "4"])
