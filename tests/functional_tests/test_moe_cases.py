@@ -13,6 +13,7 @@ moe_ep2pp2vp2_1f1b,moe_pp1_aux1_1f1b,moe_pp1_aux1_fp16_1f1b,\
 moe_tp2etp2pp2_1f1b pytest tests/functional_tests/test_moe_cases.py
 """
 
+import os
 import re
 
 import pytest
@@ -84,6 +85,11 @@ def test_each_stage_reports_its_aux_loss_and_load(case_results):
     for a, b in zip(with_ep["stages"], without["stages"]):
         for name, value in a["moe"]["mean"].items():
             assert abs(value - b["moe"]["mean"][name]) <= 1e-5 * abs(value)
+    scalars = _tensorboard_scalars(with_ep)  # the logging (last) stage's
+    last_stage = with_ep["stages"][1]["moe"]["last"]
+    for name, value in last_stage.items():
+        logged = scalars[name.replace(" ", "-")]
+        assert len(logged) == 6 and abs(logged[-1] - value) <= 1e-6 * abs(value)
     log = with_ep["log"]
     assert "stage 0 MoE at iteration        6 | load balancing loss: " in log
     line = next(line for line in log.splitlines() if "iteration        6/       6" in line)
@@ -125,6 +131,14 @@ def test_the_distributed_optimizer_shards_the_experts_over_their_own_group(case_
     assert len(by_rank) == 4 and unsharded > 0
     assert unsharded <= sum(by_rank) <= unsharded * 1.001
     assert max(by_rank) <= unsharded / 4 * 1.01
+
+
+def _tensorboard_scalars(summary) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(summary["metrics_dir"], "tensorboard"))
+    events.Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def _logged(case_results, name: str, field: str) -> list[float]:
