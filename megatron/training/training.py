@@ -242,12 +242,12 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
 
 
 def _grouped_gemm_available(args, device: torch.device) -> bool:
-    """--moe-grouped-gemm takes effect on CUDA with Transformer Engine (TEGroupedMLP); else
-    the experts are a SequentialMLP (same math, same checkpoint keys; docs/moe.md)."""
-    from megatron.training.model import transformer_engine_available
-
-    te = getattr(args, "transformer_impl", "local") == "transformer_engine"
-    return te and device.type == "cuda" and transformer_engine_available()
+    """Whether --moe-grouped-gemm (and the fused permutation and router) may take effect:
+    not yet anywhere. The experts are a SequentialMLP (same math, same checkpoint keys;
+    docs/moe.md): the grouped experts' parameters (TEGroupedMLP: `weight<i>`) are not yet
+    keyed by global expert index for the initialization and the expert-gradient groups,
+    and no GPU check covers them."""
+    return False
 
 
 def stage_layout(args) -> StageLayout:
