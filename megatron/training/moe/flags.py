@@ -215,6 +215,11 @@ def validate_moe_args(args, *, world_size: int, flushes_every_call: bool) -> Non
             f"--moe-aux-loss-coeff needs one value per --moe-router-load-balancing-type "
             f"({len(types)}), got {len(coeffs)}"
         )
+    if "sinkhorn" in types and (len(types) > 1 or any(coeffs)):  # megatron-core's router
+        raise UserError(
+            "--moe-router-load-balancing-type sinkhorn takes no aux loss: pass it alone, with "
+            "--moe-aux-loss-coeff 0"
+        )
     groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
     if (groups is None) != (group_topk is None):
         raise UserError("--moe-router-num-groups and --moe-router-group-topk go together")

@@ -65,6 +65,9 @@ def error_of(extra: list[str], world_size: int = 1) -> str:
         (["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 1,
          "--moe-router-num-groups 3 must divide --num-experts 4 and --moe-router-group-topk 1 be "
          "between 1 and it"),
+        (["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0.01"], 1,
+         "--moe-router-load-balancing-type sinkhorn takes no aux loss: pass it alone, with "
+         "--moe-aux-loss-coeff 0"),
         (["--moe-router-load-balancing-type", "quantile_balancing"], 1,
          "--moe-router-load-balancing-type quantile_balancing is not supported yet"),
     ],
