@@ -36,14 +36,15 @@ def test_moe_flush_equals_the_one_process_run(case_results, name):
     summary, reference = case_results[name], case_results[reference_name]
     layout = (summary["pipeline_stages"], summary["tensor_parallel"], summary["data_parallel"])
     assert layout == expected_layout
-    assert len(summary["loss"]) == len(reference["loss"]) == 6
-    assert relative_difference(summary["loss"], reference["loss"]) <= 1e-5
+    assert len(summary["loss"]) == 6 and len(reference["loss"]) >= 6
+    assert relative_difference(summary["loss"], reference["loss"][:6]) <= 1e-5
 
 
 def test_the_moe_models_train(case_results):
     """The references learn (the comparison is not between two frozen runs), and the feature
     flags change the model."""
-    plain, features = case_results[REFERENCE]["loss"], case_results["moe_pp1_features_1f1b"]["loss"]
+    plain = case_results[REFERENCE]["loss"]
+    features = case_results["moe_pp1_features_1f1b"]["loss"][:6]
     assert plain[-1] < plain[0] - 0.05 and features[-1] < features[0] - 0.05
     assert relative_difference(plain, features) > 1e-4
 
@@ -101,10 +102,15 @@ def test_dropped_tokens_under_a_capacity_factor(case_results):
     The one-process run's (MoE layers 0, 2, 3) is the stages' weighted by their MoE layers
     (stage 0: layer 0; stage 1: layers 2 and 3; each layer sees the same tokens)."""
     dropped = "dropped tokens fraction"
-    stages = [s["moe"]["mean"][dropped] for s in case_results["moe_ep2pp2_features_1f1b"]["stages"]]
-    whole = case_results["moe_pp1_features_1f1b"]["stages"][0]["moe"]["mean"][dropped]
-    assert 0.0 < whole < 0.5
-    assert abs(whole - (stages[0] + 2 * stages[1]) / 3) <= 1e-9
+    stages = [[h[dropped] for h in s["moe"]["history"]]
+              for s in case_results["moe_ep2pp2_features_1f1b"]["stages"]]  # fmt: skip
+    whole = [
+        h[dropped] for h in case_results["moe_pp1_features_1f1b"]["stages"][0]["moe"]["history"]
+    ]
+    assert len(stages[0]) == len(stages[1]) == 6
+    assert all(0.0 <= w < 0.5 for w in whole) and max(whole) > 0.0
+    for i in range(6):  # the first 6 iterations of the 8 of the one-process run
+        assert abs(whole[i] - (stages[0][i] + 2 * stages[1][i]) / 3) <= 1e-9
     assert dropped not in case_results[REFERENCE]["stages"][0]["moe"]["mean"]  # no capacity
 
 
@@ -156,3 +162,14 @@ def test_params_norm_and_zeros_count_each_expert_once(case_results):
     zeros = [_logged(case_results, name, "num zeros")
              for name in ("moe_ep2pp2_1f1b", "moe_tp2ep2_sp_1f1b", "moe_dp2pp2_1f1b_distopt")]  # fmt: skip
     assert len(zeros[0]) == 6 and zeros[0] == zeros[1] == zeros[2]
+
+
+def test_a_swiglu_moe_checkpoint_resumes_at_its_layout(case_results):
+    """SwiGLU experts at EP=2 x PP=2: megatron-core stores each fc1 through a factory, so its
+    optimizer state stays with the layout, kept per data-parallel rank (they hold different
+    experts). Saved after 6 iterations, resumed for 2 more at the same layout: equal to the
+    one-process run's iterations 7 and 8."""
+    reference = case_results["moe_pp1_features_1f1b"]["loss"]
+    resumed = case_results["moe_features_2_ep2pp2_load"]["loss"]
+    assert len(reference) == 8 and len(resumed) == 2
+    assert relative_difference(resumed, reference[6:]) <= 1e-5

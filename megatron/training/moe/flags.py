@@ -246,6 +246,13 @@ def validate_moe_args(args, *, world_size: int, flushes_every_call: bool) -> Non
             f"--pipeline-schedule {args.pipeline_schedule} with MoE (--num-experts) is not "
             "supported yet"
         )
+    if (ep > 1 or etp != tp) and args.ckpt_format == "torch" and (args.save or args.load):
+        # one file per (pipeline, tensor) rank, written by its first data-parallel rank: the
+        # other data-parallel ranks' experts would be lost
+        raise UserError(
+            "--ckpt-format torch with expert parallelism is not supported yet (torch_dist, the "
+            "default, is)"
+        )
     if args.use_distributed_optimizer and (ep > 1 or etp != tp):
         what = "--use-distributed-optimizer with expert parallelism (--expert-model-parallel-size"
         what += " > 1 or --expert-tensor-parallel-size other than --tensor-model-parallel-size)"

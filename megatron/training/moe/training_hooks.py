@@ -156,4 +156,5 @@ class MoELoadStats:
                 n: sum(h.get(n, 0.0) for h in self.history) / len(self.history) for n in names
             },
             "intervals": len(self.history),
+            "history": self.history,  # every interval's figures, in order
         }

@@ -58,6 +58,9 @@ def error_of(extra: list[str], world_size: int = 1) -> str:
          "--use-distributed-optimizer with expert parallelism (--expert-model-parallel-size > 1 "
          "or --expert-tensor-parallel-size other than --tensor-model-parallel-size) and "
          "--num-distributed-optimizer-instances > 1 is not supported yet"),
+        (["--expert-model-parallel-size", "2", "--ckpt-format", "torch", "--save", "x"], 2,
+         "--ckpt-format torch with expert parallelism is not supported yet (torch_dist, the "
+         "default, is)"),
         (["--moe-layer-freq", "[1,0,1]"], 1, "--moe-layer-freq lists 3 layers, the model has 4"),
         (["--moe-layer-freq", "[0,0,0,0]"], 1, "--moe-layer-freq puts no MoE layer in the model"),
         (["--moe-router-num-groups", "2"], 1,
