@@ -14,6 +14,13 @@ Besides the command lines, it reports every flag of Megatron-LM's pretraining pa
 in-scope flags, stored in `tools/data/megatron_pretraining_flags.json` and read from a
 checkout by tools/megatron_parser_flags.py) that our parser does not know.
 
+    python tools/megatron_flag_coverage.py --moe [--extract DIR]
+
+`--moe`: Megatron-LM's MoE and Mixtral functional-test configs instead
+(`test_cases/moe/` and `test_cases/mixtral/`, pretraining ones only), stored in
+`tools/data/megatron_moe_command_lines.json`. Each command line is validated with the world
+size its layout needs, PP x lcm(TP x CP, ETP x EP).
+
 Each command line is parsed by `build_parser()` and validated by `validate_args(...,
 check_files=False)` with data parallel size 1. Outcomes: `accepted`; `not supported yet`
 (parsed, then rejected naming a feature we do not have; every such flag is listed); `other
@@ -38,19 +45,36 @@ from megatron.studies.flag_coverage import (
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 DATA_FILE = os.path.join(TOOLS, "data", "megatron_gpt_command_lines.json")
 FLAGS_FILE = os.path.join(TOOLS, "data", "megatron_pretraining_flags.json")
+MOE_DATA_FILE = os.path.join(TOOLS, "data", "megatron_moe_command_lines.json")
+MOE_SOURCE = ("Megatron-LM (github.com/NVIDIA/Megatron-LM): MoE and Mixtral functional-test "
+              "configs' MODEL_ARGS (MODE not inference/rl); flag names and values only, paths as "
+              "placeholders")  # fmt: skip
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--extract", metavar="MEGATRON_DIR",
                         help="refresh the functional-test configs from a Megatron-LM checkout")  # fmt: skip
-    parser.add_argument("--data", default=DATA_FILE)
+    parser.add_argument("--data", default=None)
+    parser.add_argument("--moe", action="store_true",
+                        help="Megatron-LM's MoE and Mixtral functional-test configs")  # fmt: skip
     parser.add_argument("--flags", default=FLAGS_FILE, help="Megatron's stored parser flags")
     parser.add_argument("--extract-flags", metavar="MEGATRON_DIR",
                         help="refresh the stored parser flags from a Megatron-LM checkout")  # fmt: skip
     parser.add_argument("--flag-table", action="store_true",
                         help="print one markdown row per Megatron flag, nothing else")  # fmt: skip
     options = parser.parse_args(argv)
+    data = options.data or (MOE_DATA_FILE if options.moe else DATA_FILE)
+    if options.moe:
+        if options.extract:
+            stored = {"source": MOE_SOURCE, **encode(
+                extract_functional_configs(options.extract, ("moe", "mixtral")))}  # fmt: skip
+            with open(data, "w") as handle:
+                json.dump(stored, handle, separators=(",", ":"))
+                handle.write("\n")
+        with open(data) as handle:
+            print(report(decode(json.load(handle)), examples=0))
+        return 0
     with open(options.flags) as handle:
         stored_flags = json.load(handle)
     if options.extract_flags:
@@ -62,14 +86,14 @@ def main(argv=None) -> int:
     if options.flag_table:
         print(parser_flag_table(stored_flags["flags"]))
         return 0
-    with open(options.data) as handle:
+    with open(data) as handle:
         stored = json.load(handle)
     command_lines = decode(stored)
     if options.extract:
         examples = {k: v for k, v in command_lines.items() if k.startswith("examples/")}
         command_lines = {**extract_functional_configs(options.extract), **examples}
         stored.update(encode(command_lines))
-        with open(options.data, "w") as handle:
+        with open(data, "w") as handle:
             json.dump(stored, handle, separators=(",", ":"))
             handle.write("\n")
     print(report(command_lines))

@@ -74,14 +74,19 @@ def _placeholder(flag: str, value: str) -> str:
     return "<file>" if os.path.splitext(value)[1] else "<dir>"
 
 
-def extract_functional_configs(megatron_dir: str) -> dict:
+def extract_functional_configs(megatron_dir: str, families: tuple[str, ...] = ("gpt",)) -> dict:
+    """The pretraining configs of Megatron-LM's functional tests of these model families
+    (`tests/functional_tests/test_cases/<family>/*/model_config.yaml`)."""
     import yaml
 
-    pattern = os.path.join(
-        megatron_dir, "tests/functional_tests/test_cases/gpt/*/model_config.yaml"
-    )
+    paths = []
+    for family in families:
+        pattern = os.path.join(
+            megatron_dir, f"tests/functional_tests/test_cases/{family}/*/model_config.yaml"
+        )
+        paths += sorted(glob.glob(pattern))
     configs = {}
-    for path in sorted(glob.glob(pattern)):
+    for path in paths:
         with open(path) as handle:
             config = yaml.safe_load(handle)
         if config.get("MODE") in ("inference", "rl") or not config.get("MODEL_ARGS"):
@@ -169,12 +174,14 @@ def uses_virtual_stages(flags: list) -> bool:
     return any(flag[0] in VIRTUAL_STAGE_FLAGS for flag in flags)
 
 
-def report(command_lines: dict, schedule: str = "paci") -> str:
+def report(command_lines: dict, schedule: str = "paci", examples: int = 2) -> str:
     """The outcomes of the command lines as they are, then with `--pipeline-schedule
     SCHEDULE` added (what a Megatron user who switches to it gets)."""
     total = len(command_lines)
+    sources = f"{total - examples} functional-test configs"
+    sources += f", {examples} examples" if examples else ""
     lines = [
-        f"Command lines: {total} ({total - 2} functional-test configs, 2 examples)",
+        f"Command lines: {total} ({sources})",
         "",
         "### As they are (Megatron's default schedule, 1F1B-flush)",
         "",

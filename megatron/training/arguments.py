@@ -26,6 +26,7 @@ from megatron.training.batch_schedule import validate_accumulation_schedule, val
 from megatron.training.data.sources import add_data_source_args, validate_sample_options
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
+from megatron.training.moe import add_moe_args, add_moe_unsupported_args, validate_moe_args
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
 from megatron.training.tracking.wandb_run import add_wandb_args, validate_wandb_args
 from megatron.training.validation import add_reliability_args, validate_reliability
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_wandb_args(parser)
     add_recompute_args(parser)
     add_reliability_args(parser)
+    add_moe_args(parser)
+    add_moe_unsupported_args(parser)
     add_compatibility_flags(parser)
     return parser
 
@@ -340,6 +343,8 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_wandb_args(args)
     validate_reliability(args)
     _validate_parallel_layout(args, world_size)
+    validate_moe_args(args, world_size=world_size,
+                      stashes_weights=get_schedule(args.pipeline_schedule).stashes_weights)  # fmt: skip
     _validate_model_shape(args)
     _validate_model_checks(args)
     validate_recompute_args(args, args.stage_layers)

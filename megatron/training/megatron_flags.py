@@ -95,7 +95,6 @@ OUR_BEHAVIOUR = [
     Flag("--empty-unused-memory-level", int, 0, supported=(1, 2)),
     Flag("--rerun-mode", str, "disabled"),
     Flag("--timing-log-level", int, 0),
-    Flag("--expert-model-parallel-size", int, 1),
 ]
 
 # Parsed, rejected at validation unless left at the default.
@@ -120,18 +119,10 @@ NOT_SUPPORTED = [
     Flag("--megatron-fsdp-grad-comm-dtype", str),
     Flag("--tp-comm-overlap-cfg", str),
     Flag("--wgrad-deferral-limit", int, 0),
-    # context, expert parallelism
+    # context parallelism (expert parallelism: moe/flags.py)
     Flag("--cp-comm-type", str, nargs="+", supported=(["p2p"],)),
     Flag("--hierarchical-context-parallel-sizes", str, nargs="+"),
-    Flag("--expert-tensor-parallel-size", int),
-    # mixture of experts and other attention variants
-    Flag("--num-experts", int),
-    Flag("--moe-ffn-hidden-size", int),
-    Flag("--moe-shared-expert-intermediate-size", int),
-    Flag("--moe-shared-expert-gate"),
-    Flag("--moe-router-load-balancing-type", str),
-    Flag("--moe-router-topk", int),
-    Flag("--moe-router-dtype", str),
+    # other attention variants (MoE: moe/flags.py)
     Flag("--multi-latent-attention"),
     Flag("--q-lora-rank", int),
     Flag("--kv-lora-rank", int),

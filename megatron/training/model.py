@@ -161,10 +161,49 @@ def portable_layer_spec(
     return spec
 
 
+class _HostEvent:
+    """A CUDA event's calls on the host, where every operation has finished when it returns."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream:
+    """A CUDA stream's calls on the host: one in-order stream, so waits are no-ops."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> _HostEvent:
+        return event if event is not None else _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
 class _HostCuda:
     """`torch.cuda` with the host as its current device, for megatron-core modules that
     allocate their tensor-parallel buffers on CUDA's current device (asking for it raises
-    where there is no CUDA)."""
+    where there is no CUDA), and host stand-ins for the streams and events the MoE token
+    dispatchers and shared experts use to overlap copies (one in-order host stream)."""
+
+    Stream = _HostStream
+    Event = _HostEvent
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -172,6 +211,14 @@ class _HostCuda:
     @staticmethod
     def current_device() -> str:
         return "cpu"
+
+    @staticmethod
+    def current_stream(device=None) -> _HostStream:
+        return _HOST_STREAM
+
+    @staticmethod
+    def stream(stream):
+        return contextlib.nullcontext()
 
 
 class _TorchOnHost(types.ModuleType):
@@ -184,11 +231,20 @@ class _TorchOnHost(types.ModuleType):
 
 
 # The megatron-core 0.16.1 modules whose sequence-parallel paths allocate on the CUDA device:
-# the gather / reduce-scatter mappings, the linear layers' input gather, the memory buffer.
+# the gather / reduce-scatter mappings, the linear layers' input gather, the memory buffer;
+# and its MoE modules (router buffers, dispatcher and shared-expert streams, expert
+# placement), which do so whatever the parallelism.
 _CUDA_BUFFER_MODULES = (
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.tensor_parallel.layers",
     "megatron.core.utils",
+)
+_MOE_MODULES = (
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.shared_experts",
 )
 
 
@@ -217,14 +273,15 @@ class HostRNGStatesTracker(CudaRNGStatesTracker):
             torch.set_rng_state(outside)
 
 
-def run_sequence_parallel_on_host(seed: int, tensor_rank: int) -> None:
-    """A CPU run without CUDA, with --sequence-parallel (megatron-core 0.16.1 assumes CUDA
-    there): its buffers become host tensors (only the `torch` of the modules that allocate
-    them is swapped, for one naming the host as the current CUDA device; on a machine without
-    CUDA the original call could only raise), and its RNG tracker a host one."""
+def run_sequence_parallel_on_host(seed: int, tensor_rank: int, *, moe: bool = False) -> None:
+    """A CPU run without CUDA, with --sequence-parallel or MoE layers (megatron-core 0.16.1
+    assumes CUDA there): its buffers become host tensors (only the `torch` of the modules that
+    allocate them is swapped, for one naming the host as the current CUDA device and giving
+    host streams and events; on a machine without CUDA the original calls could only raise),
+    and its RNG tracker a host one (the experts fork the expert-parallel state)."""
     if torch.cuda.is_available():
         return
-    for name in _CUDA_BUFFER_MODULES:
+    for name in _CUDA_BUFFER_MODULES + (_MOE_MODULES if moe else ()):
         module = importlib.import_module(name)
         if not isinstance(module.torch, _TorchOnHost):
             module.torch = _TorchOnHost("torch")
@@ -251,6 +308,8 @@ def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: b
     norms are zero-centered or sequence-parallel, which megatron-core's default final norm
     cannot be."""
     qk_layernorm = config.qk_layernorm
+    if config.num_moe_experts:
+        return moe_block_spec(device, config, use_te=use_te, vp_stage=vp_stage, pp_rank=pp_rank)
     if use_te and device.type == "cuda" and transformer_engine_available():
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -263,6 +322,38 @@ def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: b
         return spec
     layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=PortableNorm)
+
+
+def moe_block_spec(device: torch.device, config: TransformerConfig, *, use_te: bool = True,
+                   vp_stage: int | None = None,
+                   pp_rank: int | None = None) -> TransformerBlockSubmodules:  # fmt: skip
+    """The layers of this stage (or chunk) with MoE layers where --moe-layer-freq puts them:
+    megatron-core's decoder block spec (its per-layer dense/MoE choice and pipeline slicing),
+    Transformer Engine's on CUDA with TE, else the local one with our SDPA core attention (and
+    our norms when they are zero-centered or sequence-parallel, as `layer_spec_for`)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    te = use_te and device.type == "cuda" and transformer_engine_available()
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=te, normalization=config.normalization, vp_stage=vp_stage,
+        pp_rank=pp_rank,
+    )  # fmt: skip
+    if te:
+        return block
+    own_norms = config.layernorm_zero_centered_gamma or config.sequence_parallel
+    layers = []
+    for layer in block.layer_specs:
+        layer = copy.deepcopy(layer)
+        attention = layer.submodules.self_attention.submodules
+        attention.core_attention = SDPACoreAttention
+        if own_norms:
+            layer.submodules.input_layernorm = PortableNorm
+            layer.submodules.pre_mlp_layernorm = PortableNorm
+            if config.qk_layernorm:
+                attention.q_layernorm = attention.k_layernorm = PortableNorm
+        layers.append(layer)
+    norm = PortableNorm if own_norms else block.layer_norm
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
 
 
 class HostRotaryEmbedding(RotaryEmbedding):
@@ -339,6 +430,13 @@ class StageLayout:
     chunks: int = 1
     chunk_layers: int | None = None
     chunk_offset: int | None = None
+    # MoE: this rank's expert-parallel rank of `expert_size`, each holding `local_experts`
+    # experts, each sharded over `expert_tensor_size` ranks (megatron-core's expert groups).
+    expert_rank: int = 0
+    expert_size: int = 1
+    local_experts: int = 0
+    expert_tensor_rank: int = 0
+    expert_tensor_size: int = 1
 
     def layers_on(self, stage: int) -> int:
         if self.stage_layers is not None:
@@ -479,6 +577,10 @@ def build_gpt_stage(
     vp_stage = layout.chunk if layout.chunks > 1 else None
     if config.recompute_granularity is not None:
         use_host_rng_states()  # megatron-core's checkpoint reads the CUDA generator otherwise
+    if config.num_moe_experts:
+        from megatron.training.moe import patch_megatron_core_moe
+
+        patch_megatron_core_moe()
     # a V chunk is built as the interleaved (vp_stage, rank) of its virtual stage
     groups, pp_rank = None, None
     if built_as_other_rank:
@@ -515,22 +617,37 @@ def build_gpt_stage(
         )
     initialize_layout_independent(model, layout, seed=seed, init_method_std=config.init_method_std,
                                   xavier_uniform=xavier_uniform)  # fmt: skip
+    for name, param in model.named_parameters():
+        # routed experts: gradients reduced over the expert-data-parallel group (optimizer/)
+        param.moe_expert = is_expert_parameter(name)
     return model.to(device)
 
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def is_expert_parameter(name: str) -> bool:
+    """A routed expert's weight (megatron-core's SequentialMLP), not a shared expert's."""
+    return _LOCAL_EXPERT.search(name) is not None
 
 
 def global_parameter_name(name: str, layout: StageLayout, *, tied: bool = False) -> str:
-    """`decoder.layers.<local>.x` -> `decoder.layers.<global>.x`; a tied output layer is the
-    input embedding (both copies are drawn alike); other names unchanged."""
+    """`decoder.layers.<local>.x` -> `decoder.layers.<global>.x`, and a routed expert's
+    `local_experts.<local>` -> `local_experts.<global expert index>`; a tied output layer is
+    the input embedding (both copies are drawn alike); other names unchanged."""
     if tied and name == "output_layer.weight":
         return "embedding.word_embeddings.weight"
     match = _LOCAL_LAYER.match(name)
     if match is None:
         return name
     global_index = int(match.group(1)) + layout.layer_offset
-    return f"decoder.layers.{global_index}." + name[match.end() :]
+    name = f"decoder.layers.{global_index}." + name[match.end() :]
+    expert = _LOCAL_EXPERT.search(name)
+    if expert is not None:
+        index = layout.expert_rank * layout.local_experts + int(expert.group(1))
+        name = f"{name[:expert.start()]}.mlp.experts.local_experts.{index}.{name[expert.end():]}"
+    return name
 
 
 def _init_kind(name: str, param: torch.nn.Parameter) -> str:
@@ -571,8 +688,11 @@ def initialize_layout_independent(
         full_shape = list(param.shape)
         partition_dim = getattr(param, "partition_dim", -1)
         sharded = getattr(param, "tensor_model_parallel", False) and partition_dim >= 0
+        shards, shard = layout.tensor_size, layout.tensor_rank
+        if is_expert_parameter(name):  # sharded over the expert tensor-parallel ranks
+            shards, shard = layout.expert_tensor_size, layout.expert_tensor_rank
         if sharded:
-            full_shape[partition_dim] *= layout.tensor_size
+            full_shape[partition_dim] *= shards
         global_name = global_parameter_name(name, layout, tied=getattr(param, "shared", False))
         generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{global_name}".encode()))
         std = scaled_std if kind == "scaled_normal" else init_method_std
@@ -582,5 +702,5 @@ def initialize_layout_independent(
         else:
             full.normal_(0.0, std, generator=generator)
         if sharded:
-            full = full.chunk(layout.tensor_size, dim=partition_dim)[layout.tensor_rank]
+            full = full.chunk(shards, dim=partition_dim)[shard]
         param.copy_(full)

@@ -76,11 +76,11 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fiel
     if args.log_throughput:
         tflops = floating_point_operations(args, batch) / (per_iteration_ms / 1000.0) / 1e12
         throughput = f"throughput per GPU (TFLOP/s/GPU): {tflops / args.world_size:.1f} | "
-    extra = "".join(
-        f"{name}: {fields[name]:{form}} | "
-        for name, form in (("num zeros", ".1f"), ("params norm", ".3f"))
-        if name in fields
-    )
+    known = (("num zeros", ".1f"), ("params norm", ".3f"))
+    extra = "".join(f"{name}: {fields[name]:{form}} | " for name, form in known if name in fields)
+    # other fields (MoE: this stage's aux losses and load imbalance, moe/training_hooks.py)
+    extra += "".join(f"{name}: {value:.6E} | " for name, value in fields.items()
+                     if name not in dict(known))  # fmt: skip
     # Megatron's field order; our per-stage weight drift comes last.
     print(
         f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {state.iteration:8d}/"
@@ -209,6 +209,9 @@ def _stage_report(args, runtime, step_func, optimizer) -> dict:
     exchange = getattr(step_func, "tied_exchange", None)  # tied embeddings, asynchronous
     if exchange is not None:
         report["tied_embedding"] = exchange.report()
+    moe_stats = getattr(step_func, "moe_stats", None)  # MoE: aux losses, load imbalance
+    if moe_stats is not None and moe_stats.report():
+        report["moe"] = moe_stats.report()
     return report
 
 

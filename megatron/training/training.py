@@ -60,7 +60,14 @@ from megatron.training.model import (
     run_sequence_parallel_on_host,
     v_chunk_layout,
 )
+from megatron.training.moe import (
+    MoELoadStats,
+    MoEStepHooks,
+    moe_config_fields,
+    set_aux_loss_scale,
+)
 from megatron.training.optimizer.build import (
+    ExpertGroups,
     StageOptimizerStep,
     build_lr_scheduler,
     build_optimizer,
@@ -110,12 +117,24 @@ def initialize_distributed(args) -> torch.device:
         context_parallel_size=args.context_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        # expert groups only where there are experts (without, the sizes change nothing)
+        **(
+            dict(
+                expert_model_parallel_size=args.expert_model_parallel_size,
+                expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            )
+            if getattr(args, "num_experts", None) is not None
+            else {}
+        ),
         # megatron-core's extra gloo groups serve only its own distributed optimizer
         create_gloo_process_groups=not args.disable_gloo_process_groups,
     )
     torch.manual_seed(args.seed)
-    if args.sequence_parallel and device.type == "cpu":  # megatron-core's CUDA-only parts
-        run_sequence_parallel_on_host(args.seed, parallel_state.get_tensor_model_parallel_rank())
+    moe = getattr(args, "num_experts", None) is not None
+    if (args.sequence_parallel or moe) and device.type == "cpu":  # megatron-core's CUDA parts
+        run_sequence_parallel_on_host(
+            args.seed, parallel_state.get_tensor_model_parallel_rank(), moe=moe
+        )
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -226,10 +245,22 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         persist_layer_norm=False,
         calculate_per_token_loss=args.calculate_per_token_loss,
         sequence_parallel=args.sequence_parallel,
+        **moe_config_fields(args, grouped_gemm_available=_grouped_gemm_available(args, device)),
     )
 
 
+def _grouped_gemm_available(args, device: torch.device) -> bool:
+    """Whether --moe-grouped-gemm (and the fused permutation and router) may take effect:
+    not yet anywhere. The experts are a SequentialMLP (same math, same checkpoint keys;
+    docs/moe.md): the grouped experts' parameters (TEGroupedMLP: `weight<i>`) are not yet
+    keyed by global expert index for the initialization and the expert-gradient groups,
+    and no GPU check covers them."""
+    return False
+
+
 def stage_layout(args) -> StageLayout:
+    experts = getattr(args, "num_experts", None) or 0
+    moe = experts > 0
     return StageLayout(
         pipeline_rank=parallel_state.get_pipeline_model_parallel_rank(),
         pipeline_size=args.pipeline_model_parallel_size,
@@ -237,6 +268,11 @@ def stage_layout(args) -> StageLayout:
         tensor_size=args.tensor_model_parallel_size,
         num_layers=args.num_layers,
         stage_layers=tuple(args.stage_layers),
+        expert_rank=parallel_state.get_expert_model_parallel_rank() if moe else 0,
+        expert_size=args.expert_model_parallel_size if moe else 1,
+        local_experts=experts // args.expert_model_parallel_size if moe else 0,
+        expert_tensor_rank=parallel_state.get_expert_tensor_parallel_rank() if moe else 0,
+        expert_tensor_size=args.expert_tensor_parallel_size if moe else 1,
     )
 
 
@@ -345,8 +381,38 @@ def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
         clip_grad=args.clip_grad,
         average_in_collective=args.ddp_average_in_collective,
         tensor_parallel_group=parallel_state.get_tensor_model_parallel_group(),
+        experts=_expert_groups(args),
     )
     return MegatronStep(step_func, model, args)
+
+
+def _expert_shard_group(args):
+    """The expert-data-parallel group, when the distributed optimizer shards the routed
+    experts over it apart from the dense parameters (MoE with EP > 1 or ETP != TP)."""
+    if getattr(args, "num_experts", None) is None or not args.use_distributed_optimizer:
+        return None
+    if (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (
+        1, args.tensor_model_parallel_size,
+    ):  # fmt: skip
+        return None  # the expert groups are the dense ones
+    return parallel_state.get_expert_data_parallel_group()
+
+
+def _expert_groups(args) -> ExpertGroups | None:
+    """megatron-core's expert process groups, for the routed experts' gradients (None
+    without MoE)."""
+    if getattr(args, "num_experts", None) is None:
+        return None
+    global_norm = args.pipeline_plan.global_grad_norm
+    return ExpertGroups(
+        data_parallel_group=parallel_state.get_expert_data_parallel_group(),
+        grad_norm_group=(
+            parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+            if global_norm
+            else parallel_state.get_expert_tensor_and_model_parallel_group()
+        ),
+        data_parallel_size=args.data_parallel_size,
+    )
 
 
 def _note_inflight_window(args) -> None:
@@ -430,7 +496,9 @@ def _set_up_and_train(args, forward_step_func, wall_start, requests, device, gro
     _note_inflight_window(args)
     tokenizer = _build_checked_tokenizer(args)
     model = build_stage_model(args, args.padded_vocab_size, device)
-    optimizer = build_optimizer(model, OptimizerConfig.from_args(args))
+    optimizer = build_optimizer(
+        model, OptimizerConfig.from_args(args), expert_group=_expert_shard_group(args)
+    )
     scheduler = build_lr_scheduler(
         optimizer,
         LRScheduleConfig.from_args(args),
@@ -508,8 +576,10 @@ def boundary_sequence_length(args) -> int:
 def _build_stage_runtime(args, model, device) -> RankRuntime:
     """The rank's pipeline runtime, attached to the model with the run's pipeline plan."""
     dtype, plan = model_dtype(args), args.pipeline_plan
-    # a stage's context-parallel ranks run one ring per forward and backward: same order
-    context = build_pipeline_context(device, decide_per_stage=args.context_parallel_size > 1)
+    # a stage's context-parallel ranks run one ring per forward and backward, its expert-
+    # parallel ranks (over its data-parallel replicas) all-to-alls: they run the same order
+    per_stage = args.context_parallel_size > 1 or args.expert_model_parallel_size > 1
+    context = build_pipeline_context(device, decide_per_stage=per_stage)
     placement, transport = plan.placement, None
     if placement is not None:  # several chunks per rank: a stream per chunk and neighbour
         transport = DistributedTransport(
@@ -528,6 +598,8 @@ def _build_stage_runtime(args, model, device) -> RankRuntime:
         deterministic=args.deterministic_mode,
         per_token_loss=args.calculate_per_token_loss,
     )
+    if args.num_experts is not None:  # megatron-core's aux losses: scaled as each backward's loss
+        runtime.backward_scale_listeners.append(set_aux_loss_scale)
     attach_stage_runtime(model, runtime, plan)
     return runtime
 
@@ -602,7 +674,11 @@ class MegatronStep:
             shared[0], step_func, args
         )  # fmt: skip
         self.count_zeros, self.norm = args.log_num_zeros_in_grad, args.log_params_norm
-        self.num_zeros, self.params_norm_squared, self.step_seconds = 0.0, 0.0, 0.0
+        self.moe_hooks = MoEStepHooks(model)
+        moe = getattr(args, "num_experts", None) is not None and args.emulated_forward_ms is None
+        self.moe_stats = MoELoadStats(model) if moe else None
+        self.num_zeros, self.params_norm_squared = (0.0, 0.0), (0.0, 0.0)  # dense, experts
+        self.step_seconds = 0.0
 
     def __call__(self):
         if len(self.tied_weights) == 2:  # both copies on this rank (the V placement)
@@ -615,6 +691,7 @@ class MegatronStep:
             self.tied_exchange.before_step()
         if self.count_zeros:
             self.num_zeros = _zeros_in_grad(self.step_func)
+        self.moe_hooks.before_step()
         start = time.perf_counter()
         report = self.step_func()
         self.step_seconds += time.perf_counter() - start
@@ -655,27 +732,35 @@ def _tied_exchange(weight, step_func: StageOptimizerStep, args) -> TiedEmbedding
     )
 
 
-def _counted_once(params):
+def _counted_once(params, *, experts: bool = False):
     """Parameters as Megatron counts them for norms and zeros: the last stage's copy of a
-    tied embedding and tensor-parallel duplicates (norm weights, ...) off TP rank 0 skipped."""
+    tied embedding and tensor-parallel duplicates (norm weights, ...) off TP rank 0 skipped.
+    The routed experts (MoE) apart (`experts=True`): every rank's are its own (each expert
+    sharded over expert tensor parallelism), counted over the expert groups."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     for param in params:
-        if getattr(param, "shared", False):
+        if getattr(param, "moe_expert", False) != experts or getattr(param, "shared", False):
             continue
-        if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
+        if experts or getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
             yield param
 
 
-def _zeros_in_grad(step_func) -> float:
-    zeros = 0
-    for param in _counted_once(step_func.params):
-        nonzero = int(torch.count_nonzero(step_func.gradient_of(param)))
-        zeros += param.numel() - nonzero
-    return float(zeros)
+def _zeros_in_grad(step_func) -> tuple[float, float]:
+    """(dense, routed experts) zeros in the gradient."""
+    zeros = [0, 0]
+    for index, experts in enumerate((False, True)):
+        for param in _counted_once(step_func.params, experts=experts):
+            nonzero = int(torch.count_nonzero(step_func.gradient_of(param)))
+            zeros[index] += param.numel() - nonzero
+    return float(zeros[0]), float(zeros[1])
 
 
-def _squared_norm(params) -> float:
-    return sum(float(p.detach().float().pow(2).sum()) for p in _counted_once(params))
+def _squared_norm(params) -> tuple[float, float]:
+    """(dense, routed experts) squared parameter norm."""
+    return tuple(
+        sum(float(p.detach().float().pow(2).sum()) for p in _counted_once(params, experts=e))
+        for e in (False, True)
+    )
 
 
 def megatron_log_fields(args, step_func: MegatronStep) -> dict:
@@ -684,18 +769,43 @@ def megatron_log_fields(args, step_func: MegatronStep) -> dict:
     reports the logging (last) stage's own, since a sum over stages would synchronize them."""
     if not (args.log_num_zeros_in_grad or args.log_params_norm):
         return {}
-    local = [step_func.num_zeros, step_func.params_norm_squared]
-    values = torch.tensor(local, dtype=torch.float64)
+    (dense_zeros, expert_zeros), (dense_norm, expert_norm) = (
+        step_func.num_zeros,
+        step_func.params_norm_squared,
+    )
+    dense = torch.tensor([dense_zeros, dense_norm], dtype=torch.float64)
+    experts = torch.tensor([expert_zeros, expert_norm], dtype=torch.float64)
     if args.pipeline_plan.global_grad_norm:
         params = step_func.step_func.params
-        values = values.to(params[0].device if params else torch.device("cpu"))
-        dist.all_reduce(values, group=parallel_state.get_model_parallel_group())
+        device = params[0].device if params else torch.device("cpu")
+        dense, experts = dense.to(device), experts.to(device)
+        dist.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+        if getattr(args, "num_experts", None) is not None:  # MoE: each expert once
+            group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+            dist.all_reduce(experts, group=group)
+    values = dense + experts
     fields = {}
     if args.log_num_zeros_in_grad:
         fields["num zeros"] = float(values[0])
     if args.log_params_norm:
         fields["params norm"] = math.sqrt(float(values[1]))
     return fields
+
+
+def moe_log_fields(args, step_func: MegatronStep, iteration: int) -> dict:
+    """MoE: the stage's aux losses and load statistics over the interval
+    (moe/training_hooks.py), reduced over the stage's tensor x data-parallel ranks only. The
+    logging stage's go into the iteration line and TensorBoard; every other stage's leader
+    prints its own line."""
+    stats = getattr(step_func, "moe_stats", None)
+    if stats is None:
+        return {}
+    fields = stats.collect(parallel_state.get_tensor_and_data_parallel_group())
+    if fields and is_stage_leader() and not is_logging_rank(args):
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        text = "".join(f"{name}: {value:.6E} | " for name, value in fields.items())
+        print(f" stage {stage} MoE at iteration {iteration:8d} | {text}", flush=True)
+    return fields if is_logging_rank(args) else {}
 
 
 def _eval_samples(args) -> int:
@@ -789,6 +899,7 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
         if iteration % args.log_interval == 0:
             elapsed = time.perf_counter() - interval_start
             fields = megatron_log_fields(args, step_func)
+            fields.update(moe_log_fields(args, step_func, iteration))
             log_iteration(args, state, runtime, step_func, interval_losses, elapsed, writer,
                           fields)  # fmt: skip
             step_func.step_seconds = 0.0

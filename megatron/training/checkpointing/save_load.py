@@ -98,9 +98,15 @@ def _rank_file(root: str, iteration: int) -> str:
 RECORDED_SCHEDULE_ARGS = ("rampup_batch_size", "decoupled_lr", "decoupled_min_lr")
 
 
+# Recorded, not compared here: where torch_dist keeps optimizer state per data-parallel rank
+# (MoE with expert parallelism), a load checks them itself (torch_dist.py).
+RECORDED_INFO = ("expert_model_parallel_size", "expert_tensor_parallel_size", "data_parallel_size")
+
+
 def recorded_args(args) -> dict:
     names = [name for names in RECORDED_ARGS.values() for name in names]
-    return {name: getattr(args, name, None) for name in names + list(RECORDED_SCHEDULE_ARGS)}
+    names += list(RECORDED_SCHEDULE_ARGS) + list(RECORDED_INFO)
+    return {name: getattr(args, name, None) for name in names}
 
 
 # ---------------------------------------------------------------------------- save

@@ -62,11 +62,31 @@ def _layout() -> tuple[int, int, int, int, int, int]:
     )  # fmt: skip
 
 
-def per_model_rank_object(key: str, data) -> ShardedObject:
+def per_model_rank_object(key: str, data, *, per_data_parallel_rank: bool = False) -> ShardedObject:
     """Something each (pipeline, tensor) rank has its own of; data-parallel ranks are replicas
-    (rank 0's is saved, every data-parallel rank loads it, as in the torch format)."""
-    pp, pp_rank, tp, tp_rank, _, dp_rank = _layout()
+    (rank 0's is saved, every data-parallel rank loads it, as in the torch format). With
+    `per_data_parallel_rank` every rank keeps its own: with expert parallelism the data-
+    parallel ranks of a stage hold different experts."""
+    pp, pp_rank, tp, tp_rank, dp, dp_rank = _layout()
+    if per_data_parallel_rank:
+        return ShardedObject(key, data, (pp, tp, dp), (pp_rank, tp_rank, dp_rank), replica_id=0)
     return ShardedObject(key, data, (pp, tp), (pp_rank, tp_rank), replica_id=dp_rank)
+
+
+def experts_apart_from_dense() -> bool:
+    """Whether the expert groups differ from the dense ones (MoE with EP > 1 or ETP != TP):
+    then a stage's data-parallel ranks are no replicas of each other's experts."""
+    ps = parallel_state
+    return ps.get_expert_model_parallel_world_size() > 1 or (
+        ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size()
+    )
+
+
+def expert_layout() -> tuple[int, int, int]:
+    """(expert parallel, expert tensor parallel, data parallel) sizes of this run."""
+    ps = parallel_state
+    return (ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_world_size(), ps.get_data_parallel_world_size())  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- model
@@ -128,11 +148,16 @@ def _leaves(node, path=()):
 
 def _chunk_replica(sharded: ShardedTensor) -> tuple[tuple, tuple, tuple]:
     """Where a per-parameter object sits: (global shape, offset, replica id). One object per
-    parameter, whatever its tensor-parallel split: the first chunk's rank holds the main copy."""
+    parameter, whatever its tensor-parallel split: the first chunk's rank holds the main copy.
+    Tensors stacked along prepended axes (megatron-core's MoE experts: one axis over the
+    global expert index) are as many parameters: one object per position on those axes."""
+    prepended = sharded.prepend_axis_num
     chunk = sharded.local_chunk_offset_in_global()
-    first_chunk = int(any(chunk))
+    first_chunk = int(any(chunk[prepended:]))
     replica = sharded.replica_id if isinstance(sharded.replica_id, tuple) else (sharded.replica_id,)
-    return (1,), (0,), (first_chunk, *replica)
+    shape = (*sharded.global_shape[:prepended], 1)
+    offset = (*sharded.global_offset[:prepended], 0)
+    return shape, offset, (first_chunk, *replica)
 
 
 def _bound_placement(sharded: ShardedTensor) -> tuple[tuple, tuple]:
@@ -173,6 +198,11 @@ class OptimizerMapping:
         self.local: dict[str, object] = {}  # "path" -> value
         self.local_slots: dict[str, tuple] = {}
         self.layout_bound: list[str] = []  # keys of state stored per split (see _param_entry)
+        # MoE with expert parallelism: the state tied to the layout differs between a stage's
+        # data-parallel ranks (their experts), so each keeps its own
+        self.per_rank_local = experts_apart_from_dense() and any(
+            sharded.prepend_axis_num for sharded in parameters.values()
+        )
         self._map()
 
     def _map(self) -> None:
@@ -233,7 +263,12 @@ class OptimizerMapping:
         return seen + len(groups)
 
     def _add(self, entry, container, key) -> None:
-        unique = entry.unique_key if isinstance(entry, ShardedObject) else entry.key
+        if isinstance(entry, ShardedObject):
+            unique = entry.unique_key
+        elif entry.prepend_axis_num:  # a rank holds several pieces of it (MoE: local experts)
+            unique = f"{entry.key}@{','.join(map(str, entry.global_offset))}"
+        else:
+            unique = entry.key
         self.entries.setdefault(unique, entry)
         self.slots.setdefault(unique, []).append((container, key))
 
@@ -245,7 +280,9 @@ class OptimizerMapping:
     def sharded_state_dict(self, *, with_local: bool) -> dict:
         entries = dict(self.entries)
         if with_local:
-            entries["local"] = per_model_rank_object("optimizer.local", self.local)
+            entries["local"] = per_model_rank_object(
+                "optimizer.local", self.local, per_data_parallel_rank=self.per_rank_local
+            )
         return entries
 
     def write_back(self, loaded: dict) -> None:
@@ -461,6 +498,15 @@ def restore_checkpoint(payload: dict, *, model, optimizer, load_optim, load_rng,
 def _check_local_state_fits(mapping: OptimizerMapping, payload: dict) -> None:
     """State tied to the layout loads into the saving layout only: one line otherwise."""
     tied = list(mapping.local) + mapping.layout_bound
+    recorded = payload.get("args") or {}
+    saved_experts = tuple(recorded.get(name) for name in (
+        "expert_model_parallel_size", "expert_tensor_parallel_size", "data_parallel_size"))  # fmt: skip
+    if tied and mapping.per_rank_local and saved_experts != expert_layout():
+        raise UserError(
+            f"--load {payload['directory']}: this optimizer keeps state that does not reshard "
+            f"({tied[0]}, ...), saved with expert x expert tensor x data parallel "
+            f"{saved_experts}: load it with that layout, or pass --no-load-optim"
+        )
     if tied and not same_layout(payload):
         example = tied[0]
         raise UserError(

@@ -26,6 +26,7 @@ from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
 from megatron.training.optimizer.main_params import (
     ModelGradients,
     ReplicatedMainOptimizer,
+    average_over_group,
     reduce_as_one,
 )
 
@@ -48,12 +49,16 @@ def _optimizer_shard_groups(config: OptimizerConfig):
     )
 
 
-def build_optimizer(model: torch.nn.Module, config: OptimizerConfig):
+def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, *, expert_group=None):
     """`--optimizer`'s optimizer (suite.py), with the delay mitigations asked for; over
-    fp32 main weights when the model is bf16/fp16 or the optimizer is distributed."""
+    fp32 main weights when the model is bf16/fp16 or the optimizer is distributed.
+    `expert_group`: with the distributed optimizer, the expert-data-parallel group that the
+    routed experts (MoE) shard over when it is not the data-parallel group."""
     from megatron.training.optimizer.delay_mitigation import with_delay_mitigation
     from megatron.training.optimizer.suite import build_suite_optimizer
 
+    if config.needs_main_params and config.use_distributed_optimizer and expert_group is not None:
+        return build_expert_sharded_optimizer(model, config, expert_group)
     if config.needs_main_params:
         return build_main_params_optimizer(model, config)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -75,6 +80,27 @@ def build_main_params_optimizer(model: torch.nn.Module, config: OptimizerConfig)
     mains = [main for _, main in wrapper.named_main()]
     wrapper.attach(with_delay_mitigation(inner, mains, config), build_loss_scaler(config))
     return wrapper
+
+
+def build_expert_sharded_optimizer(model: torch.nn.Module, config: OptimizerConfig, expert_group):
+    """The distributed optimizer with expert parallelism: the dense parameters sharded over the
+    data-parallel group, the routed experts over `expert_group` (distributed_optimizer.py)."""
+    from megatron.training.optimizer.distributed_optimizer import (
+        ExpertShardedOptimizer,
+        ShardedMainOptimizer,
+        dense_and_expert_views,
+    )
+    from megatron.training.optimizer.loss_scaling import build_loss_scaler
+    from megatron.training.optimizer.suite import build_suite_optimizer, decoupled_lr_of
+
+    scaler = build_loss_scaler(config)
+    dense_group, _ = _optimizer_shard_groups(config)
+    parts = []
+    for view, group in zip(dense_and_expert_views(model), (dense_group, expert_group)):
+        part = ShardedMainOptimizer(view, group, decoupled_lr=decoupled_lr_of(config))
+        part.attach(build_suite_optimizer(part.main_view(view.config), config), scaler)
+        parts.append(part)
+    return ExpertShardedOptimizer(*parts)
 
 
 def stage_lr_scale(args, stage: int) -> float:
@@ -132,6 +158,27 @@ def logged_learning_rate(param_groups: list[dict]) -> float:
 
 
 @dataclass
+class ExpertGroups:
+    """Where the routed experts' gradients go (MoE, megatron-core's expert process groups).
+    An expert's gradient already holds the contributions of every token routed to it from
+    its expert-parallel peers, so (as Megatron's DDP) it is summed over the expert-data-
+    parallel group and divided by the (dense) data-parallel size; its norm is counted once
+    per expert over the expert tensor x expert x pipeline ranks (the schedule's reach)."""
+
+    data_parallel_group: object
+    grad_norm_group: object
+    data_parallel_size: int
+
+
+def _same_ranks(group_a, group_b) -> bool:
+    if group_a is None or group_b is None:
+        return group_a is group_b
+    return sorted(dist.get_process_group_ranks(group_a)) == sorted(
+        dist.get_process_group_ranks(group_b)
+    )
+
+
+@dataclass
 class StepReport:
     grad_norm: float
     learning_rate: float
@@ -173,6 +220,7 @@ class StageOptimizerStep:
         clip_grad: float,
         average_in_collective: bool = False,
         tensor_parallel_group=None,
+        experts: ExpertGroups | None = None,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.data_parallel_group = data_parallel_group
@@ -189,6 +237,19 @@ class StageOptimizerStep:
         self.gradients = optimizer if hasattr(optimizer, "average_over") else None
         self.gradients = self.gradients or ModelGradients(self.params)
         self.loss_scaler = getattr(optimizer, "loss_scaler", None)
+        self.experts = experts
+        self.expert_params = [p for p in self.params if getattr(p, "moe_expert", False)]
+        # Experts reduce apart from the dense weights unless their groups are the dense ones
+        # (no expert parallelism, expert tensor parallelism = tensor parallelism).
+        self.separate_experts = bool(self.expert_params) and not (
+            experts is None
+            or (
+                _same_ranks(experts.data_parallel_group, data_parallel_group)
+                and _same_ranks(experts.grad_norm_group, grad_norm_group)
+            )
+        )
+        if self.separate_experts and getattr(self.gradients, "norm_group", None) is not None:
+            raise ValueError("a sharded optimizer with expert parallelism shards in two parts")
         self.last = StepReport(grad_norm=0.0, learning_rate=0.0)
         self.calls = 0  # step calls, skipped ones included
         self.skipped_steps = 0  # steps this stage skipped, over the run
@@ -207,9 +268,12 @@ class StageOptimizerStep:
     def __call__(self) -> StepReport:
         self.calls += 1
         self._sum_over_tensor_parallel()
-        self.gradients.average_over(
-            self.data_parallel_group, in_collective=self.average_in_collective
-        )
+        if self.separate_experts:
+            self._average_dense_and_experts()
+        else:
+            self.gradients.average_over(
+                self.data_parallel_group, in_collective=self.average_in_collective
+            )
         self._maybe_inject_overflow()
         grad_norm = self._grad_norm()
         found_inf = not math.isfinite(grad_norm)
@@ -252,6 +316,29 @@ class StageOptimizerStep:
         grads = [self.gradients.gradient_of(p) for p in self.summed_over_tensor_parallel]
         reduce_as_one(grads, lambda flat: dist.all_reduce(flat, group=self.tensor_parallel_group))
 
+    def _average_dense_and_experts(self) -> None:
+        """Dense gradients averaged over the data-parallel group; routed experts' summed
+        over the expert-data-parallel group and divided by the data-parallel size."""
+        if hasattr(self.gradients, "average_dense_and_experts"):  # sharded in two parts
+            self.gradients.average_dense_and_experts(
+                self.data_parallel_group, self.experts.data_parallel_size,
+                in_collective=self.average_in_collective,
+            )  # fmt: skip
+            return
+        dense = [self.gradient_of(p) for p in self.params if not getattr(p, "moe_expert", False)]
+        if dense and dist.get_world_size(self.data_parallel_group) > 1:
+            reduce_as_one(dense, lambda flat: average_over_group(
+                flat, self.data_parallel_group, in_collective=self.average_in_collective))  # fmt: skip
+        group, size = self.experts.data_parallel_group, self.experts.data_parallel_size
+
+        def sum_and_divide(flat: torch.Tensor) -> None:
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(flat, group=group)
+            flat.div_(size)
+
+        if size > 1 or dist.get_world_size(group) > 1:
+            reduce_as_one([self.gradient_of(p) for p in self.expert_params], sum_and_divide)
+
     def _maybe_inject_overflow(self) -> None:
         """Tests: MEGATRON_INJECT_GRAD_OVERFLOW names this stage and step (loss_scaling.py)."""
         from megatron.training.optimizer.loss_scaling import (
@@ -278,8 +365,31 @@ class StageOptimizerStep:
     def _grad_norm(self) -> float:
         """L2 norm of the averaged gradient over `grad_norm_group` (and over the
         data-parallel group when each rank holds a shard of it)."""
+        if self.separate_experts:
+            return math.sqrt(self._dense_and_expert_squared_norm().item())
         total = self.gradients.squared_norm(self._counted)
         for group in (self.gradients.norm_group, self.grad_norm_group):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(total, group=group)
         return math.sqrt(total.item())
+
+    def _dense_and_expert_squared_norm(self) -> torch.Tensor:
+        """The dense part over the schedule's reach, each routed expert once over the expert
+        groups (every expert rank holds distinct experts, each sharded over expert tensor
+        parallelism)."""
+
+        def dense_counted(param):
+            return not getattr(param, "moe_expert", False) and self._counted(param)
+
+        # the sharded optimizer in two parts: each part's squared norm covers its range only
+        dense_part, expert_part = getattr(self.gradients, "parts", (self.gradients,) * 2)
+        dense = dense_part.squared_norm(dense_counted)
+        expert = expert_part.squared_norm(lambda p: getattr(p, "moe_expert", False))
+        for total, groups in (
+            (dense, (dense_part.norm_group, self.grad_norm_group)),
+            (expert, (expert_part.norm_group, self.experts.grad_norm_group)),
+        ):
+            for group in groups:
+                if group is not None and dist.get_world_size(group) > 1:
+                    dist.all_reduce(total, group=group)
+        return dense + expert

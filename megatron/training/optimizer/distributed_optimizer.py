@@ -183,3 +183,132 @@ class ShardedMainOptimizer(MainParamsOptimizer):
         position = {id(p): i for i, p in enumerate(self.params)}
         groups = decay_groups(self.named, self.decoupled_lr)
         return [(group_key(g), [position[id(p)] for p in g["params"]]) for g in groups]
+
+
+# ---------------------------------------------------------------------------- MoE experts
+class _SomeParameters:
+    """What a main-params optimizer reads from a model, restricted to some parameters."""
+
+    def __init__(self, model: torch.nn.Module, keep):
+        self.model, self.keep = model, keep
+        self.config = getattr(model, "config", None)
+
+    def named_parameters(self):
+        return ((n, p) for n, p in self.model.named_parameters() if self.keep(p))
+
+    def register_load_state_dict_post_hook(self, hook):
+        return self.model.register_load_state_dict_post_hook(hook)
+
+
+def is_routed_expert(param: torch.nn.Parameter) -> bool:
+    return getattr(param, "moe_expert", False)
+
+
+def dense_and_expert_views(model: torch.nn.Module):
+    """(the model's dense parameters, its routed experts'), as models for the optimizers."""
+    dense = _SomeParameters(model, lambda p: not is_routed_expert(p))
+    return dense, _SomeParameters(model, is_routed_expert)
+
+
+class ExpertShardedOptimizer:
+    """--use-distributed-optimizer with expert parallelism: two sharded optimizers, the dense
+    parameters' over the data-parallel group and the routed experts' over the expert-data-
+    parallel group (megatron-core's layout: each expert's state lives on the ranks that hold
+    the expert), seen by the step, the LR schedule and the memory report as one. `parts`
+    tells the step which gradients reduce over which groups (optimizer/build.py)."""
+
+    def __init__(self, dense: ShardedMainOptimizer, experts: ShardedMainOptimizer):
+        self.dense, self.experts = dense, experts
+        self.parts = (dense, experts)
+        self.loss_scaler = dense.loss_scaler
+        self.params = dense.params + experts.params
+        self.dtype = dense.dtype
+
+    norm_group = None  # each part's own (the step reduces them apart)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.dense.param_groups + self.experts.param_groups
+
+    @property
+    def state(self) -> dict:
+        return {**self.dense.state, **self.experts.state}
+
+    @property
+    def main_param_bytes(self) -> int:
+        return self.dense.main_param_bytes + self.experts.main_param_bytes
+
+    @staticmethod
+    def gradient_of(param: torch.nn.Parameter) -> torch.Tensor:
+        return param.main_grad
+
+    def average_over(self, group, *, in_collective: bool = False) -> None:
+        raise RuntimeError("the experts reduce over their own group: average_dense_and_experts")
+
+    def squared_norm(self, counted) -> torch.Tensor:
+        raise RuntimeError("each part has its own norm group: reduce `parts` apart")
+
+    def average_dense_and_experts(self, data_parallel_group, data_parallel_size: int, *,
+                                  in_collective: bool = False) -> None:  # fmt: skip
+        """Dense: the mean over the data-parallel group; experts: the sum over the expert-data-
+        parallel group over the data-parallel size (build.ExpertGroups)."""
+        self.dense.average_over(data_parallel_group, in_collective=in_collective)
+        self.experts.average_over(self.experts.group, in_collective=in_collective)
+        self.experts._my_range().mul_(self.experts.shards / data_parallel_size)
+
+    def scale(self, factor: float) -> None:
+        for part in self.parts:
+            part.scale(factor)
+
+    def first_gradient(self) -> torch.Tensor:
+        return self.dense.first_gradient()
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    def refresh_from_model(self, only: torch.nn.Parameter | None = None) -> None:
+        for part in self.parts:
+            part.refresh_from_model(only)
+
+    # ------------------------------------------------------------------ checkpoints
+    # One unsharded per-parameter state dict, as one optimizer over `params` (the dense
+    # parameters, then the experts) would write: the experts' entries, groups and main
+    # weights numbered after the dense ones. Each part gathers over its own group.
+    def state_dict(self) -> dict:
+        dense, experts = self.dense.state_dict(), self.experts.state_dict()
+        shift = len(self.dense.params)
+        merged = dict(dense)
+        merged["state"] = {**dense["state"],
+                           **{k + shift: v for k, v in experts["state"].items()}}  # fmt: skip
+        merged["param_groups"] = dense["param_groups"] + [
+            {**g, "params": [i + shift for i in g["params"]]} for g in experts["param_groups"]
+        ]
+        if "main_params" in dense or "main_params" in experts:
+            merged["main_params"] = {
+                **dense.get("main_params", {}),
+                **{i + shift: m for i, m in experts.get("main_params", {}).items()},
+            }
+        return merged
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        shift, groups = len(self.dense.params), len(self.dense.global_groups())
+        dense, experts = dict(state_dict), dict(state_dict)
+        dense["state"] = {k: v for k, v in state_dict["state"].items() if k < shift}
+        experts["state"] = {k - shift: v for k, v in state_dict["state"].items() if k >= shift}
+        dense["param_groups"] = state_dict["param_groups"][:groups]
+        experts["param_groups"] = [{**g, "params": [i - shift for i in g["params"]]}
+                                   for g in state_dict["param_groups"][groups:]]  # fmt: skip
+        if "main_params" in state_dict:
+            mains = state_dict["main_params"]
+            dense["main_params"] = {i: m for i, m in mains.items() if i < shift}
+            experts["main_params"] = {i - shift: m for i, m in mains.items() if i >= shift}
+        self.dense.load_state_dict(dense)
+        self.experts.load_state_dict(experts)
+
+    def state_index_params(self) -> list[torch.nn.Parameter]:
+        return self.dense.state_index_params() + self.experts.state_index_params()

@@ -38,7 +38,7 @@ def test_not_supported_flag_fails_with_one_line(flag):
     [
         (["--ckpt-format", "torch_dcp"], "--ckpt-format torch_dcp is not supported yet"),
         (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor is not supported yet"),
-        (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 is not supported yet"),
+        (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1 needs --num-experts"),
         (["--rerun-mode", "validate_results"], "--rerun-mode validate_results is not supported yet"),
         (["--timing-log-level", "2"], "--timing-log-level 2 is not supported yet"),
         (["--transformer-impl", "inference_optimized"],
