@@ -20,9 +20,7 @@ ZERO_BUBBLE = {
     "gpt_tp2pp2_zbh1": "gpt_pp1_1f1b",
     "gpt_dp2pp2_zbh1": "gpt_pp1_1f1b",
     "gpt_pp4_zbv": "gpt_pp1_8layers_1f1b",  # two chunks of one layer per rank, on a V
-    "gpt_tp2pp2_zbv": "gpt_pp1_1f1b",
     "gpt_dp2pp2_zbv": "gpt_pp1_1f1b",
-    "gpt_tp2pp2_zbv_tied": "gpt_pp1_tied_1f1b",
     "gpt_tp2pp2_dualpipev": "gpt_pp1_1f1b",
 }
 # --deterministic-mode: the fixed 1F1B order, reproducible bit for bit.
@@ -81,9 +79,10 @@ def test_zero_bubble_schedules_match_one_process_and_hold_the_simulators_activat
 
 
 def test_a_zero_bubble_v_checkpoint_resumes_on_plain_stages(case_results):
-    """Saved by ZB-V (TP 2 x PP 2, two chunks per rank, tied embeddings both on rank 0) after
-    4 iterations, resumed by 1F1B on 4 plain stages: the rest of the run equals the
-    one-process run (torch_dist reshards the V's chunks onto stages and TP 2 onto 1)."""
+    """ZB-V at TP 2 x PP 2 with tied embeddings (both copies on rank 0, summed locally): its 4
+    iterations equal the one-process run; saved, then resumed by 1F1B on 4 plain stages, the
+    rest of the run equals it too (torch_dist reshards the V's chunks onto stages, TP 2 onto
+    1)."""
     reference = case_results["gpt_pp1_tied_1f1b"]["loss"]
     saved = case_results["gpt_zbv_1_tp2pp2_tied_save"]["loss"]
     resumed = case_results["gpt_zbv_2_pp4_tied_load"]["loss"]
