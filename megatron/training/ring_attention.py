@@ -67,12 +67,22 @@ def _masked_scores(q, k, q_pos, k_pos, scale):
     return scores.masked_fill(~allowed, float("-inf"))
 
 
+def _block(qf, block_k, block_v, owner: int, cp: int, q_pos, scale, work_dtype):
+    """The scores of this rank's queries against the key/value block of rank `owner` (causal
+    mask of the chunks' global positions), and the block's keys and values expanded to every
+    query head, in the working precision."""
+    heads, local = qf.shape[1], qf.shape[2]
+    k_pos = chunk_positions(owner, cp, local, qf.device)
+    kf = _expand_groups(block_k, heads).to(work_dtype)
+    vf = _expand_groups(block_v, heads).to(work_dtype)
+    return _masked_scores(qf, kf, q_pos, k_pos, scale), kf, vf
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        heads, local = q.shape[1], q.shape[2]
-        q_pos = chunk_positions(rank, cp, local, q.device)
+        q_pos = chunk_positions(rank, cp, q.shape[2], q.device)
         work_dtype = torch.promote_types(q.dtype, torch.float32)
         qf = q.to(work_dtype)
         row_max = torch.full(q.shape[:-1], float("-inf"), dtype=work_dtype, device=q.device)
@@ -81,10 +91,7 @@ class _RingAttention(torch.autograd.Function):
         block_k, block_v = k, v
         for step in range(cp):
             owner = (rank - step) % cp
-            k_pos = chunk_positions(owner, cp, local, q.device)
-            kf = _expand_groups(block_k, heads).to(work_dtype)
-            vf = _expand_groups(block_v, heads).to(work_dtype)
-            scores = _masked_scores(qf, kf, q_pos, k_pos, scale)
+            scores, _, vf = _block(qf, block_k, block_v, owner, cp, q_pos, scale, work_dtype)
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
             correction = torch.exp(row_max - safe_max)
@@ -105,9 +112,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, output, log_sum_exp = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        heads, groups, local = q.shape[1], k.shape[1], q.shape[2]
-        work_dtype = output.dtype
-        q_pos = chunk_positions(rank, cp, local, q.device)
+        groups, work_dtype = k.shape[1], output.dtype
+        q_pos = chunk_positions(rank, cp, q.shape[2], q.device)
         qf, grad_out = q.to(work_dtype), grad_output.to(work_dtype)
         row_dot = (grad_out * output).sum(dim=-1)  # D = rowsum(dO * O)
         grad_q = torch.zeros_like(qf)
@@ -116,10 +122,7 @@ class _RingAttention(torch.autograd.Function):
         grad_v = torch.zeros(v.shape, dtype=work_dtype, device=v.device)
         for step in range(cp):
             owner = (rank - step) % cp
-            k_pos = chunk_positions(owner, cp, local, q.device)
-            kf = _expand_groups(block_k, heads).to(work_dtype)
-            vf = _expand_groups(block_v, heads).to(work_dtype)
-            scores = _masked_scores(qf, kf, q_pos, k_pos, scale)
+            scores, kf, vf = _block(qf, block_k, block_v, owner, cp, q_pos, scale, work_dtype)
             probabilities = torch.exp(scores - log_sum_exp[..., None])
             grad_v += _sum_groups(torch.matmul(probabilities.transpose(-1, -2), grad_out), groups)
             grad_p = torch.matmul(grad_out, vf.transpose(-1, -2))
