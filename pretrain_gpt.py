@@ -80,14 +80,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: b
 
 
 def _context_parallel_group():
-    """The context-parallel group, None without context parallelism."""
-    from megatron.core import parallel_state
+    from megatron.training.model import context_parallel_group  # after validation: megatron-core
 
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    if parallel_state.get_context_parallel_world_size() == 1:
-        return None
-    return parallel_state.get_context_parallel_group()
+    return context_parallel_group()
 
 
 def forward_step(data_iterator, model):

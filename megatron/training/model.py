@@ -70,7 +70,7 @@ class SDPACoreAttention(MegatronModule):
         # context parallelism: the ring over megatron-core's context-parallel group
         self.cp_group = None
         if config.context_parallel_size > 1:
-            self.cp_group = getattr(pg_collection, "cp", None) or _context_parallel_group()
+            self.cp_group = getattr(pg_collection, "cp", None) or context_parallel_group()
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
@@ -105,9 +105,15 @@ class SDPACoreAttention(MegatronModule):
         return context.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
-def _context_parallel_group():
+def context_parallel_group():
+    """megatron-core's context-parallel group, None without context parallelism (or before
+    its groups exist)."""
     from megatron.core import parallel_state
 
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
     return parallel_state.get_context_parallel_group()
 
 
