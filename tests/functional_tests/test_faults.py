@@ -205,19 +205,22 @@ def test_workers_end_when_the_launcher_is_killed(tmp_path):
     try:
         os.kill(process.pid, signal.SIGKILL)  # torchrun alone
         killed_at = time.time()
-        while any(alive(pid) for pid in pids.values()) and time.time() - killed_at < 60:
+        # a hang check, not a speed check: the bound is generous for a loaded machine
+        while any(alive(pid) for pid in pids.values()) and time.time() - killed_at < 120:
             time.sleep(0.2)
         outlived = time.time() - killed_at
+        left = [pid for pid in pids.values() if alive(pid)]
     finally:
         _kill_group(process)
-    assert outlived < 30, outlived
+    print(f"every worker gone {outlived:.1f} s after the launcher was killed")
+    assert not left, (left, outlived)
     assert "the launcher" in open(log_path).read()
 
 
 # ---------------------------------------------------------------------------- one writer
 def test_a_second_job_on_the_same_save_directory_stops_in_one_line(tmp_path):
     """Two real launches on one --save: the second ends at start-up with one line naming the
-    first (its pid and run id), within seconds; the first saves every checkpoint it should and
+    first (its pid and run id), before any set-up; the first saves every checkpoint it should and
     its tracker names its own last iteration; no lock record is left behind."""
     save = str(tmp_path / "ckpt")
     log_path = str(tmp_path / "first.log")
@@ -228,10 +231,8 @@ def test_a_second_job_on_the_same_save_directory_stops_in_one_line(tmp_path):
     try:
         wait_for_line(log_path, "iteration        2/", first)
         owner = json.load(open(os.path.join(save, ".writer.json")))
-        started = time.time()
         code, output = run(SMALL + MOCK + ["--train-iters", "20", "--lr", "1e-4", "--save", save,
                                            "--save-interval", "5"])  # fmt: skip
-        second_took = time.time() - started
         assert first.poll() is None  # the first job was still training when refused
         assert first.wait(timeout=300) == 0
     finally:
@@ -241,7 +242,9 @@ def test_a_second_job_on_the_same_save_directory_stops_in_one_line(tmp_path):
     assert errors[0].startswith(f"error: --save {save} is another run's: it is held by run ")
     assert f"pid {owner['pid']}" in errors[0] and owner["run_id"] in errors[0]
     assert not worker_traceback(output), output[-3000:]
-    assert second_took < 60
+    # refused right after the process group came up: no model, data or iteration (the line
+    # "> world size ..." opens the set-up that follows the lock)
+    assert "> world size" not in output and "iteration " not in output, output[-3000:]
     assert sorted(d for d in os.listdir(save) if d.startswith("iter_")) == [
         "iter_0000200", "iter_0000400", "iter_0000600"
     ]  # fmt: skip

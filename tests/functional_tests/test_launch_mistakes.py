@@ -67,12 +67,12 @@ def outcomes():
 
 
 def _one_line_each(results, expected: str) -> None:
-    for code, output, seconds in results:
+    for code, output, _seconds in results:
         errors = our_errors(output)
         assert code == 2 and len(errors) == 1, (code, output[-3000:])
         assert expected in errors[0], errors
         assert not worker_traceback(output), output[-3000:]
-        assert seconds < 60, seconds
+        assert "> world size" not in output, output[-3000:]  # stopped before any set-up
 
 
 def test_a_rank_outside_the_world_is_named(outcomes):
