@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .schedules import get_schedule, virtual_schedule
 from .schedules.base import Schedule
-from .schedules.paci import with_paci_options
+from .schedules.paci import with_paci_options, with_weight_stashing
 from .schedules.placement import Placement
 
 
@@ -65,12 +65,16 @@ def resolve_plan(
     microbatch_group_size: int | None = None,
     arrival_rule: str | None = None,
     inflight_limit: str | None = None,
+    weight_stashing: bool = False,
 ) -> PipelinePlan:
     """The plan for --pipeline-schedule `name`. `chunks_per_rank` (None: the schedule's own,
     two for the V schedules, else one) above one selects the variant with virtual stages
-    (1F1B: Megatron's interleaved 1F1B; PACI over virtual stages); `arrival_rule` and
-    `inflight_limit` are PACI's options. ValueError for a combination no schedule defines."""
+    (1F1B: Megatron's interleaved 1F1B; PACI over virtual stages); `arrival_rule`,
+    `inflight_limit` and `weight_stashing` are PACI's options. ValueError for a combination no
+    schedule defines."""
     base = get_schedule(name)
+    if weight_stashing and (name != "paci" or (chunks_per_rank or 1) > 1):
+        raise ValueError("PACI's weight stashing runs on plain PACI (one model chunk per rank)")
     chunks = chunks_per_rank or base.default_chunks_per_rank
     if base.placement is not None:  # its own placement (ZB-V, DualPipeV)
         if chunks != base.default_chunks_per_rank:
@@ -81,4 +85,7 @@ def resolve_plan(
     if chunks > 1:
         schedule = virtual_schedule(name, microbatch_group_size, arrival_rule, inflight_limit)
         return PipelinePlan(name, schedule, num_stages, chunks, microbatch_group_size)
-    return PipelinePlan(name, with_paci_options(base, arrival_rule, inflight_limit), num_stages)
+    schedule = with_paci_options(base, arrival_rule, inflight_limit)
+    if weight_stashing:
+        schedule = with_weight_stashing(schedule)
+    return PipelinePlan(name, schedule, num_stages)

@@ -61,6 +61,7 @@ def build_local_stage(args, layout, device, vocab_size: int):
         stage_lr_scale,
     )
     from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
+    from megatron.training.optimizer.lr_per_iteration import per_iteration
     from megatron.training.training import transformer_config
 
     model = build_gpt_stage(
@@ -74,10 +75,11 @@ def build_local_stage(args, layout, device, vocab_size: int):
     )
     optimizer = build_optimizer(model, OptimizerConfig.from_args(args))
     scale = stage_lr_scale(args, layout.pipeline_rank)  # --paci-stage-lr-scale
+    scheduler = build_lr_scheduler(optimizer, LRScheduleConfig.from_args(args), lr_scale=scale)
     step = StageOptimizerStep(
         model,
         optimizer,
-        build_lr_scheduler(optimizer, LRScheduleConfig.from_args(args), lr_scale=scale),
+        per_iteration(scheduler, args),  # PipeDream steps m times per iteration
         data_parallel_group=None,
         grad_norm_group=None,
         tensor_parallel_rank=0,

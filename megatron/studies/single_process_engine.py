@@ -1,4 +1,5 @@
-"""An exact single-process trainer for long studies: 1F1B-flush and PACI on the real model.
+"""An exact single-process trainer for long studies: 1F1B-flush, PACI, PipeDream-2BW and
+PipeDream on the real model.
 
 PACI: the N stages of the model are built side by side in one process (the layout-independent
 initialization of the distributed run), each with its own optimizer, LR schedule and stage-local
@@ -9,7 +10,12 @@ the phase ends of `--paci-accumulation-schedule`, the end) each stage follows it
 forwards, backwards and steps, taken from the simulator with uniform costs (`replayed`); a
 stage's numbers depend only on that order. That is the runtime's order exactly under the
 default `fixed` arrival rule (and --deterministic-mode); a reactive rule's order depends on
-timing, and the engine replays the one it takes with uniform stage costs.
+timing, and the engine replays the one it takes with uniform stage costs. With
+`--paci-weight-stashing` the executors stash weights as the ranks do.
+
+PipeDream-2BW and PipeDream: the same stages and executors, each stage in the schedule's fixed
+1F1B order (which weight version a pass sees depends on microbatch numbers alone, so the numbers
+are those of any arrival order); the executor stashes weights as on a rank.
 
 1F1B-flush: every step is synchronous, so the pipeline split does not change the numbers
 (the functional tests check 4 stages against 1); the engine trains the whole model as one
@@ -47,7 +53,7 @@ UNSUPPORTED = {
     "load": "--load",
     "save": "--save",
 }
-SCHEDULES = ("1f1b", "paci")
+SCHEDULES = ("1f1b", "paci", "2bw", "pipedream")
 
 
 @dataclass
@@ -119,11 +125,11 @@ def _stage_orders(num_stages: int, a: int, steps: int, rule: str | None, limit: 
     return tuple(tuple(e.action for e in ordered if e.stage == s) for s in range(num_stages))
 
 
-def replayed(order: tuple, start: tuple[int, int, int]):
-    """PACI's schedule definition, reduced to one stage's `order` of actions from an empty
-    pipeline whose counters were `start` (forwards, backwards, steps): the next action is the
-    one the counters point at; a call ends once its backwards are done and no step is due."""
-    from megatron.pipeline.schedules import get_schedule
+def replayed(paci, order: tuple, start: tuple[int, int, int]):
+    """The `paci` schedule definition (the run's, with its options), reduced to one stage's
+    `order` of actions from an empty pipeline whose counters were `start` (forwards, backwards,
+    steps): the next action is the one the counters point at; a call ends once its backwards
+    are done and no step is due."""
     from megatron.pipeline.schedules.base import DONE, FORWARD, STEP, Action
 
     def next_action(view):
@@ -137,7 +143,6 @@ def replayed(order: tuple, start: tuple[int, int, int]):
             return Action(DONE)
         return Action(action.kind, action.microbatch + start[action.kind is not FORWARD])
 
-    paci = get_schedule("paci")
     return dataclasses.replace(paci, name="paci", next_action=next_action,
                                depends_on_arrivals=False, fixed_order=None)  # fmt: skip
 
@@ -245,7 +250,7 @@ def _segment(args, stages: _Stages, a: int, iterations: int, drift: list[int]) -
 
     n, losses = stages.count, []
     orders = None
-    if n > 1:
+    if n > 1 and args.pipeline_schedule == "paci":
         orders = _stage_orders(n, a, iterations, args.paci_arrival_rule,
                                args.paci_inflight_limit, bool(args.deterministic_mode))  # fmt: skip
 
@@ -253,7 +258,11 @@ def _segment(args, stages: _Stages, a: int, iterations: int, drift: list[int]) -
         runtime = stages.runtimes[s]
         counters = runtime.state.chunks[0]
         start = (counters.forwards, counters.backwards, counters.steps)
-        schedule = get_schedule("1f1b") if orders is None else replayed(orders[s], start)
+        if orders is not None:
+            schedule = replayed(args.pipeline_plan.schedule, orders[s], start)
+        else:  # flush on one stage, or a weight-stashing schedule in its counter-only order
+            schedule = get_schedule(args.pipeline_schedule)
+            schedule = schedule.fixed_order or schedule
         seen = collections.Counter(runtime.stats.drift_histogram)
         data = stages.data_of(s, stages.train_first, stages.train_last)
         for k in range(iterations):

@@ -313,6 +313,11 @@ def _add_paci_args(parser: argparse.ArgumentParser) -> None:
         help="PACI: multiply pipeline stage s's LR (max and min, every param group) by "
         "1 / (1 + C (N - 1 - s) / a), N stages, a microbatches per step: (N - 1 - s) / a is the "
         "mean number of steps its gradients are stale; the last stage keeps its LR")  # fmt: skip
+    add("--paci-weight-stashing", action="store_true",
+        help="PACI (a study variant): each backward runs on the weights its forward used, as "
+        "PipeDream stashes them; PACI's order and gradient staleness, without the forward/"
+        "backward weight mismatch, at up to ceil((N - 1 - s) / a) extra weight copies on "
+        "stage s")  # fmt: skip
 
 
 def _add_benchmark_args(parser: argparse.ArgumentParser) -> None:
@@ -343,8 +348,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_wandb_args(args)
     validate_reliability(args)
     _validate_parallel_layout(args, world_size)
-    validate_moe_args(args, world_size=world_size,
-                      stashes_weights=get_schedule(args.pipeline_schedule).stashes_weights)  # fmt: skip
+    validate_moe_args(args, world_size=world_size, stashes_weights=_stashes_weights(args))
     _validate_model_shape(args)
     _validate_model_checks(args)
     validate_recompute_args(args, args.stage_layers)
@@ -423,6 +427,7 @@ def _pipeline_plan(args: argparse.Namespace, pp: int) -> PipelinePlan:
         microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
         arrival_rule=args.paci_arrival_rule if paci else None,
         inflight_limit=args.paci_inflight_limit if paci else None,
+        weight_stashing=paci and getattr(args, "paci_weight_stashing", False),
     )
 
 
@@ -592,11 +597,23 @@ def check_virtual_microbatches(args: argparse.Namespace) -> None:
         ) from None
 
 
+def _stashes_weights(args: argparse.Namespace) -> bool:
+    """2bw, pipedream, and paci with --paci-weight-stashing keep old weight versions."""
+    if getattr(args, "paci_weight_stashing", False):
+        if args.pipeline_schedule != "paci":
+            raise UserError("--paci-weight-stashing applies to --pipeline-schedule paci only")
+        if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
+            raise UserError("--paci-weight-stashing with virtual pipeline stages is not "
+                            "supported yet")  # fmt: skip
+        return True
+    return get_schedule(args.pipeline_schedule).stashes_weights
+
+
 def _validate_weight_stashing(args: argparse.Namespace) -> None:
-    """2bw and pipedream: what their stashed weight versions do not support yet."""
-    schedule = get_schedule(args.pipeline_schedule)
-    if not schedule.stashes_weights:
+    """2bw, pipedream and PACI with stashing: what stashed weight versions do not support yet."""
+    if not _stashes_weights(args):
         return
+    schedule = get_schedule(args.pipeline_schedule)
     name, pp = args.pipeline_schedule, args.pipeline_model_parallel_size
     least = schedule.min_microbatches_per_step(pp)
     if args.num_microbatches < least:

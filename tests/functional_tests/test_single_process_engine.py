@@ -5,8 +5,9 @@ The engine replays each stage's order in one process without the runtime; the 4-
 exchanges activations and gradients over gloo. Both must give the same training and validation
 losses: PACI with error feedback, a per-stage LR (`--paci-stage-lr-scale`, which scales stage
 0's LR by 0.4 there: a runtime that ignored it would differ) and drains at each evaluation, PACI
-whose a changes (`--paci-accumulation-schedule`), and flush (which the engine trains as one
-stage). The cases live in engine_cases/ so that only this module runs them.
+whose a changes (`--paci-accumulation-schedule`), PipeDream-2BW (with Muon and error feedback)
+and PipeDream, whose weight stashing the engine's executors do as the ranks' do, and flush
+(which the engine trains as one stage). The cases live in engine_cases/ so that only this module runs them.
 """
 
 import json
@@ -20,7 +21,15 @@ import run_cases
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES_DIR = os.path.join(HERE, "engine_cases")
-CASES = ["engine_pp4_paci_ef", "engine_pp4_1f1b", "engine_pp4_paci_accumulation_schedule"]
+CASES = [
+    "engine_pp4_paci_ef",
+    "engine_pp4_1f1b",
+    "engine_pp4_paci_accumulation_schedule",
+    "engine_pp4_2bw_muon_ef",
+    "engine_pp4_pipedream",
+    "engine_pp4_paci_stash",
+]
+UNSTASHED = "engine_pp4_paci_stash:without stashing"  # the engine alone, for the difference
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +43,7 @@ def engine_results():
     engine sets up torch.distributed for itself)."""
     cases = run_cases.discover_cases(CASES_DIR)
     spec = {name: run_cases.flags(cases[name]["MODEL_ARGS"], output="unused") for name in CASES}
+    spec[UNSTASHED] = [f for f in spec["engine_pp4_paci_stash"] if f != "--paci-weight-stashing"]
     script = (
         "import json, sys\n"
         "from megatron.studies.single_process_engine import parse_engine_args, train\n"
@@ -51,13 +61,23 @@ def validation_losses(entries: list[dict]) -> list[float]:
     return [entry["lm loss"] for entry in entries]
 
 
-@pytest.mark.parametrize("name", ["engine_pp4_paci_ef", "engine_pp4_paci_accumulation_schedule"])
-def test_engine_equals_the_paci_runtime(runtime_results, engine_results, name):
+ASYNC_CASES = [
+    "engine_pp4_paci_ef",
+    "engine_pp4_paci_accumulation_schedule",
+    "engine_pp4_2bw_muon_ef",
+    "engine_pp4_pipedream",
+    "engine_pp4_paci_stash",
+]
+
+
+@pytest.mark.parametrize("name", ASYNC_CASES)
+def test_engine_equals_the_asynchronous_runtime(runtime_results, engine_results, name):
     runtime, engine = runtime_results[name], engine_results[name]
     assert len(engine["loss"]) == runtime["iterations"]
     assert run_cases.relative_difference(engine["loss"], runtime["loss"]) <= 1e-6
-    assert len(runtime["validation"]) == 3
-    assert [e["iteration"] for e in engine["validation"]] == [4, 8, 12]
+    evaluated = list(range(4, runtime["iterations"] + 1, 4))
+    assert len(runtime["validation"]) == len(evaluated)
+    assert [e["iteration"] for e in engine["validation"]] == evaluated
     assert (
         run_cases.relative_difference(
             validation_losses(engine["validation"]), validation_losses(runtime["validation"])
@@ -104,3 +124,33 @@ def test_accumulation_schedule_sets_each_iterations_batch(runtime_results):
     log = runtime_results["engine_pp4_paci_accumulation_schedule"]["log"]
     for iteration, consumed in ((1, 8), (3, 24), (4, 26), (9, 36), (10, 40), (14, 56)):
         assert f" iteration {iteration:8d}/      14 | consumed samples: {consumed:12d} |" in log
+
+
+def test_the_stashing_schedules_keep_their_weight_versions(runtime_results):
+    """The runs compared above really stash: 2BW keeps one extra version on every stage (the
+    next batch forwards on the version before the newest, also on the last stage), PipeDream
+    N - 1 - s on stage s (the runtime's own count), so the engine's equality covers forwards
+    and backwards on old weights."""
+    for name, extra in (("engine_pp4_2bw_muon_ef", lambda s, n: 1),
+                        ("engine_pp4_pipedream", lambda s, n: n - 1 - s)):  # fmt: skip
+        summary = runtime_results[name]
+        n = summary["pipeline_stages"]
+        measured = [report["extra_weight_versions"] for report in summary["stages"]]
+        assert measured == [extra(s, n) for s in range(n)], (name, measured)
+
+
+def test_paci_weight_stashing_keeps_the_drift_bound_in_stashed_copies(runtime_results,
+                                                                      engine_results):  # fmt: skip
+    """--paci-weight-stashing (a = 2): stage s holds ceil((N - 1 - s) / a) stashed versions,
+    PACI's drift bound (the versions its microbatches in flight were forwarded on), while the
+    drift between a microbatch's forward and backward weights is gone (0 on every stage), and
+    running backwards on the forwards' weights changes the numbers (the engine's run without
+    the flag)."""
+    summary = runtime_results["engine_pp4_paci_stash"]
+    n, a = summary["pipeline_stages"], summary["num_microbatches"]
+    assert a == 2
+    for report in summary["stages"]:
+        assert report["extra_weight_versions"] == drift_bound(report["stage"], n, a), report
+        assert report["max_drift"] == 0, report
+    stashed, plain = engine_results["engine_pp4_paci_stash"], engine_results[UNSTASHED]
+    assert run_cases.relative_difference(stashed["loss"], plain["loss"]) > 1e-5

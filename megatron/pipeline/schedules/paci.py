@@ -35,6 +35,7 @@ are the same under every rule:
 With --deterministic-mode the stage follows the fixed order (`FIXED_ORDER`) whatever the rule.
 """
 
+import dataclasses
 import functools
 
 from .base import DONE, STEP, WAIT, Action, Schedule, StageView, backward, forward, steps_due
@@ -183,6 +184,24 @@ SCHEDULE = paci_schedule()
 # The paper's rule under its historical name: the PipeDream and 2BW references run PACI's order
 # as the paper defines it.
 next_action = next_action_backward_first
+
+
+def with_weight_stashing(schedule: Schedule) -> Schedule:
+    """PACI whose backwards run on the weights their forwards used (`--paci-weight-stashing`, a
+    study variant). The order and the gradients' staleness are PACI's; only the mismatch between
+    a microbatch's forward and backward weights is gone, at the price of up to
+    ceil((N - 1 - s) / a) stashed weight versions on stage s (N - 1 - s when a = 1)."""
+
+    def stashed(variant: Schedule) -> Schedule:
+        return dataclasses.replace(
+            variant,
+            stashes_weights=True,
+            extra_weight_versions=lambda stage, num_stages: num_stages - 1 - stage,
+            description=variant.description + "; backwards on their forwards' stashed weights",
+        )
+
+    fixed = schedule.fixed_order
+    return dataclasses.replace(stashed(schedule), fixed_order=fixed and stashed(fixed))
 
 
 def with_paci_options(

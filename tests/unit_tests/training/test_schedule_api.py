@@ -50,6 +50,34 @@ def test_the_plan_is_resolved_once_with_its_options():
         resolve_plan("zb-v", num_stages=4, chunks_per_rank=3)
 
 
+def test_paci_weight_stashing_stashes_in_both_orders_and_only_for_plain_paci():
+    """--paci-weight-stashing: the reactive schedule and the fixed order it falls back to
+    (--deterministic-mode) both stash; PACI's order is unchanged; other schedules refuse it."""
+    from small_run_flags import validated
+
+    from megatron.pipeline.plan import resolve_plan
+    from megatron.training.errors import UserError
+
+    plain = resolve_plan("paci", num_stages=4, arrival_rule="backward-first")
+    stashed = resolve_plan("paci", num_stages=4, arrival_rule="backward-first",
+                           weight_stashing=True)  # fmt: skip
+    assert not plain.schedule.stashes_weights and not plain.schedule.fixed_order.stashes_weights
+    assert stashed.schedule.stashes_weights and stashed.schedule.fixed_order.stashes_weights
+    assert stashed.schedule.next_action is plain.schedule.next_action
+    assert [stashed.schedule.extra_weight_versions(s, 4) for s in range(4)] == [3, 2, 1, 0]
+    for name, chunks in (("1f1b", None), ("2bw", None), ("paci", 2)):
+        with pytest.raises(ValueError, match="weight stashing runs on plain PACI"):
+            resolve_plan(name, num_stages=4, chunks_per_rank=chunks, weight_stashing=True)
+    paci4 = ["--pipeline-model-parallel-size", "4", "--eval-iters", "0",
+                    "--untie-embeddings-and-output-weights", "--paci-weight-stashing"]  # fmt: skip
+    args = validated(paci4 + ["--pipeline-schedule", "paci"], world_size=4)
+    assert args.pipeline_plan.schedule.stashes_weights
+    with pytest.raises(UserError, match="applies to --pipeline-schedule paci only"):
+        validated(paci4 + ["--pipeline-schedule", "1f1b"], world_size=4)
+    with pytest.raises(UserError, match="not supported yet with --pipeline-schedule paci"):
+        validated(paci4 + ["--pipeline-schedule", "paci", "--save", "/tmp/unused"], world_size=4)
+
+
 def test_three_tuple_loss_is_the_mean_over_tokens():
     losses = torch.tensor([2.0, 4.0, 6.0, 8.0])
     mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
