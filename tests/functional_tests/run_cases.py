@@ -69,10 +69,10 @@ def prepare_gpt2_data(output: str) -> None:
         subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True)
 
 
-# Cases per torchrun launch. Each case leaves its process groups' native threads behind
-# (megatron-core's destroy_model_parallel drops its groups without destroying them, measured
-# ~55 threads per case); a few thousand such threads slow a 2-core machine to a crawl.
-CASES_PER_LAUNCH = 8
+# Cases per torchrun launch: each launch pays ~20 s of imports and start-up per process, each
+# further case ~5 s. A run leaves no threads behind (pretrain destroys its groups and collects
+# them), so a launch can hold many; a failing case fails the rest of its launch with it.
+CASES_PER_LAUNCH = 24
 
 
 def launches(groups: dict[tuple, list[str]]):
