@@ -195,3 +195,43 @@ def test_paci_with_expert_parallelism_keeps_its_bound_and_its_stages_apart(case_
     for name, value in last_stage.items():
         logged = scalars[name.replace(" ", "-")]
         assert len(logged) == 6 and abs(logged[-1] - value) <= 1e-6 * abs(value)
+
+
+def test_an_ep2pp2_paci_checkpoint_resumes_at_ep1pp4_under_flush_and_at_ep2pp2_under_paci(
+    case_results,
+):
+    """torch_dist, PACI in its fixed order (--deterministic-mode) at EP=2 x PP=2, saved after 3
+    of 6 iterations (moe_paci_ckpt_1_ep2pp2_save), resumed at EP=1 x PP=4 under 1F1B-flush
+    (all four experts on every stage, the layers resplit) and at EP=2 x PP=2 under PACI.
+
+    Which losses must be equal. PACI drains at a checkpoint: every stage finishes the step's
+    backwards and takes its 3rd step before saving, so the checkpoint holds W(3) on every stage
+    and an empty pipeline. After a resume the 4th iteration starts from that empty pipeline
+    under either schedule, and each stage steps only after the iteration's a = 4 backwards, so
+    every forward of iteration 4 (whose losses are the logged loss) runs on W(3): the first
+    resumed loss is the saved model evaluated on batch 4, under flush and under PACI alike. The
+    uninterrupted PACI run (moe_paci_ckpt_0_ep2pp2_uninterrupted) evaluates at iteration 3,
+    and an evaluation drains the pipeline as a checkpoint does, so its iteration 4 is that same
+    evaluation of W(3) on batch 4 with the same schedule; the flush resume's first loss must
+    equal it within 1e-6 (the layouts sum in another order; measured: equal to the printed
+    digits). From iteration 5 on the schedules differ (PACI's first stage forwards part of
+    batch 5 on W(3), flush all of it on W(4)), so the flush run's 5th loss is not PACI's. The
+    PACI resume at the saving layout continues the uninterrupted run exactly (same order, same
+    weights, momentum, LR schedule and data position)."""
+    uninterrupted = case_results["moe_paci_ckpt_0_ep2pp2_uninterrupted"]
+    saved = case_results["moe_paci_ckpt_1_ep2pp2_save"]
+    flush = case_results["moe_paci_ckpt_2_pp4_1f1b_load"]
+    paci = case_results["moe_paci_ckpt_3_ep2pp2_paci_load"]
+    assert len(uninterrupted["loss"]) == 5 and saved["loss"] == uninterrupted["loss"][:3]
+    assert "> saved checkpoint at iteration 3" in saved["log"]
+    assert (flush["pipeline_stages"], flush["data_parallel"], len(flush["loss"])) == (4, 1, 2)
+    continued = uninterrupted["loss"][3]
+    assert abs(flush["loss"][0] - continued) <= 1e-6 * abs(continued)
+    assert flush["loss"][1] != uninterrupted["loss"][4]  # another schedule from iteration 5
+    assert "another schedule: --pipeline-schedule 1f1b (checkpoint paci)" in flush["log"]
+    assert (paci["pipeline_stages"], paci["data_parallel"]) == (2, 2)
+    assert paci["loss"] == uninterrupted["loss"][3:]
+    n, a = paci["pipeline_stages"], paci["num_microbatches"]
+    for stage in paci["stages"]:
+        assert stage["max_drift"] <= -(-(n - 1 - stage["stage"]) // a)
+    assert paci["cross_stage_collectives"] == 0
