@@ -343,8 +343,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_wandb_args(args)
     validate_reliability(args)
     _validate_parallel_layout(args, world_size)
-    validate_moe_args(args, world_size=world_size,
-                      stashes_weights=get_schedule(args.pipeline_schedule).stashes_weights)  # fmt: skip
+    validate_moe_args(args, world_size=world_size)
     _validate_model_shape(args)
     _validate_model_checks(args)
     validate_recompute_args(args, args.stage_layers)
