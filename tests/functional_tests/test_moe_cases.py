@@ -294,9 +294,9 @@ def test_weight_stashing_keeps_the_expert_bias_with_its_weights(case_results, st
     W(b-1) and on the bias of W(b-1) (the stash keeps the bias with the weights), which is
     the one-step-delayed run whose versions hold the bias too: equal within 1e-6 (measured
     6.9e-8; with the live bias in the forwards instead, 2.5e-5 from the 2nd iteration on and
-    2.8e-4 at the 4th, measured). The stash then holds the weights and the bias. PipeDream at one stage: a step
-    and a bias update after every microbatch, the synchronous run of one microbatch per step
-    (each iteration's loss the mean of its 4 steps'; measured 5.2e-8)."""
+    2.8e-4 at the 4th, measured). The stash then holds the weights and the bias. PipeDream at
+    one stage: a step and a bias update after every microbatch, the synchronous run of one
+    microbatch per step (each iteration's loss the mean of its 4 steps'; measured 5.2e-8)."""
     two_bw = case_results["moe_pp1_2bw_bias"]
     assert len(two_bw["loss"]) == 5
     assert relative_difference(two_bw["loss"], stash_references["moe_pp1_2bw_bias"]) <= 1e-6

@@ -115,11 +115,11 @@ def test_engine_moe_paci_equals_the_four_process_run(runtime_results, engine_res
     """MoE (4 experts, top-2, aux loss, sigmoid scores with the expert bias, alltoall) at
     EP=1 x PP=4 under PACI's fixed order: the engine's stages set the aux-loss gradient scale
     at each backward and update their expert bias at their own steps, as the 4 processes do:
-    equal training and validation losses within 1e-6 (measured 3.5e-8)."""
+    equal training and validation losses within 1e-6 (measured 5.2e-8)."""
     runtime, engine = runtime_results["engine_pp4_paci_moe"], engine_results["engine_pp4_paci_moe"]
-    assert runtime["pipeline_stages"] == 4 and len(engine["loss"]) == runtime["iterations"] == 6
+    assert runtime["pipeline_stages"] == 4 and len(engine["loss"]) == runtime["iterations"] == 4
     assert run_cases.relative_difference(engine["loss"], runtime["loss"]) <= 1e-6
-    assert [e["iteration"] for e in engine["validation"]] == [3, 6]
+    assert [e["iteration"] for e in engine["validation"]] == [2, 4]
     assert (
         run_cases.relative_difference(
             validation_losses(engine["validation"]), validation_losses(runtime["validation"])
