@@ -177,6 +177,9 @@ class RankRuntime:
         # losses added inside the model (megatron-core's MoE aux loss) take it at backward
         # time, as the main loss does (1/m for flush, 1/a for PACI, the loss scale, ...).
         self.backward_scale_listeners: list[Callable[[float], None]] = []
+        # Buffers that decide what a forward computes (the MoE router's expert bias): a
+        # weight-stashing schedule keeps them with each weight version (`WeightStash`).
+        self.versioned_buffers: list[torch.Tensor] = []
         layout = placement or interleaved(context.num_stages, 1)
         self.state = RankState(context.stage, layout, chunked=placement is not None)
         # steps between a microbatch's forward and its backward, per chunk (bounds are per chunk)
@@ -297,7 +300,7 @@ class RankRuntime:
         if schedule.stashes_weights and self.stash is None:
             if len(self.lanes) > 1:
                 raise RuntimeError(f"{schedule.name} stashes weights: one model chunk per rank")
-            self.stash = WeightStash(self.model.parameters())
+            self.stash = WeightStash(self.model.parameters(), self.versioned_buffers)
             self.stash.live_version = self.state.steps
         elif not schedule.stashes_weights and self.stash is not None:
             raise RuntimeError(

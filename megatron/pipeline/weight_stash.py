@@ -16,6 +16,11 @@ weight itself, `weight.t()`, a slice of a fused weight) is saved as a `SavedPara
 which the backward rebuilds on the version the forward used: the live tensors if no step came
 in between, else the copy the step left behind. The backward therefore sees exactly the values
 its forward saw, whatever the optimizer did meanwhile.
+
+A version may also hold buffers that decide what a forward computes (the MoE router's expert
+bias, which picks each token's experts and is updated at each step): they are copied, swapped
+and redirected with the weights, so a forward on an older version routes with that version's
+bias and its backward (an activation recomputation included) routes the same way.
 """
 
 import bisect
@@ -39,8 +44,9 @@ class SavedParameterView:
 class WeightStash:
     """The older weight versions of one stage, and the saved-tensor redirection onto them."""
 
-    def __init__(self, parameters):
-        self.params = [p for p in parameters if p.requires_grad]
+    def __init__(self, parameters, buffers=()):
+        # the trainable parameters, then the buffers versioned with them (no gradient)
+        self.params = [p for p in parameters if p.requires_grad] + list(buffers)
         self.versions: dict[int, list[torch.Tensor]] = {}  # version -> copies (not live)
         self.live_version = 0  # the stage's optimizer steps so far
         self.peak_versions = 0  # most older versions held at once

@@ -14,7 +14,10 @@ Everything else is the project's own: megatron-core's GPT built by `build_gpt_st
 stage, the layout-independent initialization), the data iterators, `build_optimizer` (so
 every `--optimizer`, `--async-error-feedback` and `--delay-compensation-lambda`), the LR
 schedule and `StageOptimizerStep` (clipping over the whole model). The reported training
-loss of a step is the loss the step's gradient came from, i.e. at the stale weights.
+loss of a step is the loss the step's gradient came from, i.e. at the stale weights. With MoE
+the aux losses take the main loss's gradient scale, the expert bias is updated before each
+step, and a version holds the expert bias with the weights (a stale gradient is taken with the
+bias of its weights, as 2BW's weight stash keeps it).
 
     from megatron.studies.delayed_reference import run_delayed
     result = run_delayed(args, delay=1)   # args: validated pretrain_gpt.py flags
@@ -48,6 +51,16 @@ def ensure_single_process_groups() -> None:
                                 world_size=1)  # fmt: skip
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
+
+
+def prepare_host(args, device) -> None:
+    """What `pretrain` sets up for megatron-core's CUDA-minded parts on a CPU run: with MoE
+    layers or --sequence-parallel, host buffers, streams and RNG tracker (one tensor rank)."""
+    from megatron.training.model import run_sequence_parallel_on_host
+
+    moe = getattr(args, "num_experts", None) is not None
+    if (getattr(args, "sequence_parallel", False) or moe) and device.type == "cpu":
+        run_sequence_parallel_on_host(args.seed, 0, moe=moe)
 
 
 def build_local_stage(args, layout, device, vocab_size: int):
@@ -97,6 +110,7 @@ def _build(args):
     ensure_single_process_groups()
     torch.manual_seed(args.seed)
     device = torch.device("cpu")
+    prepare_host(args, device)
     tokenizer = build_tokenizer_from_args(args)
     vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
     model, step = build_local_stage(args, stage_layout(args), device, vocab_size)
@@ -146,7 +160,10 @@ def run_delayed(args, *, delay: int, sync_warmup_iters: int = 0, sync_cooldown_i
 
     start = time.perf_counter()
     model, step, train, valid = _build(args)
-    params = [p for p in model.parameters() if p.requires_grad]
+    moe = _MoE(model, args)
+    # a version: the trainable weights and, with MoE, the expert bias that routes (as the
+    # weight stash of 2BW keeps it)
+    params = [p for p in model.parameters() if p.requires_grad] + moe.routing_buffers
     versions = deque([[p.detach().clone() for p in params]], maxlen=delay + 1)
     result = DelayedRun()
     for t in range(args.train_iters):
@@ -156,6 +173,7 @@ def run_delayed(args, *, delay: int, sync_warmup_iters: int = 0, sync_cooldown_i
         loss = _microbatch_losses(model, train, args.num_microbatches, backward=True)
         if current is not None:
             _swap_in(params, current)  # gradients stay in .grad; the update hits x(t)
+        moe.before_step()
         step()
         result.losses.append(loss)
         if delay:
@@ -168,6 +186,25 @@ def run_delayed(args, *, delay: int, sync_warmup_iters: int = 0, sync_cooldown_i
         model.train()
     result.wall_s = time.perf_counter() - start
     return result
+
+
+class _MoE:
+    """MoE in one process, as the training loop has it: the aux and z losses' gradient scale
+    is the main loss's, 1 / microbatches per step; before each step the expert bias is updated
+    from the step's token counts and the per-step counters are reset."""
+
+    def __init__(self, model, args):
+        self.active = getattr(args, "num_experts", None) is not None
+        self.routing_buffers, self.hooks = [], None
+        if self.active:
+            from megatron.training.moe import MoEStepHooks, routing_buffers, set_aux_loss_scale
+
+            set_aux_loss_scale(1.0 / args.num_microbatches)
+            self.routing_buffers, self.hooks = routing_buffers(model), MoEStepHooks(model)
+
+    def before_step(self) -> None:
+        if self.hooks is not None:
+            self.hooks.before_step()
 
 
 def parse_reference_args(argv: list[str]):

@@ -21,6 +21,10 @@ are those of any arrival order); the executor stashes weights as on a rank.
 (the functional tests check 4 stages against 1); the engine trains the whole model as one
 stage (one executor), with the gradient norm over the whole model as flush takes it.
 
+MoE models (megatron-core's MoE layer, expert parallel size 1) train as in `pretrain`: the aux
+and z losses take each backward's loss-gradient scale from the executor, and each stage updates
+its expert bias and resets its counters at its own step (`_with_moe`).
+
 Mitigations are the optimizer's (`build_optimizer`: `--async-error-feedback`,
 `--delay-compensation-lambda`, every `--optimizer`). Validation uses the same fixed set of
 `--eval-iters` batches of the validation split at every evaluation, as `pretrain` does.
@@ -88,6 +92,8 @@ def parse_engine_args(argv: list[str]):
         )
     if args.tensor_model_parallel_size != 1:
         raise UserError("the single-process engine runs --tensor-model-parallel-size 1 only")
+    if args.expert_model_parallel_size != 1:
+        raise UserError("the single-process engine runs --expert-model-parallel-size 1 only")
     for name, flag in UNSUPPORTED.items():
         if getattr(args, name, None):
             raise UserError(f"{flag} is not supported yet by the single-process engine")
@@ -154,6 +160,7 @@ class _Stages:
         from megatron.studies.delayed_reference import (
             build_local_stage,
             ensure_single_process_groups,
+            prepare_host,
         )
         from megatron.training.batch_schedule import total_train_samples
         from megatron.training.data.datasets import data_iterators_from_args
@@ -163,6 +170,7 @@ class _Stages:
         ensure_single_process_groups()
         torch.manual_seed(args.seed)
         device = torch.device("cpu")
+        prepare_host(args, device)  # MoE: megatron-core's CUDA-minded parts on the host
         tokenizer = build_tokenizer_from_args(args)
         args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
         self.count = args.pipeline_model_parallel_size
@@ -190,6 +198,8 @@ class _Stages:
         else:
             self.train_last, self.valid_last = self.train_first, self.valid_first
         self.runtimes = _executors(args, self.models, device)
+        if getattr(args, "num_experts", None) is not None:
+            self.steps = _with_moe(self.runtimes, self.models, self.steps)
 
     def data_of(self, stage: int, first, last):
         """What stage `stage` reads: the first stage's stream, the last one's, or nothing."""
@@ -219,6 +229,26 @@ def _executors(args, models, device) -> list:
                     tensor_shape=shape, dtype=torch.float32, transport=transport.for_rank([s]))
         for s, model in enumerate(models)
     ]  # fmt: skip
+
+
+def _with_moe(runtimes, models, steps) -> list:
+    """MoE per stage, as the training loop has it: each backward sets the aux and z losses'
+    gradient scale (the runtime announces it: 1/m for flush, 1/a for PACI), and each stage's
+    step first updates its routers' expert bias and resets their per-step counters. Returns
+    the steps to run. (megatron-core keeps one aux-loss scale per process; the stages' threads
+    all set the same value between two drain points, where a changes.)"""
+    from megatron.training.moe import MoEStepHooks, set_aux_loss_scale
+
+    def with_hooks(step, hooks):
+        def run():
+            hooks.before_step()
+            return step()
+
+        return run
+
+    for runtime in runtimes:
+        runtime.backward_scale_listeners.append(set_aux_loss_scale)
+    return [with_hooks(step, MoEStepHooks(model)) for step, model in zip(steps, models)]
 
 
 def _run_stages(stages: _Stages, work) -> None:

@@ -348,7 +348,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_wandb_args(args)
     validate_reliability(args)
     _validate_parallel_layout(args, world_size)
-    validate_moe_args(args, world_size=world_size, stashes_weights=_stashes_weights(args))
+    validate_moe_args(args, world_size=world_size)
     _validate_model_shape(args)
     _validate_model_checks(args)
     validate_recompute_args(args, args.stage_layers)

@@ -65,6 +65,7 @@ from megatron.training.moe import (
     MoELoadStats,
     MoEStepHooks,
     moe_config_fields,
+    routing_buffers,
     set_aux_loss_scale,
 )
 from megatron.training.optimizer.build import (
@@ -606,6 +607,7 @@ def _build_stage_runtime(args, model, device) -> RankRuntime:
     )
     if args.num_experts is not None:  # megatron-core's aux losses: scaled as each backward's loss
         runtime.backward_scale_listeners.append(set_aux_loss_scale)
+        runtime.versioned_buffers.extend(routing_buffers(model))  # 2BW, PipeDream: stashed
     attach_stage_runtime(model, runtime, plan)
     return runtime
 

@@ -195,3 +195,116 @@ def test_paci_with_expert_parallelism_keeps_its_bound_and_its_stages_apart(case_
     for name, value in last_stage.items():
         logged = scalars[name.replace(" ", "-")]
         assert len(logged) == 6 and abs(logged[-1] - value) <= 1e-6 * abs(value)
+
+
+def test_an_ep2pp2_paci_checkpoint_resumes_at_ep1pp4_under_flush_and_at_ep2pp2_under_paci(
+    case_results,
+):
+    """torch_dist, PACI in its fixed order (--deterministic-mode) at EP=2 x PP=2, saved after 3
+    of 6 iterations (moe_paci_ckpt_1_ep2pp2_save), resumed at EP=1 x PP=4 under 1F1B-flush
+    (all four experts on every stage, the layers resplit) and at EP=2 x PP=2 under PACI.
+
+    Which losses must be equal. PACI drains at a checkpoint: every stage finishes the step's
+    backwards and takes its 3rd step before saving, so the checkpoint holds W(3) on every stage
+    and an empty pipeline. After a resume the 4th iteration starts from that empty pipeline
+    under either schedule, and each stage steps only after the iteration's a = 4 backwards, so
+    every forward of iteration 4 (whose losses are the logged loss) runs on W(3): the first
+    resumed loss is the saved model evaluated on batch 4, under flush and under PACI alike. The
+    uninterrupted PACI run (moe_paci_ckpt_0_ep2pp2_uninterrupted) evaluates at iteration 3,
+    and an evaluation drains the pipeline as a checkpoint does, so its iteration 4 is that same
+    evaluation of W(3) on batch 4 with the same schedule; the flush resume's first loss must
+    equal it within 1e-6 (the layouts sum in another order; measured: equal to the printed
+    digits). From iteration 5 on the schedules differ (PACI's first stage forwards part of
+    batch 5 on W(3), flush all of it on W(4)), so the flush run's 5th loss is not PACI's. The
+    PACI resume at the saving layout continues the uninterrupted run exactly (same order, same
+    weights, momentum, LR schedule and data position)."""
+    uninterrupted = case_results["moe_paci_ckpt_0_ep2pp2_uninterrupted"]
+    saved = case_results["moe_paci_ckpt_1_ep2pp2_save"]
+    flush = case_results["moe_paci_ckpt_2_pp4_1f1b_load"]
+    paci = case_results["moe_paci_ckpt_3_ep2pp2_paci_load"]
+    assert len(uninterrupted["loss"]) == 5 and saved["loss"] == uninterrupted["loss"][:3]
+    assert "> saved checkpoint at iteration 3" in saved["log"]
+    assert (flush["pipeline_stages"], flush["data_parallel"], len(flush["loss"])) == (4, 1, 2)
+    continued = uninterrupted["loss"][3]
+    assert abs(flush["loss"][0] - continued) <= 1e-6 * abs(continued)
+    assert flush["loss"][1] != uninterrupted["loss"][4]  # another schedule from iteration 5
+    assert "another schedule: --pipeline-schedule 1f1b (checkpoint paci)" in flush["log"]
+    assert (paci["pipeline_stages"], paci["data_parallel"]) == (2, 2)
+    assert paci["loss"] == uninterrupted["loss"][3:]
+    n, a = paci["pipeline_stages"], paci["num_microbatches"]
+    for stage in paci["stages"]:
+        assert stage["max_drift"] <= -(-(n - 1 - stage["stage"]) // a)
+    assert paci["cross_stage_collectives"] == 0
+
+
+@pytest.fixture(scope="module")
+def stash_references(tmp_path_factory):
+    """The weight-stashing MoE cases' flags in one process (delayed_reference.py): 2BW's as
+    the one-step-delayed run (the expert bias, where there is one, kept with each weight
+    version), PipeDream's at one stage as a synchronous step per microbatch."""
+    import delayed_reference_runs
+    import run_cases
+
+    cases = run_cases.discover_cases()
+
+    def args_of(name: str, changes: dict | None = None) -> list[str]:
+        return run_cases.flags({**cases[name]["MODEL_ARGS"], **(changes or {})}, "unused")
+
+    one_process = {"--expert-model-parallel-size": 1, "--pipeline-model-parallel-size": 1,
+                   "--tensorboard-dir": None}  # fmt: skip
+    per_microbatch = {"--global-batch-size": 2, "--train-iters": 12}  # m = 4 per iteration
+    spec = [
+        {"name": "moe_ep2pp2_2bw", "args": args_of("moe_ep2pp2_2bw", one_process), "delay": 1},
+        {"name": "moe_pp1_2bw_bias", "args": args_of("moe_pp1_2bw_bias"), "delay": 1},
+        {"name": "moe_pp1_pipedream_bias", "delay": 0,
+         "args": args_of("moe_pp1_pipedream_bias", per_microbatch)},
+    ]  # fmt: skip
+    directory = tmp_path_factory.mktemp("moe_stash_reference")
+    return delayed_reference_runs.run_in_subprocess(spec, str(directory))
+
+
+def test_2bw_with_expert_parallelism_is_the_one_step_delayed_run(case_results, stash_references):
+    """PipeDream-2BW at EP=2 x PP=2 (fixed order, no clipping): equal to the one-process
+    one-step-delayed run W(b+1) = W(b) - lr * g(W(b-1)) within 1e-6 (measured 1.7e-8), which
+    needs each aux loss's gradient scaled by the main loss's 1/m at every backward. Each stage
+    keeps one stashed version (the weights: no expert bias here), every update is one step
+    late and no backward drifts from its forward; no collective crosses stages; each stage
+    reports its aux loss and load."""
+    summary = case_results["moe_ep2pp2_2bw"]
+    assert (summary["pipeline_stages"], summary["data_parallel"]) == (2, 2)
+    assert len(summary["loss"]) == 4
+    assert relative_difference(summary["loss"], stash_references["moe_ep2pp2_2bw"]) <= 1e-6
+    for stage in summary["stages"]:
+        assert stage["extra_weight_versions"] == 1
+        assert stage["extra_weight_bytes"] == stage["grad_bytes"]
+        assert stage["max_gradient_delay"] == 1 and stage["max_drift"] == 0
+        assert stage["optimizer_steps"] == 4
+        last = stage["moe"]["last"]
+        assert 0.9 < last["load balancing loss"] < 2.0
+        assert 1.0 <= last["tokens per expert max/mean"] <= 2.0
+    assert summary["cross_stage_collectives"] == 0
+    last_stage = summary["stages"][1]["moe"]["last"]
+    for name, value in last_stage.items():
+        logged = _tensorboard_scalars(summary)[name.replace(" ", "-")]
+        assert len(logged) == 4 and abs(logged[-1] - value) <= 1e-6 * abs(value)
+
+
+def test_weight_stashing_keeps_the_expert_bias_with_its_weights(case_results, stash_references):
+    """Sigmoid routing with the expert bias (updated at every step). 2BW: batch b forwards on
+    W(b-1) and on the bias of W(b-1) (the stash keeps the bias with the weights), which is
+    the one-step-delayed run whose versions hold the bias too: equal within 1e-6 (measured
+    6.9e-8; with the live bias in the forwards instead, 2.5e-5 from the 2nd iteration on and
+    2.8e-4 at the 4th, measured). The stash then holds the weights and the bias. PipeDream at
+    one stage: a step and a bias update after every microbatch, the synchronous run of one
+    microbatch per step (each iteration's loss the mean of its 4 steps'; measured 5.2e-8)."""
+    two_bw = case_results["moe_pp1_2bw_bias"]
+    assert len(two_bw["loss"]) == 5
+    assert relative_difference(two_bw["loss"], stash_references["moe_pp1_2bw_bias"]) <= 1e-6
+    stage = two_bw["stages"][0]
+    assert stage["extra_weight_versions"] == 1
+    assert stage["extra_weight_bytes"] == stage["grad_bytes"] + 4 * 4 * 4  # + 4 layers' fp32 bias
+    pipedream = case_results["moe_pp1_pipedream_bias"]
+    steps = stash_references["moe_pp1_pipedream_bias"]
+    per_iteration = [sum(steps[i : i + 4]) / 4 for i in range(0, len(steps), 4)]
+    assert relative_difference(pipedream["loss"], per_iteration) <= 1e-6
+    assert pipedream["stages"][0]["optimizer_steps"] == 12

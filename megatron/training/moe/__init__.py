@@ -7,7 +7,7 @@ place in the training loop (docs/moe.md).
 * `megatron_core`: the two fixes applied at model build (Transformer Engine names, integer
   all-to-all split sizes);
 * `training_hooks`: the aux-loss scale, the per-step expert-bias update and counter reset,
-  each stage's aux losses and load statistics.
+  the routing buffers a weight stash keeps, each stage's aux losses and load statistics.
 """
 
 from megatron.training.moe.flags import (
@@ -19,7 +19,12 @@ from megatron.training.moe.flags import (
     validate_moe_args,
 )
 from megatron.training.moe.megatron_core import _all_to_all_with_int_splits, patch_megatron_core_moe
-from megatron.training.moe.training_hooks import MoELoadStats, MoEStepHooks, set_aux_loss_scale
+from megatron.training.moe.training_hooks import (
+    MoELoadStats,
+    MoEStepHooks,
+    routing_buffers,
+    set_aux_loss_scale,
+)
 
 __all__ = [
     "add_moe_args",
@@ -31,5 +36,6 @@ __all__ = [
     "patch_megatron_core_moe",
     "MoELoadStats",
     "MoEStepHooks",
+    "routing_buffers",
     "set_aux_loss_scale",
 ]

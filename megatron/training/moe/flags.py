@@ -156,7 +156,7 @@ def _as_list(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def validate_moe_args(args, *, world_size: int, stashes_weights: bool) -> None:
+def validate_moe_args(args, *, world_size: int) -> None:
     """One line for each bad MoE / expert-parallel setting, before anything starts."""
     from megatron.training.errors import UserError
 
@@ -241,11 +241,6 @@ def validate_moe_args(args, *, world_size: int, stashes_weights: bool) -> None:
         raise UserError(str(error)) from None
     if not any(pattern):
         raise UserError("--moe-layer-freq puts no MoE layer in the model")
-    if stashes_weights:  # the expert bias that routes is a buffer, not a stashed weight
-        raise UserError(
-            f"--pipeline-schedule {args.pipeline_schedule} with MoE (--num-experts) is not "
-            "supported yet (weight stashing does not stash the router's expert bias)"
-        )
     if (ep > 1 or etp != tp) and args.ckpt_format == "torch" and (args.save or args.load):
         # one file per (pipeline, tensor) rank, written by its first data-parallel rank: the
         # other data-parallel ranks' experts would be lost

@@ -23,6 +23,18 @@ def _chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(chunks) if chunks is not None else [model]
 
 
+def routing_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers that decide where a forward sends each token: every router's expert bias
+    (`--moe-router-enable-expert-bias`; none otherwise). The weight-stashing schedules keep
+    them with each weight version (`RankRuntime.versioned_buffers`): a forward on an older
+    version routes with the bias of that version, and its backward, a recomputation included,
+    routes as the forward did (docs/moe.md)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = [m for c in _chunks(model) for m in c.modules() if isinstance(m, TopKRouter)]
+    return [r.expert_bias for r in routers if getattr(r, "expert_bias", None) is not None]
+
+
 class MoEStepHooks:
     """What megatron-core's finalize_model_grads does for MoE before each optimizer step:
     the aux-loss-free expert bias update from the step's token counts (summed over the

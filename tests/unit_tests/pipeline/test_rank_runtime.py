@@ -196,11 +196,11 @@ def test_paci_over_virtual_stages_reports_its_drift_by_accumulation_factor(m):
 
 
 @pytest.mark.parametrize("name, m, per_update", [("1f1b", 4, 4), ("zb-h1", 4, 4), ("paci", 2, 2),
-                                                 ("pipedream", 4, 1)])  # fmt: skip
+                                                 ("2bw", 4, 4), ("pipedream", 4, 1)])  # fmt: skip
 def test_every_backward_pass_announces_the_loss_gradients_scale(name, m, per_update):
     """What a loss added inside the model (megatron-core's MoE aux loss) must be scaled by,
-    set before each backward pass (B and W alike): 1/m for flush, 1/a for PACI, 1 for
-    PipeDream, which steps after every microbatch."""
+    set before each backward pass (B and W alike): 1/m for flush and 2BW (a step per batch of
+    m), 1/a for PACI, 1 for PipeDream, which steps after every microbatch."""
     plan = resolve_plan(name, num_stages=2)
     runtimes = build_ranks(plan)
     heard = {id(r): [] for r in runtimes}

@@ -69,3 +69,8 @@ def test_the_engine_refuses_what_it_does_not_reproduce():
         parse_engine_args(
             BASE + ["--pipeline-schedule", "2bw", "--pipeline-model-parallel-size", "2"]
         )
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
+    with pytest.raises(UserError, match="^the single-process engine runs "
+                       "--expert-model-parallel-size 1 only$"):  # fmt: skip
+        parse_engine_args(BASE + PACI + moe + ["--expert-model-parallel-size", "2"])
+    assert parse_engine_args(BASE + PACI + moe).num_experts == 4  # MoE at EP=1 runs

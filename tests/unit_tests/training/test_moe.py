@@ -47,12 +47,6 @@ def error_of(extra: list[str], world_size: int = 1) -> str:
         (["--fp8-format", "hybrid"], 1, "--fp8-format is not supported yet"),
         (["--moe-flex-dispatcher-backend", "deepep"], 1,
          "--moe-flex-dispatcher-backend is not supported yet"),
-        (["--pipeline-schedule", "2bw"], 1,
-         "--pipeline-schedule 2bw with MoE (--num-experts) is not supported yet (weight stashing "
-         "does not stash the router's expert bias)"),
-        (["--pipeline-schedule", "pipedream"], 1,
-         "--pipeline-schedule pipedream with MoE (--num-experts) is not supported yet (weight "
-         "stashing does not stash the router's expert bias)"),
         (["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
           "--num-distributed-optimizer-instances", "2"], 4,
          "--use-distributed-optimizer with expert parallelism (--expert-model-parallel-size > 1 "
@@ -273,3 +267,67 @@ def test_pretrain_gpt_stops_a_bad_moe_setting_with_one_line(capsys, monkeypatch)
     assert pretrain_gpt.main(BASE + MOE + ["--expert-model-parallel-size", "3"]) == 2
     err = capsys.readouterr().err
     assert err == "error: --num-experts 4 is not divisible by --expert-model-parallel-size 3\n"
+
+
+class _BiasRoutedLayer(torch.nn.Module):
+    """A router with megatron-core's sigmoid top-k routing and an expert bias buffer (which
+    picks the experts, as megatron-core's TopKRouter's), and one linear expert per expert."""
+
+    def __init__(self, hidden: int = 6, experts: int = 4):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.router = torch.nn.Parameter(torch.randn(experts, hidden, generator=generator))
+        self.experts = torch.nn.Parameter(torch.randn(experts, hidden, hidden, generator=generator))
+        self.register_buffer("expert_bias", torch.zeros(experts))
+
+    def forward(self, x):
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+        probs, routing_map = topk_routing_with_score_function(
+            x @ self.router.t(), 2, score_function="sigmoid", expert_bias=self.expert_bias
+        )
+        outputs = torch.einsum("th,eoh->teo", x, self.experts)
+        return (probs.unsqueeze(-1) * outputs).sum(dim=1), routing_map
+
+    def recomputed(self, x):  # activation recomputation: the forward runs again in backward
+        inputs = x.detach().requires_grad_(True)  # (a stage's input, as received)
+        return torch.utils.checkpoint.checkpoint(lambda t: self(t)[0], inputs, use_reentrant=True)
+
+
+@pytest.mark.parametrize("stash_the_bias", [True, False])
+def test_a_backward_on_a_stashed_version_routes_as_its_forward_did(stash_the_bias):
+    """2BW and PipeDream keep the expert bias with each weight version (routing_buffers, the
+    runtime's versioned_buffers). A forward on version 0, then a step that changes the weights
+    and the bias in place (the bias now prefers other experts), then the backward on version 0
+    with the forward recomputed: with the bias stashed, the recomputation routes every token
+    as the forward did and the gradients are those of version 0 (a copy of it, no step, no
+    recomputation). With only the weights stashed (the live bias), it routes differently and
+    the gradients are wrong: the case the stash exists for."""
+    from megatron.pipeline.weight_stash import WeightStash
+    from megatron.training.moe import routing_buffers
+
+    layer, x = _BiasRoutedLayer(), torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    reference = _BiasRoutedLayer()
+    expected_out, routed = reference(x)
+    expected_out.pow(2).sum().backward()
+    buffers = [layer.expert_bias] if stash_the_bias else []
+    stash = WeightStash(layer.parameters(), buffers)
+    out = layer.recomputed(x)  # version 0, live
+    torch.testing.assert_close(out, expected_out)
+    stash.keep_live_version()  # the step: weights and bias change in place
+    with torch.no_grad():
+        layer.router.mul_(0.9)
+        layer.experts.add_(0.1)
+        layer.expert_bias.copy_(10.0 * (~routed).float().mean(dim=0))  # prefer the unpicked
+    stash.stepped()
+    assert not torch.equal(layer(x)[1], routed)  # the live version routes differently
+    with stash.swapped_in(0):
+        if stash_the_bias:
+            assert torch.equal(layer(x)[1], routed)
+        out.pow(2).sum().backward()
+    gradients = [layer.router.grad, layer.experts.grad]
+    expected = [reference.router.grad, reference.experts.grad]
+    same = all(torch.allclose(g, e, rtol=1e-6, atol=1e-7) for g, e in zip(gradients, expected))
+    assert same == stash_the_bias
+    assert torch.equal(layer.expert_bias, 10.0 * (~routed).float().mean(dim=0))  # live again
+    assert routing_buffers(torch.nn.Module()) == []  # no router: nothing versioned
