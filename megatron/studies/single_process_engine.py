@@ -87,8 +87,8 @@ def parse_engine_args(argv: list[str]):
     args = build_parser().parse_args(argv)
     if args.pipeline_schedule not in SCHEDULES:
         raise UserError(
-            f"the single-process engine runs --pipeline-schedule {' or '.join(SCHEDULES)}, "
-            f"not {args.pipeline_schedule}"
+            f"the single-process engine runs --pipeline-schedule {', '.join(SCHEDULES[:-1])} "
+            f"or {SCHEDULES[-1]}, not {args.pipeline_schedule}"
         )
     if args.tensor_model_parallel_size != 1:
         raise UserError("the single-process engine runs --tensor-model-parallel-size 1 only")

@@ -65,9 +65,10 @@ def test_the_engine_refuses_what_it_does_not_reproduce():
 
     with pytest.raises(UserError, match="--async-sync-warmup-iters is not supported yet"):
         parse_engine_args(BASE + PACI + ["--async-sync-warmup-iters", "1"])
-    with pytest.raises(UserError, match="runs --pipeline-schedule 1f1b or paci"):
+    with pytest.raises(UserError, match="^the single-process engine runs --pipeline-schedule "
+                       "1f1b, paci, 2bw or pipedream, not zb-h1$"):  # fmt: skip
         parse_engine_args(
-            BASE + ["--pipeline-schedule", "2bw", "--pipeline-model-parallel-size", "2"]
+            BASE + ["--pipeline-schedule", "zb-h1", "--pipeline-model-parallel-size", "2"]
         )
     moe = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
     with pytest.raises(UserError, match="^the single-process engine runs "
