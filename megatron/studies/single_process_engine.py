@@ -234,10 +234,11 @@ def _executors(args, models, device) -> list:
 def _with_moe(runtimes, models, steps) -> list:
     """MoE per stage, as the training loop has it: each backward sets the aux and z losses'
     gradient scale (the runtime announces it: 1/m for flush, 1/a for PACI), and each stage's
-    step first updates its routers' expert bias and resets their per-step counters. Returns
+    step first updates its routers' expert bias and resets their per-step counters; the
+    weight-stashing schedules keep the expert bias with each weight version. Returns
     the steps to run. (megatron-core keeps one aux-loss scale per process; the stages' threads
     all set the same value between two drain points, where a changes.)"""
-    from megatron.training.moe import MoEStepHooks, set_aux_loss_scale
+    from megatron.training.moe import MoEStepHooks, routing_buffers, set_aux_loss_scale
 
     def with_hooks(step, hooks):
         def run():
@@ -246,8 +247,9 @@ def _with_moe(runtimes, models, steps) -> list:
 
         return run
 
-    for runtime in runtimes:
+    for runtime, model in zip(runtimes, models):
         runtime.backward_scale_listeners.append(set_aux_loss_scale)
+        runtime.versioned_buffers.extend(routing_buffers(model))  # stashed with the weights
     return [with_hooks(step, MoEStepHooks(model)) for step, model in zip(steps, models)]
 
 
