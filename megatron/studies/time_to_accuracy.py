@@ -62,7 +62,19 @@ NUM_PROCESSES = 4
 # would cost more than the 4 layers). Build its data with the commands of docs/convergence.md.
 SMALL_DATA = "runs/data_v1k"
 SMALL_MODEL = study_model(64, 32, SMALL_DATA, f"{SMALL_DATA}/tokenizer/stdlib1k.model")
-MODELS = {"demo": DEMO_MODEL + ["--lr-warmup-iters", "10"], "small": SMALL_MODEL}
+# The MoE study's model: the small model with each FFN an MoE layer of 8 experts, top-2 routing
+# with the auxiliary load-balancing loss; each expert is half the dense FFN's width, so a
+# token's two experts cost what the dense FFN costs.
+SMALL_MOE_MODEL = SMALL_MODEL + [
+    "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
+    "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
+    "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
+]  # fmt: skip
+MODELS = {
+    "demo": DEMO_MODEL + ["--lr-warmup-iters", "10"],
+    "small": SMALL_MODEL,
+    "small-moe": SMALL_MOE_MODEL,
+}
 
 
 @dataclass(frozen=True)

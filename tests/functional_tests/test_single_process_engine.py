@@ -5,8 +5,8 @@ The engine replays each stage's order in one process without the runtime; the 4-
 exchanges activations and gradients over gloo. Both must give the same training and validation
 losses: PACI with error feedback, a per-stage LR (`--paci-stage-lr-scale`, which scales stage
 0's LR by 0.4 there: a runtime that ignored it would differ) and drains at each evaluation, PACI
-whose a changes (`--paci-accumulation-schedule`), MoE under PACI, PipeDream-2BW (with Muon and
-error feedback) and PipeDream, whose weight stashing the engine's executors do as the ranks'
+whose a changes (`--paci-accumulation-schedule`), MoE under PACI, flush and 2BW, PipeDream-2BW
+(with Muon and error feedback) and PipeDream, whose weight stashing the engine's executors do as the ranks'
 do, and flush (which the engine trains as one stage). The cases live in engine_cases/ so that
 only this module runs them.
 """
@@ -30,6 +30,8 @@ CASES = [
     "engine_pp4_pipedream",
     "engine_pp4_paci_stash",
     "engine_pp4_paci_moe",
+    "engine_pp4_1f1b_moe",
+    "engine_pp4_2bw_moe",
 ]
 UNSTASHED = "engine_pp4_paci_stash:without stashing"  # the engine alone, for the difference
 
@@ -69,6 +71,7 @@ ASYNC_CASES = [
     "engine_pp4_2bw_muon_ef",
     "engine_pp4_pipedream",
     "engine_pp4_paci_stash",
+    "engine_pp4_2bw_moe",
 ]
 
 
@@ -88,9 +91,11 @@ def test_engine_equals_the_asynchronous_runtime(runtime_results, engine_results,
     )
 
 
-def test_engine_flush_equals_the_four_stage_flush(runtime_results, engine_results):
-    """The engine trains flush as one stage; 4 stages sum the same gradients in another order."""
-    runtime, engine = runtime_results["engine_pp4_1f1b"], engine_results["engine_pp4_1f1b"]
+@pytest.mark.parametrize("name", ["engine_pp4_1f1b", "engine_pp4_1f1b_moe"])
+def test_engine_flush_equals_the_four_stage_flush(runtime_results, engine_results, name):
+    """The engine trains flush as one stage; 4 stages sum the same gradients in another order.
+    With MoE the one stage scales the aux loss and updates the expert bias as the 4 do."""
+    runtime, engine = runtime_results[name], engine_results[name]
     assert run_cases.relative_difference(engine["loss"], runtime["loss"]) <= 1e-5
     assert (
         run_cases.relative_difference(
@@ -134,6 +139,7 @@ def test_the_stashing_schedules_keep_their_weight_versions(runtime_results):
     N - 1 - s on stage s (the runtime's own count), so the engine's equality covers forwards
     and backwards on old weights."""
     for name, extra in (("engine_pp4_2bw_muon_ef", lambda s, n: 1),
+                        ("engine_pp4_2bw_moe", lambda s, n: 1),
                         ("engine_pp4_pipedream", lambda s, n: n - 1 - s)):  # fmt: skip
         summary = runtime_results[name]
         n = summary["pipeline_stages"]

@@ -136,3 +136,22 @@ def test_projected_time_table_pairs_the_speed_up_by_seed():
     row = text.splitlines()[-1]
     assert row.startswith(f"| paci | 1 | {paci_s:.0f} [{paci_s:.0f}, {paci_s:.0f}] | not reached")
     assert f"{flush_s / paci_s:.2f}x" in row and row.endswith("| not reached |")
+
+
+def test_the_moe_study_model_is_the_small_model_with_experts_of_equal_active_width():
+    """Each token's top-k experts together are as wide as the dense model's FFN, and the flags
+    pass the engine's validation (mock data standing in for the study's corpus)."""
+    from megatron.studies.single_process_engine import parse_engine_args
+
+    config = tta.parse_configuration("x=paci:1e-3:--optimizer=muon")
+    flags = config.args(iterations=400, eval_interval=50, seed=1, model="small-moe",
+                        eval_iters=8, warmup_iters=40)  # fmt: skip
+    assert flags[: len(tta.SMALL_MODEL)] == tta.SMALL_MODEL
+    skip = {"--data-path", "--data-cache-path", "--tokenizer-model", "--tokenizer-type"}
+    args = parse_engine_args(
+        [f for f, prev in zip(flags, [None] + flags) if f not in skip and prev not in skip]
+        + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024"]
+    )
+    assert args.num_experts == 8 and args.moe_router_topk == 2
+    assert args.moe_ffn_hidden_size * args.moe_router_topk == args.ffn_hidden_size
+    assert args.pipeline_schedule == "paci" and args.optimizer == "muon"
