@@ -5,10 +5,10 @@ The engine replays each stage's order in one process without the runtime; the 4-
 exchanges activations and gradients over gloo. Both must give the same training and validation
 losses: PACI with error feedback, a per-stage LR (`--paci-stage-lr-scale`, which scales stage
 0's LR by 0.4 there: a runtime that ignored it would differ) and drains at each evaluation, PACI
-whose a changes (`--paci-accumulation-schedule`), MoE under PACI, flush and 2BW, PipeDream-2BW
-(with Muon and error feedback) and PipeDream, whose weight stashing the engine's executors do as the ranks'
-do, and flush (which the engine trains as one stage). The cases live in engine_cases/ so that
-only this module runs them.
+whose a changes (`--paci-accumulation-schedule`), PACI with Muon and a decoupled LR, MoE under
+PACI, flush and 2BW, PipeDream-2BW (with Muon and error feedback) and PipeDream, whose weight
+stashing the engine's executors do as the ranks' do, and flush (which the engine trains as one
+stage). The cases live in engine_cases/ so that only this module runs them.
 """
 
 import json
@@ -32,8 +32,11 @@ CASES = [
     "engine_pp4_paci_moe",
     "engine_pp4_1f1b_moe",
     "engine_pp4_2bw_moe",
+    "engine_pp4_paci_muon_decoupled",
 ]
-UNSTASHED = "engine_pp4_paci_stash:without stashing"  # the engine alone, for the difference
+# The engine alone, without the flag under test, for the difference it makes.
+UNSTASHED = "engine_pp4_paci_stash:without stashing"
+COUPLED = "engine_pp4_paci_muon_decoupled:one LR"
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +51,10 @@ def engine_results():
     cases = run_cases.discover_cases(CASES_DIR)
     spec = {name: run_cases.flags(cases[name]["MODEL_ARGS"], output="unused") for name in CASES}
     spec[UNSTASHED] = [f for f in spec["engine_pp4_paci_stash"] if f != "--paci-weight-stashing"]
+    decoupled = spec["engine_pp4_paci_muon_decoupled"]
+    at = decoupled.index("--decoupled-lr")
+    assert decoupled[at + 2] == "--decoupled-min-lr"
+    spec[COUPLED] = decoupled[:at] + decoupled[at + 4 :]
     script = (
         "import json, sys\n"
         "from megatron.studies.single_process_engine import parse_engine_args, train\n"
@@ -72,6 +79,7 @@ ASYNC_CASES = [
     "engine_pp4_pipedream",
     "engine_pp4_paci_stash",
     "engine_pp4_2bw_moe",
+    "engine_pp4_paci_muon_decoupled",
 ]
 
 
@@ -180,3 +188,11 @@ def test_engine_moe_paci_equals_the_four_process_run(runtime_results, engine_res
         <= 1e-6
     )
     assert engine["loss"][-1] < engine["loss"][0]
+
+
+def test_the_decoupled_lr_reaches_the_engines_stages(engine_results):
+    """PACI + Muon with the embedding and output layer on --decoupled-lr (the configuration
+    docs/convergence.md recommends), equal to the 4-process run above; without the flag the
+    engine's losses differ, so both paths really apply it."""
+    decoupled, coupled = engine_results["engine_pp4_paci_muon_decoupled"], engine_results[COUPLED]
+    assert run_cases.relative_difference(decoupled["loss"], coupled["loss"]) > 1e-4
