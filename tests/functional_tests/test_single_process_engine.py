@@ -6,7 +6,7 @@ exchanges activations and gradients over gloo. Both must give the same training 
 losses: PACI with error feedback, a per-stage LR (`--paci-stage-lr-scale`, which scales stage
 0's LR by 0.4 there: a runtime that ignored it would differ) and drains at each evaluation, PACI
 whose a changes (`--paci-accumulation-schedule`), PACI with Muon and a decoupled LR, MoE under
-PACI, flush and 2BW, PipeDream-2BW (with Muon and error feedback) and PipeDream, whose weight
+PACI, flush, 2BW and PipeDream, PipeDream-2BW (with Muon and error feedback) and PipeDream, whose weight
 stashing the engine's executors do as the ranks' do, and flush (which the engine trains as one
 stage). The cases live in engine_cases/ so that only this module runs them.
 """
@@ -33,6 +33,7 @@ CASES = [
     "engine_pp4_1f1b_moe",
     "engine_pp4_2bw_moe",
     "engine_pp4_paci_muon_decoupled",
+    "engine_pp4_pipedream_moe",
 ]
 # The engine alone, without the flag under test, for the difference it makes.
 UNSTASHED = "engine_pp4_paci_stash:without stashing"
@@ -80,6 +81,7 @@ ASYNC_CASES = [
     "engine_pp4_paci_stash",
     "engine_pp4_2bw_moe",
     "engine_pp4_paci_muon_decoupled",
+    "engine_pp4_pipedream_moe",
 ]
 
 
@@ -148,7 +150,8 @@ def test_the_stashing_schedules_keep_their_weight_versions(runtime_results):
     and backwards on old weights."""
     for name, extra in (("engine_pp4_2bw_muon_ef", lambda s, n: 1),
                         ("engine_pp4_2bw_moe", lambda s, n: 1),
-                        ("engine_pp4_pipedream", lambda s, n: n - 1 - s)):  # fmt: skip
+                        ("engine_pp4_pipedream", lambda s, n: n - 1 - s),
+                        ("engine_pp4_pipedream_moe", lambda s, n: n - 1 - s)):  # fmt: skip
         summary = runtime_results[name]
         n = summary["pipeline_stages"]
         measured = [report["extra_weight_versions"] for report in summary["stages"]]
