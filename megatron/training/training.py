@@ -554,11 +554,14 @@ def _destroy_groups_since(before: set) -> None:
     per launch: the functional tests, the benchmarks). A destroyed group's threads end only when
     the group object goes, and reference cycles (the model's modules hold the groups) keep it
     until the cycle collector runs: collect now (measured: 51 gloo threads left per run
-    without it, none with it)."""
+    without it, none with it). What survives the collection (torch, megatron-core, the modules:
+    ~430,000 objects) is then frozen, out of later collections' scans, so that the next run in
+    the process collects only its own objects (a full scan cost 0.3 s per run)."""
     for group in _process_groups() - before:
         if group is not dist.GroupMember.WORLD:
             dist.destroy_process_group(group)
     gc.collect()
+    gc.freeze()
 
 
 def _build_checked_tokenizer(args):

@@ -1,6 +1,7 @@
 """User mistakes end with one line naming the problem, a non-zero exit and no traceback,
 before any process group, model or dataset is built."""
 
+import concurrent.futures
 import os
 import shutil
 import subprocess
@@ -93,10 +94,18 @@ def assert_clean_error(completed: subprocess.CompletedProcess, needle: str) -> N
     assert needle in lines[0]
 
 
+@pytest.fixture(scope="module")
+def bad_flag_outcomes():
+    """name -> the finished process of each case, two at a time (each is one process that
+    mostly imports, so two fill the two cores of a small machine)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        started = {name: pool.submit(run_pretrain, *CASES[name][:2]) for name in CASES}
+        return {name: future.result() for name, future in started.items()}
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_flags(name):
-    args, world_size, needle = CASES[name]
-    assert_clean_error(run_pretrain(args, world_size), needle)
+def test_bad_flags(bad_flag_outcomes, name):
+    assert_clean_error(bad_flag_outcomes[name], CASES[name][2])
 
 
 def test_good_flags_pass_validation():

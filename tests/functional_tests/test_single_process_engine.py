@@ -8,7 +8,7 @@ losses: PACI with error feedback, a per-stage LR (`--paci-stage-lr-scale`, which
 whose a changes (`--paci-accumulation-schedule`), PACI with Muon and a decoupled LR, MoE under
 PACI, flush, 2BW and PipeDream, PipeDream-2BW (with Muon and error feedback) and PipeDream, whose weight
 stashing the engine's executors do as the ranks' do, and flush (which the engine trains as one
-stage). The cases live in engine_cases/ so that only this module runs them.
+stage). The 4-process runs are test_cases/gpt/engine_pp4_*, run with the other cases.
 """
 
 import json
@@ -20,8 +20,6 @@ import sys
 import pytest
 import run_cases
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CASES_DIR = os.path.join(HERE, "engine_cases")
 CASES = [
     "engine_pp4_paci_ef",
     "engine_pp4_1f1b",
@@ -41,16 +39,20 @@ COUPLED = "engine_pp4_paci_muon_decoupled:one LR"
 
 
 @pytest.fixture(scope="module")
-def runtime_results(tmp_path_factory):
-    return run_cases.run(CASES, str(tmp_path_factory.mktemp("engine")), cases_dir=CASES_DIR)
+def runtime_results(case_results):
+    return case_results
 
 
 @pytest.fixture(scope="module")
-def engine_results():
+def engine_results(tmp_path_factory):
     """Every case trained by the engine, in one subprocess (a fresh process per module, as the
     engine sets up torch.distributed for itself)."""
-    cases = run_cases.discover_cases(CASES_DIR)
-    spec = {name: run_cases.flags(cases[name]["MODEL_ARGS"], output="unused") for name in CASES}
+    cases = run_cases.discover_cases()
+    output = str(tmp_path_factory.mktemp("engine_only"))
+    spec = {
+        name: run_cases.with_index_cache(run_cases.flags(cases[name]["MODEL_ARGS"], output), output)
+        for name in CASES
+    }
     spec[UNSTASHED] = [f for f in spec["engine_pp4_paci_stash"] if f != "--paci-weight-stashing"]
     decoupled = spec["engine_pp4_paci_muon_decoupled"]
     at = decoupled.index("--decoupled-lr")

@@ -556,6 +556,15 @@ def _build_datasets(blends, split, seq_length, seed, tokenizer, data_cache_path,
         eod_mask_loss=options.get("eod_mask_loss", False),
         create_attention_mask=options.get("reset_attention_mask", False),
     )
+    # A split asked for no samples is not built: megatron-core would still shuffle a whole
+    # epoch of it (about a third of a small run's set-up). Each split draws its own indices, so
+    # the others are the same either way.
+    for i, samples in enumerate(sizes):
+        if samples == 0:
+            if config.split_matrix is not None:
+                config.split_matrix[i] = None
+            if config.blend_per_split is not None:
+                config.blend_per_split[i] = None
     cls = MockGPTDataset if not blended else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 
