@@ -1,4 +1,5 @@
 import itertools
+import os
 import socket
 
 import pytest
@@ -65,6 +66,23 @@ def test_mock_dataset_batches(null_tokenizer):
     for batch in itertools.islice(train, 3):
         _check_batch(batch, 3)
     _check_batch(next(valid), 3)
+
+
+@pytest.mark.parametrize("source", ["mock", "file"])
+def test_a_split_without_samples_is_not_built_and_changes_no_other(source, small_dataset,
+                                                                   null_tokenizer, tmp_path):  # fmt: skip
+    """A split asked for 0 samples is skipped (megatron-core would shuffle a whole epoch of it);
+    the other splits give the same batches as when it is built."""
+    prefix = None if source == "mock" else small_dataset[0]
+    built = _build(prefix, null_tokenizer, str(tmp_path / "a"), samples=(64, 16, 8))
+    skipped = _build(prefix, null_tokenizer, str(tmp_path / "b"), samples=(64, 16, 0))
+    assert built[2] is not None and skipped[2] is None
+    for with_test, without_test in zip(built[:2], skipped[:2]):
+        for _ in range(4):
+            assert _rows(next(with_test)) == _rows(next(without_test))
+    # megatron-core's index cache holds no index of the skipped split
+    assert any("-test-" in name for name in os.listdir(tmp_path / "a"))
+    assert not any("-test-" in name for name in os.listdir(tmp_path / "b"))
 
 
 def _rows(batch):
