@@ -92,10 +92,9 @@ def launches(groups: dict[tuple, list[str]]):
             yield key, names[start : start + CASES_PER_LAUNCH]
 
 
-def run(case_names: list[str], output: str, cases_dir: str = CASES_DIR) -> dict[str, dict]:
-    """Run the cases (of `cases_dir`); return each case's summary.json (plus its log under
-    'log')."""
-    cases = discover_cases(cases_dir)
+def run(case_names: list[str], output: str) -> dict[str, dict]:
+    """Run the cases; return each case's summary.json (plus its log under 'log')."""
+    cases = discover_cases()
     os.makedirs(output, exist_ok=True)
     if any("{gpt2}" in str(cases[name]["MODEL_ARGS"]) for name in case_names):
         prepare_gpt2_data(output)

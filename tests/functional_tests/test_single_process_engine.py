@@ -39,11 +39,6 @@ COUPLED = "engine_pp4_paci_muon_decoupled:one LR"
 
 
 @pytest.fixture(scope="module")
-def runtime_results(case_results):
-    return case_results
-
-
-@pytest.fixture(scope="module")
 def engine_results(tmp_path_factory):
     """Every case trained by the engine, in one subprocess (a fresh process per module, as the
     engine sets up torch.distributed for itself)."""
@@ -88,8 +83,8 @@ ASYNC_CASES = [
 
 
 @pytest.mark.parametrize("name", ASYNC_CASES)
-def test_engine_equals_the_asynchronous_runtime(runtime_results, engine_results, name):
-    runtime, engine = runtime_results[name], engine_results[name]
+def test_engine_equals_the_asynchronous_runtime(case_results, engine_results, name):
+    runtime, engine = case_results[name], engine_results[name]
     assert len(engine["loss"]) == runtime["iterations"]
     assert run_cases.relative_difference(engine["loss"], runtime["loss"]) <= 1e-6
     evaluated = list(range(4, runtime["iterations"] + 1, 4))
@@ -104,10 +99,10 @@ def test_engine_equals_the_asynchronous_runtime(runtime_results, engine_results,
 
 
 @pytest.mark.parametrize("name", ["engine_pp4_1f1b", "engine_pp4_1f1b_moe"])
-def test_engine_flush_equals_the_four_stage_flush(runtime_results, engine_results, name):
+def test_engine_flush_equals_the_four_stage_flush(case_results, engine_results, name):
     """The engine trains flush as one stage; 4 stages sum the same gradients in another order.
     With MoE the one stage scales the aux loss and updates the expert bias as the 4 do."""
-    runtime, engine = runtime_results[name], engine_results[name]
+    runtime, engine = case_results[name], engine_results[name]
     assert run_cases.relative_difference(engine["loss"], runtime["loss"]) <= 1e-5
     assert (
         run_cases.relative_difference(
@@ -121,10 +116,10 @@ def drift_bound(stage: int, num_stages: int, a: int) -> int:
     return math.ceil((num_stages - 1 - stage) / a)
 
 
-def test_accumulation_schedule_drift_equals_each_phases_bound(runtime_results, engine_results):
+def test_accumulation_schedule_drift_equals_each_phases_bound(case_results, engine_results):
     """a = 4, 1, 2 in turn: each phase's measured max drift per stage is its own bound
     ceil((N - 1 - s) / a), in the runtime's summary and in the engine."""
-    runtime = runtime_results["engine_pp4_paci_accumulation_schedule"]
+    runtime = case_results["engine_pp4_paci_accumulation_schedule"]
     stages = runtime["pipeline_stages"]
     for report in runtime["stages"]:
         measured = {int(a): d for a, d in report["max_drift_by_accumulation"].items()}
@@ -137,15 +132,15 @@ def test_accumulation_schedule_drift_equals_each_phases_bound(runtime_results, e
         assert phase["max_drift"] == [drift_bound(s, stages, phase["a"]) for s in range(stages)]
 
 
-def test_accumulation_schedule_sets_each_iterations_batch(runtime_results):
+def test_accumulation_schedule_sets_each_iterations_batch(case_results):
     """Global batch = a x micro batch (2): 8 samples per iteration for 3 iterations, 2 for the
     next 6, then 4 (Megatron's consumed-samples log field)."""
-    log = runtime_results["engine_pp4_paci_accumulation_schedule"]["log"]
+    log = case_results["engine_pp4_paci_accumulation_schedule"]["log"]
     for iteration, consumed in ((1, 8), (3, 24), (4, 26), (9, 36), (10, 40), (14, 56)):
         assert f" iteration {iteration:8d}/      14 | consumed samples: {consumed:12d} |" in log
 
 
-def test_the_stashing_schedules_keep_their_weight_versions(runtime_results):
+def test_the_stashing_schedules_keep_their_weight_versions(case_results):
     """The runs compared above really stash: 2BW keeps one extra version on every stage (the
     next batch forwards on the version before the newest, also on the last stage), PipeDream
     N - 1 - s on stage s (the runtime's own count), so the engine's equality covers forwards
@@ -154,20 +149,20 @@ def test_the_stashing_schedules_keep_their_weight_versions(runtime_results):
                         ("engine_pp4_2bw_moe", lambda s, n: 1),
                         ("engine_pp4_pipedream", lambda s, n: n - 1 - s),
                         ("engine_pp4_pipedream_moe", lambda s, n: n - 1 - s)):  # fmt: skip
-        summary = runtime_results[name]
+        summary = case_results[name]
         n = summary["pipeline_stages"]
         measured = [report["extra_weight_versions"] for report in summary["stages"]]
         assert measured == [extra(s, n) for s in range(n)], (name, measured)
 
 
-def test_paci_weight_stashing_keeps_the_drift_bound_in_stashed_copies(runtime_results,
+def test_paci_weight_stashing_keeps_the_drift_bound_in_stashed_copies(case_results,
                                                                       engine_results):  # fmt: skip
     """--paci-weight-stashing (a = 2): stage s holds ceil((N - 1 - s) / a) stashed versions,
     PACI's drift bound (the versions its microbatches in flight were forwarded on), while the
     drift between a microbatch's forward and backward weights is gone (0 on every stage), and
     running backwards on the forwards' weights changes the numbers (the engine's run without
     the flag)."""
-    summary = runtime_results["engine_pp4_paci_stash"]
+    summary = case_results["engine_pp4_paci_stash"]
     n, a = summary["pipeline_stages"], summary["num_microbatches"]
     assert a == 2
     for report in summary["stages"]:
@@ -177,12 +172,12 @@ def test_paci_weight_stashing_keeps_the_drift_bound_in_stashed_copies(runtime_re
     assert run_cases.relative_difference(stashed["loss"], plain["loss"]) > 1e-5
 
 
-def test_engine_moe_paci_equals_the_four_process_run(runtime_results, engine_results):
+def test_engine_moe_paci_equals_the_four_process_run(case_results, engine_results):
     """MoE (4 experts, top-2, aux loss, sigmoid scores with the expert bias, alltoall) at
     EP=1 x PP=4 under PACI's fixed order: the engine's stages set the aux-loss gradient scale
     at each backward and update their expert bias at their own steps, as the 4 processes do:
     equal training and validation losses within 1e-6 (measured 5.2e-8)."""
-    runtime, engine = runtime_results["engine_pp4_paci_moe"], engine_results["engine_pp4_paci_moe"]
+    runtime, engine = case_results["engine_pp4_paci_moe"], engine_results["engine_pp4_paci_moe"]
     assert runtime["pipeline_stages"] == 4 and len(engine["loss"]) == runtime["iterations"] == 4
     assert run_cases.relative_difference(engine["loss"], runtime["loss"]) <= 1e-6
     assert [e["iteration"] for e in engine["validation"]] == [2, 4]
