@@ -270,6 +270,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     add("--save", default=None)
     add("--save-interval", type=int, default=None)
     add("--load", default=None)
+    add("--ckpt-step", type=int, default=None,
+        help="load the checkpoint of this iteration from --load, not the newest one")  # fmt: skip
     add(
         "--ckpt-format",
         default="torch_dist",
@@ -367,6 +369,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         raise UserError("--verify-integrity is only supported with --ckpt-format torch_dist")
     if args.save_interval is not None and args.save is None:
         raise UserError("--save-interval needs --save DIR")
+    _validate_ckpt_step(args)
     if args.emulated_forward_ms is not None and (args.save or args.load):
         if args.ckpt_format == "torch_dist":  # its keys come from megatron-core's model
             raise UserError("emulated stages have no megatron-core model: checkpoint them with "
@@ -382,6 +385,17 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
             "each other"
         )
     args.pipeline_plan = _pipeline_plan(args, args.pipeline_model_parallel_size)
+
+
+def _validate_ckpt_step(args: argparse.Namespace) -> None:
+    if args.ckpt_step is None:
+        return
+    if args.load is None:
+        raise UserError("--ckpt-step needs --load DIR")
+    if args.ckpt_step < 0:
+        raise UserError(f"--ckpt-step must be >= 0, got {args.ckpt_step}")
+    if args.load_fallback:
+        raise UserError("--ckpt-step names one checkpoint; --load-fallback picks one: pass one")
 
 
 def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None:

@@ -117,8 +117,12 @@ DIGEST_BYTES = 20  # SHA-1
 
 def parameter_hashes(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
     """(names, one SHA-1 digest per parameter as a [parameters, 20] uint8 tensor)."""
+    return _hashes(list(model.named_parameters()))
+
+
+def _hashes(named: list[tuple[str, torch.nn.Parameter]]) -> tuple[list[str], torch.Tensor]:
     names, digests = [], []
-    for name, param in model.named_parameters():
+    for name, param in named:
         values = param.detach().float().cpu().contiguous().numpy()
         names.append(name)
         digests.append(
@@ -129,12 +133,30 @@ def parameter_hashes(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
     return names, torch.stack(digests)
 
 
-def check_replicas_match(model: torch.nn.Module, group, iteration: int) -> None:
+def check_replicas_match(
+    model: torch.nn.Module, group, iteration: int, *, expert_group=None
+) -> None:
     """All-gather every replica's hashes over `group` (the stage's data-parallel group) and
-    stop the run with one line naming the first parameter that differs, and where."""
-    names, mine = parameter_hashes(model)
-    first = next(model.parameters(), None)
-    device = first.device if first is not None else torch.device("cpu")
+    stop the run with one line naming the first parameter that differs, and where.
+
+    With expert parallelism (`expert_group` given) a stage's data-parallel ranks hold different
+    routed experts: the dense parameters are compared over `group` and the routed experts over
+    the expert data-parallel group, the ranks that hold the same experts (nowhere when it has
+    one member)."""
+    named = list(model.named_parameters())
+    if expert_group is None:
+        _compare_over(named, group, iteration, "data-parallel")
+        return
+    routed = [(n, p) for n, p in named if getattr(p, "moe_expert", False)]
+    dense = [(n, p) for n, p in named if not getattr(p, "moe_expert", False)]
+    _compare_over(dense, group, iteration, "data-parallel")
+    if routed and dist.get_world_size(expert_group) > 1:
+        _compare_over(routed, expert_group, iteration, "expert data-parallel")
+
+
+def _compare_over(named, group, iteration: int, replicas_of: str) -> None:
+    names, mine = _hashes(named)
+    device = named[0][1].device if named else torch.device("cpu")
     replicas = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))]
     dist.all_gather(replicas, mine.to(device), group=group)
     ranks = dist.get_process_group_ranks(group)
@@ -144,7 +166,7 @@ def check_replicas_match(model: torch.nn.Module, group, iteration: int) -> None:
         if len(differs):
             name = names[differs[0].item()]
             raise RunFailed(
-                f"the weights of data-parallel replicas differ after iteration {iteration}: "
+                f"the weights of {replicas_of} replicas differ after iteration {iteration}: "
                 f"{name} on rank {rank} is not rank {ranks[0]}'s ({len(differs)} of "
                 f"{len(names)} parameters differ; --check-weight-hash-across-dp-replicas-"
                 f"interval)"

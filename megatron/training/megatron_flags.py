@@ -240,7 +240,7 @@ NOT_YET_BY_GROUP = {
         "--save-wgrads-interval= --save-dgrads-interval= --load-main-params-from-ckpt "
         "--non-persistent-save-interval= --non-persistent-ckpt-type= "
         "--non-persistent-global-ckpt-dir= --non-persistent-local-ckpt-dir= "
-        "--non-persistent-local-ckpt-algo= --pretrained-checkpoint= --ckpt-step= "
+        "--non-persistent-local-ckpt-algo= --pretrained-checkpoint= "
         "--use-checkpoint-args --use-mp-args-from-checkpoint-args "
         "--no-use-tokenizer-model-from-checkpoint-args "
         "--disable-use-tokenizer-model-from-checkpoint-args --exit-on-missing-checkpoint "

@@ -64,6 +64,7 @@ from megatron.training.model import (
 from megatron.training.moe import (
     MoELoadStats,
     MoEStepHooks,
+    experts_apart_from_dense,
     moe_config_fields,
     routing_buffers,
     set_aux_loss_scale,
@@ -937,15 +938,22 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
 
 def _check_weight_hashes(state, model, iteration: int) -> None:
     """--check-weight-hash-across-dp-replicas-interval: a gather within the stage's
-    data-parallel group (the collective audit stays on: it is no cross-stage collective)."""
+    data-parallel group, the routed experts' within their expert data-parallel group when
+    expert parallelism puts other experts on the stage's replicas (the collective audit stays
+    on: neither crosses stages)."""
     group = parallel_state.get_data_parallel_group()
-    check_replicas_match(model, group, iteration)
+    expert_group = None
+    replicas = f"{dist.get_world_size(group)} data-parallel replicas"
+    if experts_apart_from_dense():
+        expert_group = parallel_state.get_expert_data_parallel_group()
+        replicas += f", {dist.get_world_size(expert_group)} of each expert"
+    check_replicas_match(model, group, iteration, expert_group=expert_group)
     state.weight_hash_checks.append(iteration)
     if is_stage_leader():
         stage = parallel_state.get_pipeline_model_parallel_rank()
         stages = parallel_state.get_pipeline_model_parallel_world_size()
         print(f">>> Weight hashes match after {iteration} iterations... (stage {stage} of "
-              f"{stages}, {dist.get_world_size(group)} data-parallel replicas)", flush=True)  # fmt: skip
+              f"{stages}, {replicas})", flush=True)  # fmt: skip
 
 
 def _agree_on_stop(control, plan: IterationPlan, iteration: int, runtime) -> None:

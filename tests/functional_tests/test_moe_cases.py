@@ -175,6 +175,25 @@ def test_a_swiglu_moe_checkpoint_resumes_at_its_layout(case_results):
     assert relative_difference(resumed, reference[6:]) <= 1e-5
 
 
+@pytest.mark.parametrize(
+    "name, iterations, expert_replicas",
+    [("moe_ckpt_1_ep2dp4_distopt_save", 3, 2), ("moe_ep2pp2_paci", 6, 1)],
+)
+def test_the_replica_check_runs_with_expert_parallelism(case_results, name, iterations,
+                                                        expert_replicas):  # fmt: skip
+    """--check-weight-hash-across-dp-replicas-interval 1 at EP 2: the data-parallel ranks of a
+    stage hold different experts, so the routed experts are compared within their expert
+    data-parallel group (2 ranks at EP 2 x DP 4, none at EP 2 x DP 2) and every iteration's
+    check passes (a differing expert replica is caught: tests/unit_tests)."""
+    summary = case_results[name]
+    checked = list(range(iterations + 1))
+    assert summary["weight_hash_checks_by_stage"] == [checked] * summary["pipeline_stages"]
+    stages = summary["pipeline_stages"]
+    assert (f">>> Weight hashes match after {iterations} iterations... (stage {stages - 1} of "
+            f"{stages}, {4 // stages} data-parallel replicas, {expert_replicas} of each expert)"
+            in summary["log"])  # fmt: skip
+
+
 def test_paci_with_expert_parallelism_keeps_its_bound_and_its_stages_apart(case_results):
     """PACI with MoE at EP 2 x PP 2 on the default corpus (GPT-2 BPE): each stage's
     expert-parallel all-to-alls stay inside the stage (its ranks share the arrival decisions),

@@ -148,6 +148,30 @@ def test_malformed_tracker(two_checkpoints):
     assert load(two_checkpoints, make_args("--load-fallback"))[0] == 4
 
 
+def test_ckpt_step_loads_that_iteration_and_names_a_missing_one(two_checkpoints):
+    """--ckpt-step N: iteration N's checkpoint, not the newest (the tracker names 4)."""
+    at = ("--load", str(two_checkpoints), "--ckpt-step")
+    assert load(two_checkpoints, make_args(*at, "2"))[0] == 2
+    assert load_error(two_checkpoints, *at, "3") == (
+        f"--ckpt-step 3: no checkpoint of iteration 3 in --load {two_checkpoints}"
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--ckpt-step", "2"], "--ckpt-step needs --load DIR"),
+        (["--load", "ckpt", "--ckpt-step", "-1"], "--ckpt-step must be >= 0, got -1"),
+        (["--load", "ckpt", "--ckpt-step", "2", "--load-fallback"],
+         "--ckpt-step names one checkpoint; --load-fallback picks one: pass one"),
+    ],
+)  # fmt: skip
+def test_ckpt_step_mistakes_are_one_line(extra, message):
+    with pytest.raises(UserError) as caught:
+        make_args(*extra)
+    assert str(caught.value) == message
+
+
 def test_no_tracker_starts_from_scratch(tmp_path, capsys):
     """As Megatron: `--load DIR` without a checkpoint in DIR trains from scratch and says so."""
     assert load(tmp_path)[0] == 0

@@ -256,6 +256,10 @@ def iterations_on_disk(root: str) -> list[int]:
     return sorted((int(m.group(1)) for m in found if m), reverse=True)
 
 
+def _iterations_if_any(root: str) -> list[int]:
+    return iterations_on_disk(root) if os.path.isdir(root) else []
+
+
 def _read_rank_file(path: str) -> tuple[dict | None, str | None]:
     """(payload, None) or (None, the problem in words)."""
     if not os.path.isfile(path):
@@ -331,12 +335,14 @@ def read_checkpoint(
     fallback: bool,
     ckpt_format: str | None = None,
     verify_integrity: bool = False,
+    step: int | None = None,
 ) -> dict:
     """The payload of the newest checkpoint every rank can read (collective); `ckpt_format`:
     the format it must be in (None: whichever it is). Files are checked against the
     checkpoint's manifest (integrity.py) before anything is read, when it has one;
-    `verify_integrity`: it must have one."""
-    newest = read_tracker(root, quiet=fallback)
+    `verify_integrity`: it must have one; `step` (--ckpt-step): that iteration's, not the
+    newest."""
+    newest = read_tracker(root, quiet=fallback) if step is None else step
     candidates = [newest] if newest is not None else []
     if fallback:
         candidates += [i for i in iterations_on_disk(root) if newest is None or i < newest]
@@ -538,7 +544,10 @@ def load(root: str, *, model, optimizer, scheduler, args=None) -> tuple[int, int
     """(iteration, consumed samples) of the checkpoint in `root`, or (0, 0) when `root` has
     none: Megatron then starts from scratch, so `--save DIR --load DIR` works on a first run."""
     fallback = getattr(args, "load_fallback", False)
-    if not has_checkpoint(root, fallback):
+    step = getattr(args, "ckpt_step", None)
+    if step is not None and step not in _iterations_if_any(root):
+        raise UserError(f"--ckpt-step {step}: no checkpoint of iteration {step} in --load {root}")
+    if step is None and not has_checkpoint(root, fallback):
         if dist.get_rank() == 0:
             print(f"> no checkpoint in --load {root} (no {TRACKER}): training from scratch",
                   flush=True)  # fmt: skip
@@ -546,7 +555,7 @@ def load(root: str, *, model, optimizer, scheduler, args=None) -> tuple[int, int
     device = next(model.parameters()).device
     wanted = None if getattr(args, "auto_detect_ckpt_format", True) else args.ckpt_format
     verify = getattr(args, "verify_integrity", False)
-    payload = read_checkpoint(root, device, fallback, wanted, verify_integrity=verify)
+    payload = read_checkpoint(root, device, fallback, wanted, verify_integrity=verify, step=step)
     check_recorded_args(payload, args, root)
     finetune = getattr(args, "finetune", False)
     if args is not None:

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from megatron.training.checkpointing import integrity
 from megatron.training.errors import UserError
+from megatron.training.moe import experts_apart_from_dense
 
 FORMAT = "torch_dist"
 METADATA_FILE = "metadata.json"  # megatron-core's marker of a distributed checkpoint
@@ -73,15 +74,6 @@ def per_model_rank_object(key: str, data, *, per_data_parallel_rank: bool = Fals
     return ShardedObject(key, data, (pp, tp), (pp_rank, tp_rank), replica_id=dp_rank)
 
 
-def experts_apart_from_dense() -> bool:
-    """Whether the expert groups differ from the dense ones (MoE with EP > 1 or ETP != TP):
-    then a stage's data-parallel ranks are no replicas of each other's experts."""
-    ps = parallel_state
-    return ps.get_expert_model_parallel_world_size() > 1 or (
-        ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size()
-    )
-
-
 def expert_layout() -> tuple[int, int, int]:
     """(expert parallel, expert tensor parallel, data parallel) sizes of this run."""
     ps = parallel_state
@@ -112,17 +104,22 @@ def sharded_parameters(model_sharded: dict) -> dict[int, ShardedTensor]:
 # ---------------------------------------------------------------------------- optimizer
 def _state_owners(optimizer, parameters: dict[int, ShardedTensor], state_dict: dict) -> dict:
     """id(state tensor) -> (the parameter's ShardedTensor, the state's name), for state of
-    model parameters. A torch optimizer's `state` maps parameters to their state; an optimizer
-    over fp32 main weights (main_params.py) numbers its state entries instead and says which
-    model parameter each number is (`state_index_params`); its main weights (`main_params`, in
-    model order) are the parameters' state too."""
+    model parameters. A torch optimizer's `state` maps parameters to their state. An optimizer
+    over fp32 main weights (main_params.py) says whose state it holds: by identity
+    (`state_owners`: the replicated one, whose state dict holds its live state) or by entry
+    number (`state_index_params`: the sharded one, whose state dict is gathered); its main
+    weights (`main_params`, in model order) are the parameters' state too."""
     owners = {}
+    live_owners = getattr(optimizer, "state_owners", None)
     index_params = getattr(optimizer, "state_index_params", None)
-    if index_params is None:
-        by_param = getattr(optimizer, "state", {}).items()
-    else:
+    if live_owners is not None:
+        by_param = live_owners()
+    elif index_params is not None:
         numbered = index_params()
         by_param = [(numbered[i], entries) for i, entries in state_dict.get("state", {}).items()]
+    else:
+        by_param = list(getattr(optimizer, "state", {}).items())
+    if live_owners is not None or index_params is not None:
         mains = state_dict.get("main_params", {})
         by_param += [(optimizer.params[i], {"main_param": m}) for i, m in mains.items()]
     for param, entries in by_param:

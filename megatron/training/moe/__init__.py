@@ -22,6 +22,7 @@ from megatron.training.moe.megatron_core import _all_to_all_with_int_splits, pat
 from megatron.training.moe.training_hooks import (
     MoELoadStats,
     MoEStepHooks,
+    experts_apart_from_dense,
     routing_buffers,
     set_aux_loss_scale,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "patch_megatron_core_moe",
     "MoELoadStats",
     "MoEStepHooks",
+    "experts_apart_from_dense",
     "routing_buffers",
     "set_aux_loss_scale",
 ]

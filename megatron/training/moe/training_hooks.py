@@ -7,6 +7,16 @@ import torch
 import torch.distributed as dist
 
 
+def experts_apart_from_dense() -> bool:
+    """Whether the expert groups differ from the dense ones (MoE with EP > 1 or ETP != TP):
+    then a stage's data-parallel ranks are no replicas of each other's experts."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size() > 1 or (
+        ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size()
+    )
+
+
 def set_aux_loss_scale(scale: float) -> None:
     """The gradient scale of the aux and z losses for the next backward pass: the main loss's
     (the rank runtime announces it before every backward pass, B and W: the stage's fp16 loss

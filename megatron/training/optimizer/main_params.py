@@ -261,10 +261,18 @@ class ReplicatedMainOptimizer(MainParamsOptimizer):
         for main, param in zip(self.main, self.params):
             param.copy_(main)  # rounded to the model's dtype
 
-    def state_index_params(self) -> list[torch.nn.Parameter]:
-        """The model parameter of each entry number of `state_dict()["state"]`."""
+    def state_owners(self) -> list[tuple[torch.nn.Parameter, dict]]:
+        """(model parameter, its state entries) for each main weight with optimizer state. The
+        inner optimizer's `state_dict()` holds these very tensors, numbered per optimizer when
+        it is a chain (Muon's matrices beside AdamW), so they are found by identity, not by
+        number. A stand-in that Muon steps in a weight's place (a split QKV block, a gathered
+        matrix) is no model parameter: its state stays with the layout, as in fp32 runs."""
         model_param = {id(main): param for main, param in zip(self.main, self.params)}
-        return [model_param[id(m)] for group in self.inner.param_groups for m in group["params"]]
+        return [
+            (model_param[id(main)], entries)
+            for main, entries in self.inner.state.items()
+            if id(main) in model_param
+        ]
 
     def state_dict(self) -> dict:
         """The inner optimizer's per-parameter state, plus the fp32 main weights by

@@ -96,6 +96,10 @@ class OptimizerChain:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=set_to_none)
+        # A weight stepped through a stand-in is in no optimizer's groups: its own gradient
+        # would otherwise add up over the steps.
+        for weight in self.stand_ins:
+            weight.grad = None
 
     def state_dict(self) -> dict:
         return {name: opt.state_dict() for name, opt in self.optimizers.items()}

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 import torch
-from conftest import HEADS, TinyGPT, optimizer_config
+from conftest import HEADS, HIDDEN, VOCAB, TinyGPT, optimizer_config
 
 from megatron.training.optimizer.muon import COEFFICIENT_SETS, Muon, coefficient_schedule
 from megatron.training.optimizer.suite import build_suite_optimizer
@@ -165,3 +165,21 @@ def test_megatrons_muon_command_line_trains():
     losses = run_delayed(args, delay=0, evaluate=False).losses
     assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("split_qkv", [True, False])
+def test_zero_grad_clears_every_weight_a_stand_in_steps(split_qkv):
+    """The split QKV weight is stepped through its Q, K and V blocks, so it is in no
+    optimizer's groups; zero_grad must still clear its gradient, or backward passes add each
+    step's gradient to all the earlier ones (fp32 runs, where the model's gradient is the
+    optimizer's: the QKV update and the clipping norm then drifted from step 2 on)."""
+    model = TinyGPT()
+    chain = build_suite_optimizer(model, optimizer_config("muon", muon_split_qkv=split_qkv))
+    for step in range(2):
+        tokens = torch.arange(VOCAB)
+        hidden = model.embedding.word_embeddings(tokens)
+        hidden = model.decoder.layers[0].self_attention.linear_qkv(hidden)[:, :HIDDEN]
+        model.output_layer(hidden).square().mean().backward()
+        chain.step()
+        chain.zero_grad(set_to_none=True)
+        assert [n for n, p in model.named_parameters() if p.grad is not None] == []
