@@ -455,19 +455,32 @@ class RankRuntime:
             self.trace.append(TraceEvent(self.context.stage, action, start + self._blocked_s, end))
 
     def _run_pass(self, part: Action, work: "_CallWork") -> None:
-        kind = part.kind
-        if kind is ActionKind.FORWARD:
-            loss = self._forward(self._lane_of(part), work)
-            if loss is not None:
-                work.losses.append(loss)
-        elif kind is ActionKind.BACKWARD:
-            self._backward(self._lane_of(part), split=self.state.splits_backward)
-        elif kind is ActionKind.WEIGHT_GRAD:
-            self._weight_grad(self._lane_of(part))
-        elif kind is ActionKind.STEP:
-            self._step(work.optimizer_step_func)
-        else:
+        handler = self._PASS_HANDLERS.get(part.kind)
+        if handler is None:
             raise RuntimeError(f"the runtime cannot execute {part}")
+        handler(self, part, work)
+
+    def _run_forward(self, part: Action, work: "_CallWork") -> None:
+        loss = self._forward(self._lane_of(part), work)
+        if loss is not None:
+            work.losses.append(loss)
+
+    def _run_backward(self, part: Action, work: "_CallWork") -> None:
+        self._backward(self._lane_of(part), split=self.state.splits_backward)
+
+    def _run_weight_grad(self, part: Action, work: "_CallWork") -> None:
+        self._weight_grad(self._lane_of(part))
+
+    def _run_step(self, part: Action, work: "_CallWork") -> None:
+        self._step(work.optimizer_step_func)
+
+    # One handler per kind that runs (schedules.base.KIND_INFO: `runs`).
+    _PASS_HANDLERS = {
+        ActionKind.FORWARD: _run_forward,
+        ActionKind.BACKWARD: _run_backward,
+        ActionKind.WEIGHT_GRAD: _run_weight_grad,
+        ActionKind.STEP: _run_step,
+    }
 
     def _is_full_backward(self, action: Action) -> bool:
         """B with the W of the same microbatch in one slot, nothing older awaiting its W: one

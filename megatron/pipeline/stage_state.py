@@ -19,7 +19,7 @@ shows the stage's state and its recent actions, before anything is changed.
 import collections
 from dataclasses import dataclass, field
 
-from .schedules.base import Action, ActionKind, ChunkView, StageView
+from .schedules.base import Action, ActionKind, ChunkView, StageView, kind_info
 
 NO_LIMIT = 2**62  # forward limit of a call that need not drain
 RECENT_ACTIONS = 12  # how many past actions an error message shows
@@ -90,34 +90,46 @@ class StageState:
     # ------------------------------------------------------------------ validation
     def problem_with(self, action: Action, *, step_enabled: bool = True) -> str | None:
         """Why `action` cannot run on this stage now (None: it can)."""
-        kind, microbatch = action.kind, action.microbatch
-        if kind is ActionKind.FORWARD:
-            if microbatch != self.forwards:
-                return f"names microbatch {microbatch}, the stage's next forward is {self.forwards}"
-            if self.forwards >= self.forward_limit:
-                return f"forwards past the forward limit {self.forward_limit} (end of the data)"
-        elif kind is ActionKind.BACKWARD:
-            if microbatch != self.backwards:
-                return (
-                    f"names microbatch {microbatch}, the stage's next backward is {self.backwards}"
-                )
-            if self.backwards >= self.forwards:
-                return "backwards a microbatch that was not forwarded"
-        elif kind is ActionKind.WEIGHT_GRAD:
-            if not self.splits_backward:
-                return "is a weight-gradient pass, but the schedule does not split its backward"
-            if microbatch != self.weight_grads:
-                return (
-                    f"names weight gradient {microbatch}, the stage's next is {self.weight_grads}"
-                )
-            if self.weight_grads >= self.backwards:
-                return "computes a weight gradient before its input gradient"
-        elif kind is ActionKind.STEP:
-            if not step_enabled:
-                return "steps the optimizer, but the caller steps it itself"
-        else:
+        check = self._CHECKS.get(action.kind)
+        if check is None:
             return "is not an action a stage can run"
+        return check(self, action.microbatch, step_enabled)
+
+    def _forward_problem(self, microbatch: int, step_enabled: bool) -> str | None:
+        if microbatch != self.forwards:
+            return f"names microbatch {microbatch}, the stage's next forward is {self.forwards}"
+        if self.forwards >= self.forward_limit:
+            return f"forwards past the forward limit {self.forward_limit} (end of the data)"
         return None
+
+    def _backward_problem(self, microbatch: int, step_enabled: bool) -> str | None:
+        if microbatch != self.backwards:
+            return f"names microbatch {microbatch}, the stage's next backward is {self.backwards}"
+        if self.backwards >= self.forwards:
+            return "backwards a microbatch that was not forwarded"
+        return None
+
+    def _weight_grad_problem(self, microbatch: int, step_enabled: bool) -> str | None:
+        if not self.splits_backward:
+            return "is a weight-gradient pass, but the schedule does not split its backward"
+        if microbatch != self.weight_grads:
+            return f"names weight gradient {microbatch}, the stage's next is {self.weight_grads}"
+        if self.weight_grads >= self.backwards:
+            return "computes a weight gradient before its input gradient"
+        return None
+
+    def _step_problem(self, microbatch: None, step_enabled: bool) -> str | None:
+        if not step_enabled:
+            return "steps the optimizer, but the caller steps it itself"
+        return None
+
+    # One check per kind a stage runs (schedules.base.KIND_INFO); WAIT and DONE are no work.
+    _CHECKS = {
+        ActionKind.FORWARD: _forward_problem,
+        ActionKind.BACKWARD: _backward_problem,
+        ActionKind.WEIGHT_GRAD: _weight_grad_problem,
+        ActionKind.STEP: _step_problem,
+    }
 
     def check(self, action: Action, *, step_enabled: bool = True) -> None:
         """Raise `IllegalActionError` with the stage's state if `action` cannot run."""
@@ -297,7 +309,7 @@ class RankState:
             )
 
     def _problem_with(self, part: Action, step_enabled: bool, in_slot: set) -> str | None:
-        if part.kind is ActionKind.STEP:
+        if not kind_info(part.kind).per_chunk:  # the rank's (STEP): any chunk's state says
             return self.chunks[0].problem_with(part, step_enabled=step_enabled)
         if self.chunked and part.chunk is None:
             return "names no model chunk (the schedule places several on each rank)"

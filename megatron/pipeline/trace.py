@@ -18,10 +18,10 @@ import os
 from dataclasses import dataclass
 from typing import Iterable
 
-from .schedules.base import Action, ActionKind
+from .schedules.base import KIND_INFO, Action, ActionKind
 
 _US_PER_S = 1e6
-_NOT_WORK = (ActionKind.WAIT, ActionKind.DONE)
+_NOT_WORK = tuple(kind for kind, info in KIND_INFO.items() if not info.runs)
 
 
 @dataclass(frozen=True)

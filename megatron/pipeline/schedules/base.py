@@ -77,6 +77,48 @@ FORWARD, BACKWARD, STEP, WAIT, DONE = (
 WEIGHT_GRAD = ActionKind.WEIGHT_GRAD
 
 
+class Transfer(enum.Enum):
+    """What travels between virtual stages: an activation goes to the next one, the gradient
+    of an activation back to the previous one."""
+
+    ACTIVATION = "activation"
+    GRADIENT = "gradient"
+
+
+@dataclass(frozen=True)
+class KindInfo:
+    """What an action kind is, said once for everything that handles actions: the stage
+    checks (stage_state.py), the runtime's handler table, the simulator (what a pass waits for,
+    what it sends, what it costs) and the trace. A new kind is an entry here plus a handler
+    in the runtime, the simulator and the stage checks; each of them refuses a kind it has
+    no handler for."""
+
+    runs: bool  # takes the rank's time (WAIT and DONE only steer the loop)
+    per_chunk: bool  # names a microbatch of a model chunk (STEP is the whole rank's)
+    needs: Transfer | None = None  # waits for it, except at the pipeline's end that makes it
+    sends: Transfer | None = None  # sent when its slot ends, except at the pipeline's end
+    counter: str | None = None  # the stage counter it advances (its index for costs, noise)
+
+
+KIND_INFO: dict[ActionKind, KindInfo] = {
+    FORWARD: KindInfo(runs=True, per_chunk=True, needs=Transfer.ACTIVATION,
+                      sends=Transfer.ACTIVATION, counter="forwards"),
+    BACKWARD: KindInfo(runs=True, per_chunk=True, needs=Transfer.GRADIENT,
+                       sends=Transfer.GRADIENT, counter="backwards"),
+    WEIGHT_GRAD: KindInfo(runs=True, per_chunk=True, counter="weight_grads"),
+    STEP: KindInfo(runs=True, per_chunk=False, counter="steps"),
+    WAIT: KindInfo(runs=False, per_chunk=False),
+    DONE: KindInfo(runs=False, per_chunk=False),
+}  # fmt: skip
+
+
+def kind_info(kind: ActionKind) -> KindInfo:
+    try:
+        return KIND_INFO[kind]
+    except KeyError:
+        raise ValueError(f"action kind {kind} has no entry in KIND_INFO") from None
+
+
 class StagePosition:
     """`is_first` and `is_last` for a class with `stage` (0-indexed) and `num_stages` fields:
     the schedules' `StageView` and the runtime's `PipelineContext`."""

@@ -47,7 +47,7 @@ import math
 from typing import Sequence
 
 from ..schedules import placement as placements
-from ..schedules.base import Action, ActionKind, Schedule, StageView
+from ..schedules.base import Action, ActionKind, Schedule, StageView, Transfer, kind_info
 from ..stage_state import IllegalActionError, RankState
 from ..trace import TraceEvent
 from .costs import CostNoise
@@ -126,6 +126,13 @@ class _Simulator:
             self.full_backward_cost = self.backward_cost
         else:
             self.full_backward_cost = [b + w for b, w in zip(self.backward_cost, self.wgrad_cost)]
+        # the cost per virtual stage (per rank for STEP) of each kind that runs (KIND_INFO)
+        self.cost_by_kind = {
+            ActionKind.FORWARD: self.forward_cost,
+            ActionKind.BACKWARD: self.full_backward_cost,
+            ActionKind.WEIGHT_GRAD: self.wgrad_cost,
+            ActionKind.STEP: self.step_cost,
+        }
 
     def _new_state(self, rank: int) -> RankState:
         state = RankState(
@@ -199,12 +206,15 @@ class _Simulator:
     def input_ready(self, st: _Stage, action: Action) -> bool:
         """Whether the inputs of the action, and of the passes run together with it, are there."""
         for part in action.passes:
+            needs = kind_info(part.kind).needs
+            if needs is None:
+                continue
             c = st.state.chunk_of(part)
             chunk = st.state.chunks[c]
-            if part.kind is ActionKind.FORWARD:
+            if needs is Transfer.ACTIVATION:
                 if not (chunk.stage == 0 or st.activations_arrived[c] > chunk.forwards):
                     return False
-            elif part.kind is ActionKind.BACKWARD and chunk.stage != self.last_virtual_stage:
+            elif chunk.stage != self.last_virtual_stage:
                 if not st.gradients_arrived[c] > chunk.backwards:
                     return False
         return True
@@ -223,9 +233,7 @@ class _Simulator:
                 st.waiting = True
             else:
                 self.check(st, action)
-                waits_for_input = any(
-                    part.kind in (ActionKind.FORWARD, ActionKind.BACKWARD) for part in action.passes
-                )
+                waits_for_input = any(kind_info(part.kind).needs for part in action.passes)
                 if waits_for_input and not self.input_ready(st, action):
                     st.blocked = action
                 else:
@@ -257,16 +265,13 @@ class _Simulator:
 
     def pass_cost(self, st: _Stage, action: Action) -> float:
         s, state, kind = st.index, st.state, action.kind
-        nominal, index = {
-            ActionKind.FORWARD: (self.forward_cost, state.forwards),
-            ActionKind.BACKWARD: (self.full_backward_cost, state.backwards),
-            ActionKind.WEIGHT_GRAD: (self.wgrad_cost, state.weight_grads),
-            ActionKind.STEP: (self.step_cost, state.steps),
-        }[kind]
-        at = s if kind is ActionKind.STEP else state.chunks[state.chunk_of(action)].stage
+        nominal, info = self.cost_by_kind.get(kind), kind_info(kind)
+        if nominal is None:
+            raise SimulationError(f"{self.schedule.name}: the simulator has no cost for {action}")
+        at = state.chunks[state.chunk_of(action)].stage if info.per_chunk else s
         if self.noise is None:
             return nominal[at]
-        return nominal[at] * self.noise.factor(s, kind.value, index)
+        return nominal[at] * self.noise.factor(s, kind.value, getattr(state, info.counter))
 
     def finish(self, st: _Stage) -> None:
         action, start = st.current
@@ -277,25 +282,47 @@ class _Simulator:
             self.timeline.append(TraceEvent(st.index, action, start, self.now))
         sends = []  # passes run together send their outputs when the slot ends
         for part in action.passes:
-            kind, mb = part.kind, part.microbatch
-            chunk = st.state.chunk_of(part)
-            virtual_stage = st.state.chunks[chunk].stage
-            if kind is ActionKind.FORWARD:
-                self.on_forward(st, chunk, mb)
-                if virtual_stage < self.last_virtual_stage:
-                    sends.append((virtual_stage + 1, _ACTIVATION))
-            elif kind is ActionKind.BACKWARD:
-                self.on_backward(st, chunk)
-                st.backward_ends[mb] = self.now  # the rank's last backward of mb, over chunks
-                if virtual_stage > 0:
-                    sends.append((virtual_stage - 1, _GRADIENT))
-            elif kind is ActionKind.WEIGHT_GRAD:
-                self.gradient_done(st, st.state.record_weight_grad(chunk))
-            else:
-                st.state.record_step()
-                self.count_versions(st)
+            finished = self._FINISHED.get(part.kind)
+            if finished is None:
+                raise SimulationError(f"{self.schedule.name}: the simulator cannot run {part}")
+            finished(self, st, part)
+            sends += self._sends_of(st, part)
         for virtual_stage, kind in sends:
             self.send(st, virtual_stage, kind)
+
+    def _sends_of(self, st: _Stage, part: Action) -> list[tuple[int, int]]:
+        """(virtual stage, transfer) that `part` sends when its slot ends (KIND_INFO)."""
+        sends = kind_info(part.kind).sends
+        if sends is None:
+            return []
+        virtual_stage = st.state.chunks[st.state.chunk_of(part)].stage
+        if sends is Transfer.ACTIVATION and virtual_stage < self.last_virtual_stage:
+            return [(virtual_stage + 1, _ACTIVATION)]
+        if sends is Transfer.GRADIENT and virtual_stage > 0:
+            return [(virtual_stage - 1, _GRADIENT)]
+        return []
+
+    def _finished_forward(self, st: _Stage, part: Action) -> None:
+        self.on_forward(st, st.state.chunk_of(part), part.microbatch)
+
+    def _finished_backward(self, st: _Stage, part: Action) -> None:
+        self.on_backward(st, st.state.chunk_of(part))
+        st.backward_ends[part.microbatch] = self.now  # the rank's last backward of it
+
+    def _finished_weight_grad(self, st: _Stage, part: Action) -> None:
+        self.gradient_done(st, st.state.record_weight_grad(st.state.chunk_of(part)))
+
+    def _finished_step(self, st: _Stage, part: Action) -> None:
+        st.state.record_step()
+        self.count_versions(st)
+
+    # What the end of each kind that runs does to the state (schedules.base.KIND_INFO).
+    _FINISHED = {
+        ActionKind.FORWARD: _finished_forward,
+        ActionKind.BACKWARD: _finished_backward,
+        ActionKind.WEIGHT_GRAD: _finished_weight_grad,
+        ActionKind.STEP: _finished_step,
+    }
 
     def send(self, st: _Stage, virtual_stage: int, kind: int) -> None:
         """An activation or gradient for `virtual_stage`: after the latency on another rank, at
