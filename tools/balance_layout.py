@@ -30,6 +30,9 @@ def rows(args) -> list[dict]:
         else:
             layers = balance.layer_costs_from_model(args, shape, mbs, curve[mbs])
             p2p = projection.p2p_model(args, mbs)
+        if args.enable_vocab_parallel:
+            reductions = projection.vocab_reductions_s(args, mbs)
+            layers = balance.partition_vocabulary(layers, args.stages, reductions)
         even = args.stage_layers
         throughput = {}
 

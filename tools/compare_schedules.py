@@ -15,6 +15,7 @@ activations against m, one row per model.
 """
 
 import argparse
+import dataclasses
 import sys
 
 from megatron.pipeline.schedules import SIMULATED_SCHEDULES
@@ -26,6 +27,11 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=sorted(MODELS), action="append", required=True)
     parser.add_argument("--microbatches", default="8,16,32", help="comma list of m per step")
     parser.add_argument("--stage-costs", action="store_true")
+    parser.add_argument(
+        "--enable-vocab-parallel",
+        action="store_true",
+        help="the output layer and loss split by vocabulary over the ranks (even layer split)",
+    )
     parser.add_argument("--png", help="write the figure here")
     args = parser.parse_args(argv)
     try:
@@ -37,6 +43,8 @@ def main(argv=None) -> int:
     tables = {}
     for name in args.model:
         model = MODELS[name]
+        if args.enable_vocab_parallel:
+            model = dataclasses.replace(model, vocab_parallel=True)
         tables[name] = table(model, counts)
         print(markdown(model, tables[name]))
         if args.stage_costs:

@@ -6,6 +6,11 @@ step, and the sum does not depend on the split. So one split is best for both: t
 slowest stage is fastest. The first stage also holds the embedding, the last the output layer
 and the loss; layers are contiguous. `balanced_split` finds the best split exactly, by dynamic
 programming over (stage, layers placed so far).
+
+With the vocabulary partitioned over the pipeline ranks (`--enable-vocab-parallel`,
+`partition_vocabulary`), the embedding, the output layer and the loss are no stage's own: each
+rank runs 1/N of them, plus its part in the per-microbatch reductions, so every stage carries
+the same extra (`LayerCosts.every_stage`) and only the transformer layers are left to split.
 """
 
 import math
@@ -23,6 +28,7 @@ class LayerCosts:
     layers: list[tuple[float, float, float, float]]  # (forward, backward, wgrad, step) each
     embedding: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     output: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    every_stage: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # vocabulary shards
 
     def stage_costs(self, split: list[int], p2p_latency: float | None = None) -> StageCosts:
         """The per-stage costs of `split` (layers per stage, contiguous, summing to all)."""
@@ -33,6 +39,7 @@ class LayerCosts:
             parts = self.layers[start : start + count]
             parts += [self.embedding] if s == 0 else []
             parts += [self.output] if s == len(split) - 1 else []
+            parts += [self.every_stage]
             per_stage.append([sum(values) for values in zip((0.0,) * 4, *parts)])
             start += count
         return StageCosts(*[list(c) for c in zip(*per_stage)], p2p_latency=p2p_latency)
@@ -66,9 +73,10 @@ def balanced_split(
 
     ends = {0: part(costs.embedding)}  # the first stage may also be the last
     ends[num_stages - 1] = ends.get(num_stages - 1, 0.0) + part(costs.output)
+    shared = part(costs.every_stage)
 
     def block(stage: int, start: int, stop: int) -> float:
-        return prefix[stop] - prefix[start] + ends.get(stage, 0.0)
+        return prefix[stop] - prefix[start] + ends.get(stage, 0.0) + shared
 
     # best[s][j]: the slowest of stages 0..s when they hold layers [0, j); choice: where s starts
     best = [[math.inf] * (n_layers + 1) for _ in range(num_stages)]
@@ -88,6 +96,24 @@ def balanced_split(
         stop = start
     split.append(stop)
     return split[::-1]
+
+
+def partition_vocabulary(
+    costs: LayerCosts, num_stages: int, reductions: tuple[float, float] = (0.0, 0.0)
+) -> LayerCosts:
+    """`costs` with the embedding, the output layer and the loss split evenly over the
+    `num_stages` ranks by vocabulary: each stage runs 1/N of their forward, backward, weight
+    gradient and step, plus `reductions` (forward, backward seconds per microbatch: the
+    embedding's and the softmax statistics' reductions, the last hidden state to every rank
+    and its gradient back), which every rank takes part in."""
+    share = [
+        (e + o) / num_stages + x
+        for e, o, x in zip(costs.embedding, costs.output, costs.every_stage)
+    ]
+    share[0] += reductions[0]
+    share[1] += reductions[1]
+    zero = (0.0, 0.0, 0.0, 0.0)
+    return LayerCosts(costs.layers, zero, zero, tuple(share))
 
 
 def arrangements(split: list[int]) -> list[list[int]]:

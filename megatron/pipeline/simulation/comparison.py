@@ -37,6 +37,9 @@ class Model:
     micro_batch_size: int
     interleaved_chunks: int  # v of interleaved 1F1B (Megatron's VP)
     note: str = ""
+    # --enable-vocab-parallel: the output layer and loss split evenly over the ranks (each
+    # rank's share spread over its chunks), their passes placed without a bubble
+    vocab_parallel: bool = False
 
 
 MODELS = {
@@ -106,7 +109,7 @@ def layers_per_virtual_stage(model: "Model", chunks: int, shape: str) -> list[in
     output_rank, _ = placement.locate(placement.num_virtual_stages - 1)
     lf = layer_flops(model.shape, model.micro_batch_size)
     of = output_flops(model.shape, model.micro_batch_size)
-    output_layers = sum(of) / sum(lf)
+    output_layers = 0.0 if model.vocab_parallel else sum(of) / sum(lf)
     totals = rank_layer_totals(model.shape.num_layers, model.ranks, output_layers, output_rank)
     layers = [0] * placement.num_virtual_stages
     for rank, total in enumerate(totals):
@@ -126,7 +129,11 @@ def virtual_stage_costs(model: Model, chunks: int, shape: str) -> tuple[list, li
     backward = [n * lb / unit for n in layers]
     wgrad = [n * lw / unit for n in layers]
     for costs, extra in ((forward, of), (backward, ob), (wgrad, ow)):
-        costs[-1] += extra / unit  # the last virtual stage: output layer and loss
+        if model.vocab_parallel:  # every virtual stage its share
+            for index in range(len(costs)):
+                costs[index] += extra / unit / len(costs)
+        else:
+            costs[-1] += extra / unit  # the last virtual stage: output layer and loss
     return forward, backward, wgrad
 
 
@@ -185,10 +192,12 @@ def table(model: Model, microbatch_counts: list[int]) -> list[Row]:
 
 
 def markdown(model: Model, rows: list[Row]) -> str:
+    vocabulary = "; vocabulary split over the ranks" if model.vocab_parallel else ""
     lines = [
         f"**{model.name}** ({model.shape.num_layers} layers, hidden {model.shape.hidden}, "
         f"micro batch {model.micro_batch_size} x {model.shape.seq} tokens"
         + (f"; {model.note}" if model.note else "")
+        + vocabulary
         + ")",
         "",
         "| m | schedule | chunks/rank | pace (of the physical limit) | peak activations "

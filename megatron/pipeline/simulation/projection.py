@@ -161,6 +161,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="give every stage the mean stage cost (a perfectly balanced pipeline)",
     )
+    g(
+        "--enable-vocab-parallel",
+        action="store_true",
+        help="the embedding, output layer and loss split by vocabulary over the pipeline ranks",
+    )
     g("--global-batch-sizes", type=_positive_ints, help="m = global batch / micro-batch size")
     g(
         "--microbatches",
@@ -379,6 +384,24 @@ def p2p_model(args, mbs: int) -> float:
     return args.p2p_latency_us * 1e-6 + num_bytes / (args.p2p_bandwidth_gbs * 1e9)
 
 
+def vocab_reductions_s(args, mbs: int) -> tuple[float, float]:
+    """(forward, backward) seconds per microbatch a rank spends in the collectives of a
+    vocabulary split over N pipeline ranks. Forward: the last hidden state broadcast to every
+    rank, the softmax statistics all-reduced (max, sum, target logit: 3 fp32 per token), the
+    embedding's output summed onto the first stage; backward: the hidden state's gradient
+    summed onto the last stage, the embedding output's gradient broadcast. A pipelined
+    broadcast or reduce moves its bytes once over the p2p bandwidth, an all-reduce 2 (N - 1) / N
+    times; each adds N - 1 latencies. Counted as the rank's busy time: no overlap with compute
+    is assumed."""
+    n, tokens = args.stages, mbs * args.seq_length
+    if n == 1:
+        return 0.0, 0.0
+    bandwidth, latency = args.p2p_bandwidth_gbs * 1e9, (n - 1) * args.p2p_latency_us * 1e-6
+    hidden = latency + tokens * args.hidden_size * 2 / bandwidth  # bf16, broadcast or reduce
+    statistics = latency + 2 * (n - 1) / n * tokens * 3 * 4 / bandwidth
+    return 2 * hidden + statistics, 2 * hidden
+
+
 def modelled_costs(args, shape: Shape, mbs: int, efficiency: float) -> StageCosts:
     rate = args.peak_tflops * 1e12 * efficiency
     lf, lb, lw = (x / rate for x in layer_flops(shape, mbs))
@@ -386,20 +409,35 @@ def modelled_costs(args, shape: Shape, mbs: int, efficiency: float) -> StageCost
     bytes_per_s = args.memory_bandwidth_gbs * 1e9
     per_param = args.optimizer_bytes_per_param / bytes_per_s
     forward, backward, wgrad, step = [], [], [], []
-    last = len(args.stage_layers) - 1
     for s, layers in enumerate(args.stage_layers):
-        params = layers * shape.layer_params()
+        params = layers * shape.layer_params() + vocab_params(args, shape, s)
         f, b, w = layers * lf, layers * lb, layers * lw
-        if s == 0:
-            params += shape.embedding_params()
-        if s == last:
-            params += shape.output_params()
-            f, b, w = f + of, b + ob, w + ow
-        forward.append(f)
-        backward.append(b)
-        wgrad.append(w)
+        share = _output_share(args, s)
+        forward.append(f + share * of)
+        backward.append(b + share * ob)
+        wgrad.append(w + share * ow)
         step.append(params * per_param)
+    if args.enable_vocab_parallel:
+        reductions = vocab_reductions_s(args, mbs)
+        forward = [f + reductions[0] for f in forward]
+        backward = [b + reductions[1] for b in backward]
     return StageCosts(forward, backward, wgrad, step, p2p_model(args, mbs), "cost model")
+
+
+def _output_share(args, stage: int) -> float:
+    """The part of the output layer and loss that `stage` runs: all of it on the last stage,
+    1/N on every stage with the vocabulary split over the pipeline."""
+    if args.enable_vocab_parallel:
+        return 1.0 / args.stages
+    return 1.0 if stage == args.stages - 1 else 0.0
+
+
+def vocab_params(args, shape: Shape, stage: int) -> float:
+    """Parameters of the embedding and output layer (with the final norm) on `stage`."""
+    if args.enable_vocab_parallel:
+        return (shape.embedding_params() + shape.output_params()) / args.stages
+    on_first = shape.embedding_params() if stage == 0 else 0
+    return on_first + (shape.output_params() if stage == args.stages - 1 else 0)
 
 
 def calibrated_costs(args, data: dict, mbs: int) -> StageCosts:
@@ -503,18 +541,18 @@ def stage_memory_gb(args, shape: Shape, outcome: Outcome) -> list[float]:
     activations of the microbatches it holds (`_held_activations`)."""
     per_token = args.activation_bytes_per_token or 34.0 * shape.hidden
     tokens = outcome.micro_batch_size * shape.seq
-    last = len(args.stage_layers) - 1
     memory = []
     for s, layers in enumerate(args.stage_layers):
-        params = layers * shape.layer_params()
+        params = layers * shape.layer_params() + vocab_params(args, shape, s)
         activation = layers * per_token * tokens
-        if s == 0:
-            params += shape.embedding_params()
-        if s == last:
-            params += shape.output_params()
-            activation += tokens * shape.vocab * 4  # fp32 logits kept for the loss backward
+        # fp32 logits kept for the loss backward: on the last stage for every microbatch it
+        # holds; with the vocabulary split, a shard's for the one microbatch between its
+        # output passes
+        logits = _output_share(args, s) * tokens * shape.vocab * 4
+        if not args.enable_vocab_parallel:
+            activation, logits = activation + logits, 0.0
         total = params * args.param_bytes + outcome.extra_weight_versions[s] * params * 2
-        total += outcome.held_activations[s] * activation
+        total += outcome.held_activations[s] * activation + logits
         memory.append(total / 1e9)
     return memory
 
@@ -540,6 +578,11 @@ def run(args) -> dict:
         args.num_layers, args.hidden_size, args.ffn_hidden_size, args.seq_length, args.vocab_size
     )
     calibration = args.calibration_data
+    if calibration is not None and args.enable_vocab_parallel:
+        raise SettingsError(
+            "--enable-vocab-parallel re-splits the output layer: use the cost model, or a "
+            "per-layer calibration with tools/balance_layout.py"
+        )
     curve = None if calibration else efficiency_curve(args)
     costs = {}
     for mbs in sorted(set(args.micro_batch_sizes)):

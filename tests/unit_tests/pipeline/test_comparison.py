@@ -65,3 +65,20 @@ def test_schedules_outside_their_rules_are_marked_not_defined():
     dualpipe = rows[("dualpipe-v", 8)]
     assert dualpipe.pace is None and "at least 16 microbatches" in dualpipe.note
     assert all(r.pace is not None for key, r in rows.items() if key[0] != "dualpipe-v")
+
+
+def test_the_vocabulary_split_lifts_the_whole_layer_cap():
+    """GPT-2 Medium on 8 ranks: with the output layer whole on a rank, whole layers cap every
+    schedule at 0.868 of the physical limit and PACI sits on it; split by vocabulary (3
+    layers and 1/8 of the output layer per rank) PACI reaches the limit, and interleaved
+    1F1B's chunks balance too."""
+    model = MODELS["gpt2-medium"]
+    split = dataclasses.replace(model, vocab_parallel=True)
+    assert layers_per_virtual_stage(split, 1, "interleaved") == [3] * 8
+    assert compare(model, "paci", 1, 8).pace == pytest.approx(0.868, abs=5e-4)
+    assert compare(split, "paci", 1, 8).pace == pytest.approx(1.0, abs=1e-9)
+    assert compare(split, "1f1b", 1, 8).pace == pytest.approx(8 / 15, abs=1e-9)  # m / (m + N - 1)
+    assert (
+        compare(split, "interleaved-1f1b", None, 16).pace
+        > compare(model, "interleaved-1f1b", None, 16).pace
+    )
