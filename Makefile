@@ -8,7 +8,7 @@ CORPUS := $(DATA)/stdlib.jsonl
 TOKENIZER := $(DATA)/tokenizer/stdlib.model
 DATASET := $(DATA)/stdlib_text_document
 
-.PHONY: venv data data-gpt2 demo test cluster-test unit-test functional-test lint format clean
+.PHONY: venv data data-gpt2 data-small demo test cluster-test unit-test functional-test lint format clean
 
 venv: $(VENV)/.installed
 
@@ -50,6 +50,21 @@ $(GPT2_DATASET).idx: $(GPT2_VOCAB)
 		--append-eod --workers 2
 
 data-gpt2: $(GPT2_DATASET).idx
+
+# The convergence studies' small model (tools/time_to_accuracy.py --model small, small-moe):
+# the default corpus with a 1,024-token SentencePiece model (docs/convergence.md).
+SMALL := runs/data_v1k
+SMALL_TOKENIZER := $(SMALL)/tokenizer/stdlib1k.model
+
+$(SMALL_TOKENIZER): $(CORPUS)
+	$(PY) tools/train_tokenizer.py --input $(CORPUS) --json-key text \
+		--output-prefix $(SMALL)/tokenizer/stdlib1k --vocab-size 1024
+
+$(SMALL)/stdlib_text_document.idx: $(SMALL_TOKENIZER)
+	$(PY) tools/preprocess_data.py --input $(CORPUS) --json-keys text --output-prefix $(SMALL)/stdlib \
+		--tokenizer-type SentencePieceTokenizer --tokenizer-model $(SMALL_TOKENIZER) --append-eod --workers 1
+
+data-small: $(SMALL)/stdlib_text_document.idx
 
 # 4-stage CPU pretraining with 1F1B-flush, then PACI, on the same data; prints both side by side.
 demo: venv data

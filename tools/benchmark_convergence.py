@@ -18,6 +18,8 @@ import os
 import subprocess
 import sys
 
+from megatron.training.errors import run_tool
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -74,4 +76,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -19,6 +19,8 @@ import sys
 
 from benchmark_convergence import run_schedule  # the demo's flags, one schedule, its summary
 
+from megatron.training.errors import run_tool
+
 
 def window_means(losses: list[float], window: int) -> list[float]:
     return [
@@ -72,4 +74,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -35,6 +35,7 @@ from megatron.pipeline.simulation.emulated_benchmark import (
 )
 from megatron.pipeline.simulation.results import steady_state_window
 from megatron.pipeline.simulation.runtime_comparison import RUNTIME_NAMES, compare_in_runtime
+from megatron.training.errors import run_tool
 
 
 def parse_model_args(argv) -> argparse.Namespace:
@@ -140,4 +141,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -10,6 +10,7 @@ Example::
 import sys
 
 from megatron.training.data.corpus import main
+from megatron.training.errors import run_tool
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -21,7 +21,7 @@ import os
 import sys
 
 from megatron.studies import calibration
-from megatron.training.errors import UserError
+from megatron.training.errors import UserError, run_tool
 
 
 def write(path: str, text: str) -> None:
@@ -48,4 +48,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

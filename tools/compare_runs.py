@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from megatron.training.errors import run_tool
+
 
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
@@ -72,4 +74,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -20,6 +20,7 @@ import sys
 
 from megatron.pipeline.schedules import SIMULATED_SCHEDULES
 from megatron.pipeline.simulation.comparison import MODELS, markdown, table, virtual_stage_costs
+from megatron.training.errors import run_tool
 
 
 def main(argv=None) -> int:
@@ -98,4 +99,4 @@ def plot(tables: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

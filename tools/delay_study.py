@@ -19,6 +19,8 @@ import argparse
 import os
 import sys
 
+from megatron.training.errors import run_tool
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -97,4 +99,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

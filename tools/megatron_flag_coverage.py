@@ -41,6 +41,7 @@ from megatron.studies.flag_coverage import (
     parser_flag_table,
     report,
 )
+from megatron.training.errors import run_tool
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 DATA_FILE = os.path.join(TOOLS, "data", "megatron_gpt_command_lines.json")
@@ -103,4 +104,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

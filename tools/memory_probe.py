@@ -7,6 +7,7 @@ python tools/memory_probe.py --analyze DIR [DIR ...]
 import sys
 
 from megatron.studies.memory_probe import main
+from megatron.training.errors import run_tool
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -23,6 +23,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from megatron.studies import time_to_accuracy as tta  # noqa: E402
+from megatron.training.errors import run_tool
 
 
 def main(argv=None) -> int:
@@ -72,4 +73,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

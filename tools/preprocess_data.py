@@ -14,6 +14,7 @@ writes ``data/stdlib_text_document.bin`` and ``data/stdlib_text_document.idx``.
 import sys
 
 from megatron.training.data.preprocessing import main
+from megatron.training.errors import run_tool
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -18,6 +18,7 @@ import sys
 
 from megatron.pipeline.simulation import projection
 from megatron.pipeline.simulation.projection_report import markdown
+from megatron.training.errors import run_tool
 
 
 def _write(path: str, content: str) -> None:
@@ -42,4 +43,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

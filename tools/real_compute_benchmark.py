@@ -18,6 +18,7 @@ import tempfile
 import time
 
 from megatron.pipeline.simulation import real_compute as rc
+from megatron.training.errors import run_tool
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -94,4 +95,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

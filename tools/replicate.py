@@ -19,6 +19,8 @@ import os
 import statistics
 import sys
 
+from megatron.training.errors import run_tool
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = 4
 GLOBAL_BATCH = 16
@@ -547,4 +549,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -54,7 +54,7 @@ from megatron.pipeline.simulation.calibration import load_stage_costs
 from megatron.pipeline.simulation.costs import parse_stage_costs
 from megatron.pipeline.simulation.gantt import plot_gantt
 from megatron.pipeline.trace import write_chrome_trace
-from megatron.training.errors import UserError
+from megatron.training.errors import UserError, run_tool
 
 DEFAULT_STEPS = 200
 DEFAULT_COSTS = {"fwd": 1.0, "bwd": 2.0, "wgrad": 0.0, "step_cost": 0.0}
@@ -193,4 +193,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

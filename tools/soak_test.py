@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+from megatron.training.errors import run_tool
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -93,4 +95,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -16,6 +16,7 @@ import time
 
 from megatron.pipeline.schedules.paci import DEFAULT_ARRIVAL_RULE
 from megatron.pipeline.simulation import arrival_study
+from megatron.training.errors import run_tool
 
 
 def number_list(cast):
@@ -72,4 +73,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

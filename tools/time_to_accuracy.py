@@ -22,6 +22,7 @@ import json
 import sys
 
 from megatron.studies import time_to_accuracy as tta
+from megatron.training.errors import run_tool
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -97,4 +98,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

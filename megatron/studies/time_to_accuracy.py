@@ -25,6 +25,8 @@ import statistics
 import subprocess
 from dataclasses import dataclass, field
 
+from megatron.training.errors import UserError
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # What both study models train with: 4 stages, micro batch 4, global batch 16 (a = 4), AdamW
@@ -165,6 +167,15 @@ def _launch(cases: list[dict], output: str) -> None:
         raise RuntimeError(f"the runs failed (exit {completed.returncode}): see {log}")
 
 
+def check_model_data(model: str) -> None:
+    """The small models read a corpus that `make data-small` builds: one line if it is not."""
+    dataset = f"{SMALL_DATA}/stdlib_text_document"
+    if model in ("small", "small-moe") and not os.path.exists(dataset + ".idx"):
+        raise UserError(
+            f"--model {model} reads {dataset}, which is not built: run `make data-small` first"
+        )
+
+
 def run_all_single_process(configurations, seeds, output, *, log=print, **run_options):
     """`run_all` with the single-process engine (`single_process_engine`), one run after the
     other in this process; `run_options` go to `Configuration.args`. Each finished run writes
@@ -173,6 +184,7 @@ def run_all_single_process(configurations, seeds, output, *, log=print, **run_op
 
     from megatron.studies.single_process_engine import parse_engine_args, train
 
+    check_model_data(run_options.get("model", "demo"))
     for seed in seeds:  # seed-major, as run_all
         for config in configurations:
             directory = run_directory(output, config.name, seed)

@@ -1,8 +1,11 @@
 """The one exception type for mistakes a user can fix (bad flags, missing files, corrupt data).
 
 Entry points catch it and print a single line (`error: ...`) with a non-zero exit code, no
-traceback. Everything else is a bug and keeps its traceback.
+traceback (`run_tool` for the command lines in tools/). Everything else is a bug and keeps its
+traceback.
 """
+
+import sys
 
 
 class UserError(Exception):
@@ -16,3 +19,13 @@ class RunFailed(Exception):
     def __init__(self, message: str, exit_code: int = 1):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def run_tool(main, *args) -> int:
+    """A command line's exit code: `main(*args)`'s, or 2 after one `error: ...` line on stderr
+    when the user's input is the problem."""
+    try:
+        return main(*args)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2

@@ -155,3 +155,23 @@ def test_the_moe_study_model_is_the_small_model_with_experts_of_equal_active_wid
     assert args.num_experts == 8 and args.moe_router_topk == 2
     assert args.moe_ffn_hidden_size * args.moe_router_topk == args.ffn_hidden_size
     assert args.pipeline_schedule == "paci" and args.optimizer == "muon"
+
+
+def test_the_small_models_data_missing_is_one_line(tmp_path):
+    """A fresh clone: the study command of docs/convergence.md before `make data-small` ends in
+    one line naming the target, not a traceback."""
+    import subprocess
+    import sys
+
+    tool = os.path.join(REPO, "tools", "time_to_accuracy.py")
+    completed = subprocess.run(
+        [sys.executable, tool, "--engine", "single-process", "--model", "small",
+         "--config", "paci=paci:1e-3", "--seeds", "1", "--output", str(tmp_path / "out")],
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert completed.returncode == 2
+    assert completed.stderr.strip().splitlines()[-1] == (
+        "error: --model small reads runs/data_v1k/stdlib_text_document, which is not built: "
+        "run `make data-small` first"
+    )
+    assert "Traceback" not in completed.stderr
