@@ -8,13 +8,13 @@ pace on it against the even split.
 The costs come from the projection's cost model (the preset's model and hardware, any of
 tools/project_paper_scale.py's flags) or from a calibration's per-layer profile
 (tools/calibrate_stage.py); the throughputs from the simulator's steady state
-(megatron/pipeline/simulation/balance.py, projection.py). Prints one JSON object.
+(megatron/benchmarks/balance.py, projection.py). Prints one JSON object.
 """
 
 import json
 import sys
 
-from megatron.pipeline.simulation import balance, projection
+from megatron.benchmarks import balance, projection
 
 
 def rows(args) -> list[dict]:

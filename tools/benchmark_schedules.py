@@ -2,7 +2,7 @@
 
 Launches `pretrain_gpt.py` through torchrun once per schedule with emulated compute and compares
 each run's steady-state throughput with the simulator's prediction from the run's own trace;
-`megatron.pipeline.simulation.emulated_benchmark` does the work and defines every figure. Prints one
+`megatron.benchmarks.emulated_benchmark` does the work and defines every figure. Prints one
 JSON object (also written to ``OUTPUT/report.json``).
 
     python tools/benchmark_schedules.py --stages 4 --microbatches 8 --fwd-ms 50 --bwd-ms 100
@@ -13,7 +13,7 @@ JSON object (also written to ``OUTPUT/report.json``).
 
 With ``--model NAME`` every schedule runs on that model's own per-virtual-stage costs (the
 comparison's FLOP model, split backward included) and the report tabulates them side by side
-(`megatron.pipeline.simulation.runtime_comparison`); ``--markdown`` prints only that table:
+(`megatron.benchmarks.runtime_comparison`); ``--markdown`` prints only that table:
 
     python tools/benchmark_schedules.py --model gpt2-medium --microbatches 16 --ms-per-layer 2 \
         --schedules 1f1b interleaved-1f1b zb-h1 zb-v dualpipe-v 2bw paci paci-interleaved
@@ -23,18 +23,18 @@ import argparse
 import json
 import sys
 
-from megatron.pipeline.schedules import get_schedule
-from megatron.pipeline.schedules.paci import with_paci_options
-from megatron.pipeline.simulation.comparison import MODELS
-from megatron.pipeline.simulation.costs import stage_values
-from megatron.pipeline.simulation.emulated_benchmark import (
+from megatron.benchmarks.comparison import MODELS
+from megatron.benchmarks.emulated_benchmark import (
     benchmark,
     has_noise,
     schedule_and_rule,
     simulated_definition,
 )
+from megatron.benchmarks.runtime_comparison import RUNTIME_NAMES, compare_in_runtime
+from megatron.pipeline.schedules import get_schedule
+from megatron.pipeline.schedules.paci import with_paci_options
+from megatron.pipeline.simulation.costs import stage_values
 from megatron.pipeline.simulation.results import steady_state_window
-from megatron.pipeline.simulation.runtime_comparison import RUNTIME_NAMES, compare_in_runtime
 from megatron.training.errors import run_tool
 
 

@@ -2,7 +2,7 @@
 calibration JSON that the pipeline simulator and the projection read.
 
 What is measured and how the costs are separated: `megatron.studies.calibration`; the file
-format: `megatron.pipeline.simulation.calibration`. ``--help`` lists every flag.
+format: `megatron.benchmarks.calibration_file`. ``--help`` lists every flag.
 
 Examples::
 

@@ -5,7 +5,7 @@
 
 Prints a markdown table per model: pace as a fraction of the physical limit, peak activations
 per rank, weight copies, drift and staleness, per schedule and microbatch count
-(`megatron/pipeline/simulation/comparison.py` defines every figure); with --stage-costs also
+(`megatron/benchmarks/comparison.py` defines every figure); with --stage-costs also
 the per-stage forward and backward costs of the one-chunk layout (relative units, one layer's
 forward = 1), for the emulated-runtime check; with --png a figure of pace and peak
 activations against m, one row per model.
@@ -18,8 +18,8 @@ import argparse
 import dataclasses
 import sys
 
+from megatron.benchmarks.comparison import MODELS, markdown, table, virtual_stage_costs
 from megatron.pipeline.schedules import SIMULATED_SCHEDULES
-from megatron.pipeline.simulation.comparison import MODELS, markdown, table, virtual_stage_costs
 from megatron.training.errors import run_tool
 
 

@@ -191,7 +191,7 @@ echo "gpu_check: per-microbatch times of each of $STAGES pipeline stages (from $
 import json
 import sys
 
-from megatron.pipeline.simulation.calibration import stage_costs_from_calibration
+from megatron.benchmarks.calibration_file import stage_costs_from_calibration
 
 path, stages = sys.argv[1], int(sys.argv[2])
 with open(path, encoding="utf-8") as f:

@@ -1,6 +1,6 @@
 """Project pipeline throughput at the paper's scale: 1F1B-flush vs PACI (and the references).
 
-The cost model, the simulation and the report are `megatron.pipeline.simulation.projection`
+The cost model, the simulation and the report are `megatron.benchmarks.projection`
 (its docstring says where the costs come from and how steady state is measured); this script
 parses the flags, prints the Markdown report and writes ``--json`` / ``--markdown``.
 `docs/projection.md` is the report these outputs make.
@@ -16,8 +16,8 @@ import json
 import os
 import sys
 
-from megatron.pipeline.simulation import projection
-from megatron.pipeline.simulation.projection_report import markdown
+from megatron.benchmarks import projection
+from megatron.benchmarks.projection_report import markdown
 from megatron.training.errors import run_tool
 
 

@@ -1,6 +1,6 @@
 """Real-compute benchmark: the GPT model on 2 pipeline stages, 1F1B-flush vs PACI, interleaved.
 
-`megatron.pipeline.simulation.real_compute` defines every figure. Runs, for each m, `--pairs`
+`megatron.benchmarks.real_compute` defines every figure. Runs, for each m, `--pairs`
 pairs of flush and PACI runs (order alternating) in one torchrun launch with one thread per
 process; then proposes the `--decoder-last-pipeline-num-layers` that balances the stages (from
 the PACI runs' per-stage costs) and repeats with it. Prints one JSON object (also written to
@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from megatron.pipeline.simulation import real_compute as rc
+from megatron.benchmarks import real_compute as rc
 from megatron.training.errors import run_tool
 
 

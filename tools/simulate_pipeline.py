@@ -35,7 +35,7 @@ rank, and the report adds ``virtual_stages``: the placement, ``bubble_over_ideal
 compute time) and the peak activations per rank in chunks and in whole-stage units.
 
 ``--calibration FILE.json`` reads the costs from a calibration file instead (its format:
-`megatron.pipeline.simulation.calibration`; ``--micro-batch-size`` picks its profile).
+`megatron.benchmarks.calibration_file`; ``--micro-batch-size`` picks its profile).
 
 Outputs: the JSON object on stdout (the simulator's metrics plus the costs used);
 ``--timeline FILE`` writes the run in Chrome trace format (open it in https://ui.perfetto.dev
@@ -48,11 +48,11 @@ import json
 import math
 import sys
 
+from megatron.benchmarks.calibration_file import load_stage_costs
+from megatron.benchmarks.gantt import plot_gantt
 from megatron.pipeline.schedules import SIMULATED_SCHEDULES, paci
 from megatron.pipeline.simulation import StageCosts, simulate
-from megatron.pipeline.simulation.calibration import load_stage_costs
 from megatron.pipeline.simulation.costs import parse_stage_costs
-from megatron.pipeline.simulation.gantt import plot_gantt
 from megatron.pipeline.trace import write_chrome_trace
 from megatron.training.errors import UserError, run_tool
 

@@ -1,7 +1,7 @@
 """Study PACI's arrival rules on uneven and noisy stages in the simulator; print the tables.
 
 Runs every rule of `megatron.pipeline.schedules.paci.ARRIVAL_RULES` over the grid of
-`megatron.pipeline.simulation.arrival_study` (which defines every figure), prints markdown
+`megatron.benchmarks.arrival_study` (which defines every figure), prints markdown
 tables (noiseless pace per case; per noise level, mean/worst pace and the default rule's
 shortfall against the best) and a JSON summary; ``--output`` also writes every run as JSON.
 
@@ -14,8 +14,8 @@ import multiprocessing
 import sys
 import time
 
+from megatron.benchmarks import arrival_study
 from megatron.pipeline.schedules.paci import DEFAULT_ARRIVAL_RULE
-from megatron.pipeline.simulation import arrival_study
 from megatron.training.errors import run_tool
 
 

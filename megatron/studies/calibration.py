@@ -34,7 +34,7 @@ A negative difference (timing noise on tiny shapes) is clamped to 0 and listed u
 embedding + L x layer + output + overhead.
 
 Output (``--output FILE.json``; printed when omitted): the calibration format of
-`megatron.pipeline.simulation.calibration`, one profile per micro-batch size in the ``layer`` +
+`megatron.benchmarks.calibration_file`, one profile per micro-batch size in the ``layer`` +
 ``num_layers`` form with ``embedding`` and ``output`` entries (``step_s`` is per optimizer
 step, split the same way), plus a top-level ``metadata`` object (device name, torch and
 megatron-core versions, layer spec, dtype, threads, date, the command, the raw medians).
@@ -63,7 +63,7 @@ import time
 import warnings
 from dataclasses import asdict
 
-from megatron.pipeline.simulation.calibration import (
+from megatron.benchmarks.calibration_file import (
     PassCost,
     calibration_document,
     decompose,

@@ -263,7 +263,7 @@ def paired_gaps(runs: list[Run], name: str, reference: str) -> dict | None:
 def projected_speed(schedules=("1f1b", "paci"), global_batches=(128, 256)) -> dict:
     """{schedule: {global batch: its best samples/s over the best flush's}} from the paper-scale
     projection with its default assumptions (docs/projection.md, row A)."""
-    from megatron.pipeline.simulation import projection
+    from megatron.benchmarks import projection
 
     args = projection.parse_args([
         "--global-batch-sizes", ",".join(map(str, global_batches)),
@@ -372,9 +372,9 @@ def _segment_seconds(schedule: str, stages: int, a: int, steps: int, calibration
                      micro_batch: int) -> float:  # fmt: skip
     """Simulated time of `steps` iterations of `schedule` from an empty pipeline to an empty
     one (flush empties it every step; PACI only at the segment's end)."""
+    from megatron.benchmarks.calibration_file import load_stage_costs
     from megatron.pipeline.schedules import get_schedule
     from megatron.pipeline.simulation import simulate
-    from megatron.pipeline.simulation.calibration import load_stage_costs
 
     costs = load_stage_costs(calibration, stages, micro_batch)
     result = simulate(get_schedule(schedule), num_stages=stages, microbatches_per_step=a,

@@ -31,10 +31,10 @@ import os
 
 import pytest
 
+from megatron.benchmarks import emulated_benchmark as bench
 from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.schedules.base import ActionKind
 from megatron.pipeline.schedules.paci import FIXED_ORDER, with_paci_options
-from megatron.pipeline.simulation import emulated_benchmark as bench
 from megatron.pipeline.simulation import results, simulate
 from megatron.pipeline.trace import action_order, read_chrome_trace
 

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from megatron.pipeline.simulation import calibration as fmt
-from megatron.pipeline.simulation import projection as proj
-from megatron.pipeline.simulation.calibration import stage_costs_from_calibration
+from megatron.benchmarks import calibration_file as fmt
+from megatron.benchmarks import projection as proj
+from megatron.benchmarks.calibration_file import stage_costs_from_calibration
 from megatron.studies import calibration as cal
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

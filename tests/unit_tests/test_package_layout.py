@@ -1,5 +1,6 @@
-"""The package layout: imports only go downward (tools -> studies -> training -> pipeline), and
-what pretrain_gpt.py imports holds no study or measurement module."""
+"""The package layout: imports only go downward (tools -> studies -> benchmarks -> training ->
+pipeline), what pretrain_gpt.py imports holds no study or measurement module, and the
+pipeline package starts no process and imports no pretrain_gpt."""
 
 import ast
 import os
@@ -7,7 +8,12 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LAYERS = ["megatron.pipeline", "megatron.training", "megatron.studies"]  # bottom to top
+LAYERS = [
+    "megatron.pipeline",
+    "megatron.training",
+    "megatron.benchmarks",
+    "megatron.studies",
+]  # bottom to top
 
 
 def module_path(module: str) -> str | None:
@@ -58,8 +64,17 @@ def test_pretrain_gpt_imports_no_study():
             seen.add(module)
             todo.append(module_path(module))
     assert "megatron.training.training" in seen  # the walk does follow the training loop
-    studies = sorted(m for m in seen if m.startswith("megatron.studies"))
+    studies = sorted(m for m in seen if m.startswith(("megatron.studies", "megatron.benchmarks")))
     assert not studies, f"pretrain_gpt.py's import graph holds {studies}"
+
+
+@pytest.mark.parametrize("module", [m for m in our_modules() if m.startswith("megatron.pipeline")])
+def test_the_pipeline_package_starts_no_process(module):
+    """Schedules, runtime, transport, state and the simulator core: launchers and benchmarks
+    that start processes (or find pretrain_gpt.py) live in megatron.benchmarks."""
+    source = open(module_path(module)).read()
+    for needle in ("subprocess", "pretrain_gpt", "multiprocessing"):
+        assert needle not in source, f"{module} mentions {needle}"
 
 
 def test_each_package_says_what_lives_there():

@@ -7,6 +7,7 @@ the reference that misses it (which is why it is not the default).
 
 import pytest
 
+from megatron.benchmarks.arrival_study import Case, grid, run_case, summarize
 from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.schedules.paci import (
     ARRIVAL_RULES,
@@ -15,7 +16,6 @@ from megatron.pipeline.schedules.paci import (
     with_paci_options,
 )
 from megatron.pipeline.simulation import simulate
-from megatron.pipeline.simulation.arrival_study import Case, grid, run_case, summarize
 from megatron.pipeline.simulation.costs import CostNoise, stage_values
 
 UNEVEN_CASES = grid()  # N in {4, 8}, a in {1, 4, 8}, slow first/middle/last at 1.2x .. 3x

@@ -8,7 +8,7 @@ import pytest
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
-from megatron.pipeline.simulation.balance import (
+from megatron.benchmarks.balance import (
     LayerCosts,
     arrangements,
     balanced_split,
@@ -97,7 +97,7 @@ def test_a_partitioned_vocabulary_is_every_stages_share():
 
 
 def test_gpt2_medium_on_8_stages_takes_3_layers_per_rank_with_the_vocabulary_split():
-    from megatron.pipeline.simulation import projection
+    from megatron.benchmarks import projection
 
     args = projection.parse_args(["--preset", "gpt2-medium", "--enable-vocab-parallel"])
     shape = projection.Shape(24, 1024, 4096, 1024, 50304)

@@ -4,14 +4,14 @@ import dataclasses
 
 import pytest
 
-from megatron.pipeline.simulation.comparison import (
+from megatron.benchmarks.comparison import (
     MODELS,
     compare,
     layers_per_virtual_stage,
     rank_layer_totals,
     table,
 )
-from megatron.pipeline.simulation.projection import Shape
+from megatron.benchmarks.projection import Shape
 
 # An output layer of negligible cost (vocabulary 1): every layer costs the same, so the
 # schedules' paces have closed forms.

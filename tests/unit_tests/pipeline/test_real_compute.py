@@ -1,6 +1,6 @@
 """The real-compute benchmark's balancing proposal (pure arithmetic; the runs are a benchmark)."""
 
-from megatron.pipeline.simulation.real_compute import balanced_last_layers, even_split
+from megatron.benchmarks.real_compute import balanced_last_layers, even_split
 
 
 def test_balancing_moves_layers_off_the_stage_with_the_output_layer():
@@ -22,7 +22,7 @@ def test_every_benchmark_case_is_a_valid_two_stage_command_line():
     embeddings, which PACI on two stages refuses) must not break the benchmark unnoticed."""
     from types import SimpleNamespace
 
-    from megatron.pipeline.simulation.real_compute import benchmark_cases
+    from megatron.benchmarks.real_compute import benchmark_cases
     from megatron.training.arguments import build_parser, validate_args
 
     options = SimpleNamespace(

@@ -4,16 +4,16 @@ schedule's emulated costs are the same work per microbatch."""
 
 import pytest
 
-from megatron.pipeline.plan import resolve_plan
-from megatron.pipeline.schedules import SIMULATED_SCHEDULES
-from megatron.pipeline.simulation import simulate
-from megatron.pipeline.simulation.comparison import MODELS, compare
-from megatron.pipeline.simulation.runtime_comparison import (
+from megatron.benchmarks.comparison import MODELS, compare
+from megatron.benchmarks.runtime_comparison import (
     RUNTIME_NAMES,
     _nominal_seconds,
     schedule_costs_ms,
     steady_pace,
 )
+from megatron.pipeline.plan import resolve_plan
+from megatron.pipeline.schedules import SIMULATED_SCHEDULES
+from megatron.pipeline.simulation import simulate
 
 MODEL = MODELS["gpt2-medium"]
 

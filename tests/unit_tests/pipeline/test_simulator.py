@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
+from megatron.benchmarks.calibration_file import stage_costs_from_calibration
 from megatron.pipeline.schedules import SIMULATED_SCHEDULES, paci
 from megatron.pipeline.schedules.base import Action, ActionKind, Schedule
 from megatron.pipeline.simulation import SimulationError, simulate
-from megatron.pipeline.simulation.calibration import stage_costs_from_calibration
 from megatron.pipeline.trace import (
     TraceEvent,
     action_order,

@@ -16,7 +16,7 @@ the same extra (`LayerCosts.every_stage`) and only the transformer layers are le
 import math
 from dataclasses import dataclass
 
-from .costs import StageCosts
+from megatron.pipeline.simulation.costs import StageCosts
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def megatron_flags(split: list[int]) -> list[str]:
 def layer_costs_from_calibration(data: dict, micro_batch_size: int | None) -> LayerCosts:
     """A calibration's per-layer profile (`layer` + `num_layers`, or `layers`) with its
     `embedding` and `output` entries; ValueError naming the field."""
-    from .calibration import _cost_entry, _layer_costs, _select_profile
+    from .calibration_file import _cost_entry, _layer_costs, _select_profile
 
     profile, where = _select_profile(data, micro_batch_size)
     if "stages" in profile:

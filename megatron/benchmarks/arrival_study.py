@@ -19,9 +19,9 @@ the same seeded draws for every rule). For each run:
 import statistics
 from dataclasses import asdict, dataclass
 
-from ..schedules.paci import ARRIVAL_RULES, drift_bound
-from .costs import CostNoise
-from .engine import simulate
+from megatron.pipeline.schedules.paci import ARRIVAL_RULES, drift_bound
+from megatron.pipeline.simulation.costs import CostNoise
+from megatron.pipeline.simulation.engine import simulate
 
 FORWARD_COST, BACKWARD_COST = 1.0, 2.0
 POSITIONS = ("first", "middle", "last")

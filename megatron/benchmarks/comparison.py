@@ -24,8 +24,9 @@ the hardware. They are projections of the schedules on the model, not measuremen
 import math
 from dataclasses import dataclass
 
-from ..schedules import SIMULATED_SCHEDULES
-from .engine import simulate
+from megatron.pipeline.schedules import SIMULATED_SCHEDULES
+from megatron.pipeline.simulation.engine import simulate
+
 from .projection import Shape, layer_flops, output_flops
 
 
@@ -103,7 +104,7 @@ def layers_per_virtual_stage(model: "Model", chunks: int, shape: str) -> list[in
     """Layers of each virtual stage: the balanced per-rank totals (`rank_layer_totals`), each
     rank's spread evenly over its chunks (the remainder on the earlier ones, so the chunk with
     the output layer, last on its rank, gets the fewest)."""
-    from ..schedules.placement import Placement
+    from megatron.pipeline.schedules.placement import Placement
 
     placement = Placement("v" if shape == "v" else "interleaved", model.ranks, chunks)
     output_rank, _ = placement.locate(placement.num_virtual_stages - 1)

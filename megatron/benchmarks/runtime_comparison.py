@@ -29,8 +29,10 @@ import os
 import statistics
 import tempfile
 
-from ..schedules.base import ActionKind
-from ..trace import read_chrome_trace
+from megatron.pipeline.schedules.base import ActionKind
+from megatron.pipeline.simulation.engine import simulate
+from megatron.pipeline.trace import read_chrome_trace
+
 from .comparison import MODELS, compare, virtual_stage_costs
 from .emulated_benchmark import (
     PRETRAIN_SCRIPT,
@@ -39,7 +41,6 @@ from .emulated_benchmark import (
     launch,
     torchrun_command,
 )
-from .engine import simulate
 
 # --model runs: the runtime's name of each compared schedule and its chunks per rank (None:
 # the model's interleaved v)
@@ -59,7 +60,7 @@ RUNTIME_NAMES = {
 def schedule_costs_ms(model, schedule: str, chunks: int, ms_per_layer: float) -> dict:
     """Per virtual stage forward, full backward and weight-gradient milliseconds of `schedule`
     (its placement) on `model`."""
-    from ..schedules import SIMULATED_SCHEDULES
+    from megatron.pipeline.schedules import SIMULATED_SCHEDULES
 
     definition = SIMULATED_SCHEDULES[schedule]
     placed = definition.placement is not None
@@ -133,8 +134,8 @@ def _nominal_seconds(costs_ms: dict, splits: bool) -> dict:
 
 def run_one(model, schedule: str, options, run_dir: str) -> dict:
     """One emulated run of `schedule` on `model`'s costs and its figures."""
-    from ..plan import resolve_plan
-    from ..schedules import SIMULATED_SCHEDULES
+    from megatron.pipeline.plan import resolve_plan
+    from megatron.pipeline.schedules import SIMULATED_SCHEDULES
 
     name, chunks = RUNTIME_NAMES[schedule]
     chunks = model.interleaved_chunks if chunks is None else chunks

@@ -41,7 +41,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from .costs import StageCosts
+from megatron.pipeline.simulation.costs import StageCosts
 
 FORMAT, VERSION = "pipeline-calibration", 1
 MEASURED_STAGES = ("middle_d1", "middle_d2", "first", "last")

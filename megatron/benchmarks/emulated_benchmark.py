@@ -65,13 +65,17 @@ import sys
 import tempfile
 import time
 
-from ..schedules import get_schedule, virtual_schedule
-from ..schedules.base import ActionKind
-from ..schedules.paci import with_paci_options
-from ..trace import read_chrome_trace
-from .costs import CostNoise
-from .engine import simulate
-from .results import by_stage, steady_state_throughput, steady_state_window
+from megatron.pipeline.schedules import get_schedule, virtual_schedule
+from megatron.pipeline.schedules.base import ActionKind
+from megatron.pipeline.schedules.paci import with_paci_options
+from megatron.pipeline.simulation.costs import CostNoise
+from megatron.pipeline.simulation.engine import simulate
+from megatron.pipeline.simulation.results import (
+    by_stage,
+    steady_state_throughput,
+    steady_state_window,
+)
+from megatron.pipeline.trace import read_chrome_trace
 
 # pretrain_gpt.py is installed as a module beside this package; runs start in its directory.
 PRETRAIN_SCRIPT = importlib.util.find_spec("pretrain_gpt").origin

@@ -21,7 +21,7 @@ Where the costs come from (one of):
 * a calibration (``--calibration FILE.json``, from `tools/calibrate_stage.py` or
   `tools/gpu_check.sh`): measured per-microbatch times replace the cost model, efficiency curve
   included (the tool prints the curve the measurements imply). Read with
-  `megatron.pipeline.simulation.calibration.stage_costs_from_calibration` (even layer split). Its ``p2p_s`` is used unless ``--p2p-s``
+  `megatron.benchmarks.calibration_file.stage_costs_from_calibration` (even layer split). Its ``p2p_s`` is used unless ``--p2p-s``
   is given; without either, the p2p model above applies.
 
 Steady state: `megatron.pipeline.simulation.results.steady_state_throughput`, the one definition
@@ -29,7 +29,7 @@ the simulator and the benchmark use too, over the window from step k to step 2k 
 >= 8N/m) of a run that drains after it: PACI's one-time fill and drain are left out, and
 flush's steps repeat exactly. PACI runs with a = m (its step has the flush's batch).
 
-The report (`summary`, `markdown`) is in `megatron.pipeline.simulation.projection_report`.
+The report (`summary`, `markdown`) is in `megatron.benchmarks.projection_report`.
 """
 
 import argparse
@@ -38,13 +38,14 @@ import math
 import sys
 from dataclasses import dataclass
 
-from ..schedules import SIMULATED_SCHEDULES
-from ..schedules.paci import drift_bound
-from .calibration import profile_sizes, read_calibration, stage_costs_from_calibration
-from .costs import StageCosts
-from .engine import simulate
+from megatron.pipeline.schedules import SIMULATED_SCHEDULES
+from megatron.pipeline.schedules.paci import drift_bound
+from megatron.pipeline.simulation.costs import StageCosts
+from megatron.pipeline.simulation.engine import simulate
+from megatron.pipeline.simulation.results import steady_state_throughput
+
+from .calibration_file import profile_sizes, read_calibration, stage_costs_from_calibration
 from .projection_report import summary
-from .results import steady_state_throughput
 
 PAPER = {"best_flush_gb128": 1.69, "best_flush_gb256": 1.41, "same_configuration": 2.04}
 

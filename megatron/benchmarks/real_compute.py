@@ -21,10 +21,11 @@ import math
 import os
 import statistics
 
-from ..schedules.base import ActionKind
-from ..trace import read_chrome_trace
+from megatron.pipeline.schedules.base import ActionKind
+from megatron.pipeline.simulation.results import by_stage, steady_state_throughput
+from megatron.pipeline.trace import read_chrome_trace
+
 from .emulated_benchmark import PRETRAIN_SCRIPT, launch, torchrun_command
-from .results import by_stage, steady_state_throughput
 
 NUM_STAGES = 2
 
