@@ -65,8 +65,8 @@ def prepare_host(args, device) -> None:
 
 def build_local_stage(args, layout, device, vocab_size: int):
     """One stage's model (`layout`) and its optimizer step with no process group, so that one
-    process can train it: what `pretrain` builds on a rank, less the groups."""
-    from megatron.training.model import build_gpt_stage
+    process can train it: what `pretrain` builds on a rank (the same builder, `build_chunk`),
+    less the groups."""
     from megatron.training.optimizer.build import (
         StageOptimizerStep,
         build_lr_scheduler,
@@ -75,17 +75,9 @@ def build_local_stage(args, layout, device, vocab_size: int):
     )
     from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
     from megatron.training.optimizer.lr_per_iteration import per_iteration
-    from megatron.training.training import transformer_config
+    from megatron.training.training import build_chunk, transformer_config
 
-    model = build_gpt_stage(
-        transformer_config(args, device),
-        layout,
-        vocab_size=vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        position_embedding_type=args.position_embedding_type,
-        device=device,
-        seed=args.seed,
-    )
+    model = build_chunk(args, transformer_config(args, device), layout, vocab_size, device)
     optimizer = build_optimizer(model, OptimizerConfig.from_args(args))
     scale = stage_lr_scale(args, layout.pipeline_rank)  # --paci-stage-lr-scale
     scheduler = build_lr_scheduler(optimizer, LRScheduleConfig.from_args(args), lr_scale=scale)

@@ -6,12 +6,13 @@ initialization of the distributed run), each with its own optimizer, LR schedule
 gradient clipping, as PACI's ranks have them, and each run by the real rank executor
 (`megatron.pipeline.runtime.RankRuntime`) on its own thread, the stages joined by the
 in-process transport (`megatron.pipeline.transport`). Between two drain points (evaluations,
-the phase ends of `--paci-accumulation-schedule`, the end) each stage follows its own order of
-forwards, backwards and steps, taken from the simulator with uniform costs (`replayed`); a
-stage's numbers depend only on that order. That is the runtime's order exactly under the
-default `fixed` arrival rule (and --deterministic-mode); a reactive rule's order depends on
-timing, and the engine replays the one it takes with uniform stage costs. With
-`--paci-weight-stashing` the executors stash weights as the ranks do.
+the phase ends of `--paci-accumulation-schedule`, the end) each stage's executor asks the run's
+PACI schedule for its next pass, as a rank does; under the default `fixed` arrival rule (and
+under --deterministic-mode, whatever the rule) that decision reads the stage's counters alone,
+so a stage's numbers are those of the distributed run. A reactive rule's order depends on
+arrival times, which one process does not have: the engine refuses it without
+--deterministic-mode. With `--paci-weight-stashing` the executors stash weights as the ranks
+do.
 
 PipeDream-2BW and PipeDream: the same stages and executors, each stage in the schedule's fixed
 1F1B order (which weight version a pass sees depends on microbatch numbers alone, so the numbers
@@ -34,9 +35,8 @@ Mitigations are the optimizer's (`build_optimizer`: `--async-error-feedback`,
 """
 
 import collections
-import dataclasses
-import functools
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -98,6 +98,12 @@ def parse_engine_args(argv: list[str]):
         if getattr(args, name, None):
             raise UserError(f"{flag} is not supported yet by the single-process engine")
     validate_args(args, world_size=args.pipeline_model_parallel_size)
+    if args.pipeline_plan.schedule.depends_on_arrivals and not args.deterministic_mode:
+        raise UserError(
+            f"--paci-arrival-rule {args.paci_arrival_rule} orders passes by arrival times, "
+            "which the single-process engine does not have: add --deterministic-mode (the "
+            "rule's fixed order, as on the ranks) or train with torchrun"
+        )
     if args.pipeline_schedule == "1f1b":
         from megatron.studies.delayed_reference import as_one_stage
 
@@ -111,46 +117,6 @@ def phases_of(args) -> list[tuple[int, int]]:
     from megatron.training.batch_schedule import accumulation_phases
 
     return accumulation_phases(args)
-
-
-@functools.cache
-def _stage_orders(num_stages: int, a: int, steps: int, rule: str | None, limit: str | None,
-                  deterministic: bool) -> tuple:  # fmt: skip
-    """Per stage, its actions of `steps` PACI steps from an empty pipeline, in order (the
-    simulator's with uniform costs)."""
-    from megatron.pipeline.schedules import get_schedule
-    from megatron.pipeline.schedules.paci import with_paci_options
-    from megatron.pipeline.simulation import simulate
-
-    schedule = with_paci_options(get_schedule("paci"), rule, limit)
-    if deterministic and schedule.fixed_order is not None:
-        schedule = schedule.fixed_order
-    timeline = simulate(schedule, num_stages=num_stages, microbatches_per_step=a, steps=steps,
-                        forward_cost=1.0, backward_cost=2.0).timeline  # fmt: skip
-    ordered = sorted(timeline, key=lambda e: (e.start_s, e.stage))
-    return tuple(tuple(e.action for e in ordered if e.stage == s) for s in range(num_stages))
-
-
-def replayed(paci, order: tuple, start: tuple[int, int, int]):
-    """The `paci` schedule definition (the run's, with its options), reduced to one stage's
-    `order` of actions from an empty pipeline whose counters were `start` (forwards, backwards,
-    steps): the next action is the one the counters point at; a call ends once its backwards
-    are done and no step is due."""
-    from megatron.pipeline.schedules.base import DONE, FORWARD, STEP, Action
-
-    def next_action(view):
-        done = view.forwards + view.backwards + view.steps - sum(start)
-        if done >= len(order):
-            return Action(DONE)
-        action = order[done]
-        if action.kind is STEP:
-            return action
-        if view.backwards >= view.backward_target:  # the call's backwards are done
-            return Action(DONE)
-        return Action(action.kind, action.microbatch + start[action.kind is not FORWARD])
-
-    return dataclasses.replace(paci, name="paci", next_action=next_action,
-                               depends_on_arrivals=False, fixed_order=None)  # fmt: skip
 
 
 class _Stages:
@@ -200,6 +166,14 @@ class _Stages:
         self.runtimes = _executors(args, self.models, device)
         if getattr(args, "num_experts", None) is not None:
             self.steps = _with_moe(self.runtimes, self.models, self.steps)
+        self.tied = _tied_exchanges(args, self.models, self.steps) if self.count > 1 else []
+        for s, exchange in zip((0, self.count - 1), self.tied):
+            self.steps[s] = _around(self.steps[s], exchange)
+
+    def at_drain(self) -> None:
+        """The pipeline is empty: the last stage's tied copy catches up with the first's."""
+        for exchange in self.tied:
+            exchange.catch_up()
 
     def data_of(self, stage: int, first, last):
         """What stage `stage` reads: the first stage's stream, the last one's, or nothing."""
@@ -215,6 +189,68 @@ class _Stages:
         data = data_first if stage == 0 else data_last if stage == self.count - 1 else None
         output, loss_func = forward_step(data, model)
         return output, loss_func if stage == self.count - 1 else None
+
+
+class _QueueChannel:
+    """One side of the tied-embedding exchange between two stages' threads of this process:
+    messages are copies through a queue, received in the order they were sent."""
+
+    class _Sent:
+        def wait(self) -> None:  # a put message is there for the peer
+            return None
+
+    def __init__(self, outbox: queue.Queue, inbox: queue.Queue):
+        self.outbox, self.inbox = outbox, inbox
+
+    def send(self, tensor: torch.Tensor):
+        self.outbox.put(tensor.clone())
+        return self._Sent()
+
+    def receive(self, buffer: torch.Tensor) -> None:
+        buffer.copy_(self.inbox.get())
+
+
+def _tied_exchanges(args, models, steps) -> list:
+    """Tied embeddings under PACI, 2BW and PipeDream: the first and the last stage's sides of
+    the exchange the ranks run (optimizer/tied_embeddings.py), over queues; none when the
+    embeddings are untied."""
+    from megatron.training.optimizer.tied_embeddings import TiedEmbeddingExchange
+    from megatron.training.training import tied_lag
+
+    ends = (models[0], models[-1])
+    shared = [[p for p in m.parameters() if getattr(p, "shared_embedding", False)] for m in ends]
+    if not all(shared):
+        return []
+    down, up = queue.Queue(), queue.Queue()  # first -> last (weights), last -> first (gradients)
+    channels = (_QueueChannel(down, up), _QueueChannel(up, down))
+    exchanges = []
+    for index, (weights, channel, step) in enumerate(zip(shared, channels, (steps[0], steps[-1]))):
+        exchanges.append(
+            TiedEmbeddingExchange(
+                weights[0], is_first=index == 0, channel=channel, lag=tied_lag(args),
+                gradient_of=_stage_step(step).gradient_of,
+                refresh_main=getattr(_stage_step(step).optimizer, "refresh_from_model", None),
+            )
+        )  # fmt: skip
+    return exchanges
+
+
+def _stage_step(step):
+    """The StageOptimizerStep under the MoE hooks' wrapper, if any."""
+    return getattr(step, "stage_step", step)
+
+
+def _around(step, exchange):
+    """`step` with the tied exchange around it, as the ranks' MegatronStep runs it."""
+
+    def run():
+        exchange.before_step()
+        report = step()
+        exchange.after_step()
+        return report
+
+    run.stage_step = _stage_step(step)
+    return run
 
 
 def _executors(args, models, device) -> list:
@@ -245,6 +281,7 @@ def _with_moe(runtimes, models, steps) -> list:
             hooks.before_step()
             return step()
 
+        run.stage_step = step
         return run
 
     for runtime, model in zip(runtimes, models):
@@ -281,20 +318,14 @@ def _segment(args, stages: _Stages, a: int, iterations: int, drift: list[int]) -
     from pretrain_gpt import forward_step
 
     n, losses = stages.count, []
-    orders = None
-    if n > 1 and args.pipeline_schedule == "paci":
-        orders = _stage_orders(n, a, iterations, args.paci_arrival_rule,
-                               args.paci_inflight_limit, bool(args.deterministic_mode))  # fmt: skip
+    if args.pipeline_schedule == "paci":
+        schedule = args.pipeline_plan.schedule  # the run's PACI, with its options
+    else:  # flush on one stage, or a weight-stashing schedule in its counter-only order
+        schedule = get_schedule(args.pipeline_schedule)
+    schedule = schedule.fixed_order or schedule  # what --deterministic-mode runs on a rank
 
     def run(s: int) -> None:
         runtime = stages.runtimes[s]
-        counters = runtime.state.chunks[0]
-        start = (counters.forwards, counters.backwards, counters.steps)
-        if orders is not None:
-            schedule = replayed(args.pipeline_plan.schedule, orders[s], start)
-        else:  # flush on one stage, or a weight-stashing schedule in its counter-only order
-            schedule = get_schedule(args.pipeline_schedule)
-            schedule = schedule.fixed_order or schedule
         seen = collections.Counter(runtime.stats.drift_histogram)
         data = stages.data_of(s, stages.train_first, stages.train_last)
         for k in range(iterations):
@@ -349,6 +380,7 @@ def train(args, *, log=None) -> EngineRun:
             count = min(point, phase_end) - iteration
             drift = result.phases[index]["max_drift"]
             result.losses += _segment(args, stages, a, count, drift)
+            stages.at_drain()
             for _ in range(count):
                 tokens += a * args.micro_batch_size * args.seq_length
                 result.tokens.append(tokens)

@@ -82,7 +82,11 @@ from megatron.training.optimizer.delay_mitigation import (
     synchronous_phase_ends,
 )
 from megatron.training.optimizer.lr_per_iteration import per_iteration
-from megatron.training.optimizer.tied_embeddings import TiedEmbeddingExchange, lag_bound
+from megatron.training.optimizer.tied_embeddings import (
+    ProcessGroupChannel,
+    TiedEmbeddingExchange,
+    lag_bound,
+)
 from megatron.training.recompute import recompute_config_fields
 from megatron.training.reporting import (
     holds_the_loss,
@@ -305,21 +309,23 @@ def build_stage_model(args, vocab_size: int, device: torch.device) -> torch.nn.M
     config = transformer_config(args, device)
     layout = stage_layout(args)
     if placement is None:
-        return _build_chunk(args, config, layout, vocab_size, device)
+        return build_chunk(args, config, layout, vocab_size, device)
     if placement.shape == "v":  # each chunk built as the interleaved chunk of its stage
         n = placement.num_ranks
         layouts = [v_chunk_layout(layout, config, stage, n) for stage in stages]
-        return ModelChunks([_build_chunk(args, config, chunk, vocab_size, device,
+        return ModelChunks([build_chunk(args, config, chunk, vocab_size, device,
                                          built_as_other_rank=True) for chunk in layouts])  # fmt: skip
     chunks = [
-        _build_chunk(args, config, chunk_layout(layout, config, c), vocab_size, device)
+        build_chunk(args, config, chunk_layout(layout, config, c), vocab_size, device)
         for c in range(virtual_chunks(args))
     ]
     return ModelChunks(chunks)
 
 
-def _build_chunk(args, config, layout, vocab_size: int, device: torch.device,
-                 built_as_other_rank: bool = False) -> torch.nn.Module:  # fmt: skip
+def build_chunk(args, config, layout, vocab_size: int, device: torch.device,
+                built_as_other_rank: bool = False) -> torch.nn.Module:  # fmt: skip
+    """One model chunk of `layout` from the flags: the one builder of a stage, for the ranks and
+    for the single-process engine alike."""
     model = build_gpt_stage(
         config,
         layout,
@@ -728,20 +734,25 @@ def _tied_exchange(weight, step_func: StageOptimizerStep, args) -> TiedEmbedding
     smallest a of --paci-accumulation-schedule)."""
     group = parallel_state.get_embedding_group()
     peer = next(r for r in dist.get_process_group_ranks(group) if r != dist.get_rank())
+    return TiedEmbeddingExchange(
+        weight,
+        is_first=parallel_state.is_pipeline_first_stage(),
+        channel=ProcessGroupChannel(peer, group),
+        lag=tied_lag(args),
+        gradient_of=step_func.gradient_of,
+        refresh_main=getattr(step_func.optimizer, "refresh_from_model", None),
+    )
+
+
+def tied_lag(args) -> int:
+    """The tied copy's lag bound, for the fewest microbatches per step of the run (a batch
+    ramp's first, or the smallest a of --paci-accumulation-schedule)."""
     microbatches = min(a for a, _ in accumulation_phases(args))
     if args.rampup_batch_size is not None:
         start = int(args.rampup_batch_size[0])
         microbatches = start // (args.micro_batch_size * args.data_parallel_size)
     per_update = args.pipeline_plan.microbatches_per_update(microbatches)
-    return TiedEmbeddingExchange(
-        weight,
-        is_first=parallel_state.is_pipeline_first_stage(),
-        peer=peer,
-        group=group,
-        lag=lag_bound(args.pipeline_model_parallel_size, per_update),
-        gradient_of=step_func.gradient_of,
-        refresh_main=getattr(step_func.optimizer, "refresh_from_model", None),
-    )
+    return lag_bound(args.pipeline_model_parallel_size, per_update)
 
 
 def _counted_once(params, *, experts: bool = False):

@@ -1,9 +1,11 @@
 """The single-process engine (megatron/studies/single_process_engine.py) against real
 4-process runs, and PACI's accumulation schedule in the runtime.
 
-The engine replays each stage's order in one process without the runtime; the 4-process run
-exchanges activations and gradients over gloo. Both must give the same training and validation
-losses: PACI with error feedback, a per-stage LR (`--paci-stage-lr-scale`, which scales stage
+The engine runs every stage's rank executor in one process, each asking the run's schedule for
+its next pass as a rank does; the 4-process run exchanges activations and gradients over gloo.
+Both must give the same training and validation losses: tied embeddings (Megatron's default,
+the exchange of optimizer/tied_embeddings.py over queues) with RoPE under PACI and with Xavier
+initialization under 2BW (the engine builds its stages with the ranks' builder), PACI with error feedback, a per-stage LR (`--paci-stage-lr-scale`, which scales stage
 0's LR by 0.4 there: a runtime that ignored it would differ) and drains at each evaluation, PACI
 whose a changes (`--paci-accumulation-schedule`), PACI with Muon and a decoupled LR, MoE under
 PACI, flush, 2BW and PipeDream, PipeDream-2BW (with Muon and error feedback) and PipeDream, whose weight
@@ -32,6 +34,8 @@ CASES = [
     "engine_pp4_2bw_moe",
     "engine_pp4_paci_muon_decoupled",
     "engine_pp4_pipedream_moe",
+    "engine_pp4_paci_tied_rope",
+    "engine_pp4_2bw_tied",
 ]
 # The engine alone, without the flag under test, for the difference it makes.
 UNSTASHED = "engine_pp4_paci_stash:without stashing"
@@ -79,6 +83,8 @@ ASYNC_CASES = [
     "engine_pp4_2bw_moe",
     "engine_pp4_paci_muon_decoupled",
     "engine_pp4_pipedream_moe",
+    "engine_pp4_paci_tied_rope",
+    "engine_pp4_2bw_tied",
 ]
 
 

@@ -49,12 +49,27 @@ def lag_bound(num_stages: int, microbatches_per_update: int) -> int:
     return math.ceil(num_stages / microbatches_per_update)
 
 
-class TiedEmbeddingExchange:
-    """One rank's side (first or last stage) of the exchange, called around each step."""
+class ProcessGroupChannel:
+    """Messages to the embedding-group peer, point to point over torch.distributed."""
 
-    def __init__(self, weight: torch.nn.Parameter, *, is_first: bool, peer: int, group,
-                 lag: int, gradient_of, refresh_main=None):  # fmt: skip
-        self.weight, self.is_first, self.peer, self.group = weight, is_first, peer, group
+    def __init__(self, peer: int, group):
+        self.peer, self.group = peer, group
+
+    def send(self, tensor: torch.Tensor):
+        """Starts the send; returns a request whose `wait()` returns once it is received."""
+        return dist.isend(tensor, dst=self.peer, group=self.group)
+
+    def receive(self, buffer: torch.Tensor) -> None:
+        dist.irecv(buffer, src=self.peer, group=self.group).wait()
+
+
+class TiedEmbeddingExchange:
+    """One rank's side (first or last stage) of the exchange, called around each step;
+    `channel` carries the messages (`ProcessGroupChannel` on the ranks)."""
+
+    def __init__(self, weight: torch.nn.Parameter, *, is_first: bool, channel, lag: int,
+                 gradient_of, refresh_main=None):  # fmt: skip
+        self.weight, self.is_first, self.channel = weight, is_first, channel
         self.lag = lag
         self.gradient_of = gradient_of  # the step's gradient of a parameter (fp32 main_grad)
         self.refresh_main = refresh_main  # an optimizer's fp32 main copy follows the model's
@@ -107,7 +122,7 @@ class TiedEmbeddingExchange:
         self.adopted += 1
 
     def _send(self, index: int, tensor: torch.Tensor) -> None:
-        request = dist.isend(tensor, dst=self.peer, group=self.group)
+        request = self.channel.send(tensor)
         self.pending.append((index, request, tensor))
         self.bytes_sent += _bytes(tensor)
         self.peak_message_bytes = max(self.peak_message_bytes, self._held_bytes())
@@ -124,7 +139,7 @@ class TiedEmbeddingExchange:
 
     def _receive(self, buffer: torch.Tensor) -> None:
         start = time.perf_counter()
-        dist.irecv(buffer, src=self.peer, group=self.group).wait()
+        self.channel.receive(buffer)
         self.wait_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------ report

@@ -75,3 +75,8 @@ def test_the_engine_refuses_what_it_does_not_reproduce():
                        "--expert-model-parallel-size 1 only$"):  # fmt: skip
         parse_engine_args(BASE + PACI + moe + ["--expert-model-parallel-size", "2"])
     assert parse_engine_args(BASE + PACI + moe).num_experts == 4  # MoE at EP=1 runs
+    reactive = ["--paci-arrival-rule", "backward-first"]
+    with pytest.raises(UserError, match="^--paci-arrival-rule backward-first orders passes by "
+                       "arrival times, which the single-process engine does not have"):  # fmt: skip
+        parse_engine_args(BASE + PACI + reactive)
+    assert parse_engine_args(BASE + PACI + reactive + ["--deterministic-mode"]).deterministic_mode
