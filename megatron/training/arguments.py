@@ -133,6 +133,9 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     add("--context-parallel-size", type=int, default=1,
         help="split each sequence over this many ranks (2 x CP chunks, chunk i and 2CP-1-i on "
         "rank i); attention runs as a ring over them")  # fmt: skip
+    add("--use-tp-pp-dp-mapping", action="store_true",
+        help="rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp: a stage's pipeline "
+        "neighbours on nearby ranks, its data-parallel replicas far apart")  # fmt: skip
     add("--distributed-backend", default=None, choices=["nccl", "gloo"],
         help="default: nccl when CUDA is available, else gloo")  # fmt: skip
     add("--disable-gloo-process-groups", action="store_true",

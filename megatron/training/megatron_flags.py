@@ -111,7 +111,6 @@ NOT_SUPPORTED = [
         "--use-megatron-fsdp",
         "--tp-comm-overlap",
         "--defer-embedding-wgrad-compute",
-        "--use-tp-pp-dp-mapping",
     ),
     Flag("--data-parallel-sharding-strategy", str),
     Flag("--megatron-fsdp-main-params-dtype", str),

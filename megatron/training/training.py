@@ -102,8 +102,11 @@ from megatron.training.reporting import (
 from megatron.training.tokenizer.tokenizer import build_tokenizer_from_args
 from megatron.training.validation import check_token_ids
 
-
 # ---------------------------------------------------------------------------- set-up
+# Megatron's rank orders: the default, and --use-tp-pp-dp-mapping's
+RANK_ORDERS = {False: "tp-cp-ep-dp-pp", True: "tp-cp-ep-pp-dp"}
+
+
 def initialize_distributed(args) -> torch.device:
     """Process groups (torch.distributed + megatron-core's parallel_state) and the device."""
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -135,6 +138,7 @@ def initialize_distributed(args) -> torch.device:
         ),
         # megatron-core's extra gloo groups serve only its own distributed optimizer
         create_gloo_process_groups=not args.disable_gloo_process_groups,
+        order=RANK_ORDERS[args.use_tp_pp_dp_mapping],
     )
     torch.manual_seed(args.seed)
     moe = getattr(args, "num_experts", None) is not None
@@ -504,6 +508,9 @@ def _set_up_and_train(args, forward_step_func, wall_start, requests, device,
         f"{dist.get_backend()}, schedule {args.pipeline_schedule}, {args.num_microbatches} "
         f"microbatches per step"
     )
+    pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    print_rank_0(f"> rank order {RANK_ORDERS[args.use_tp_pp_dp_mapping]}: rank 0's pipeline is "
+                 f"ranks {pipeline}")  # fmt: skip
     _note_inflight_window(args)
     tokenizer = _build_checked_tokenizer(args)
     model = build_stage_model(args, args.padded_vocab_size, device)

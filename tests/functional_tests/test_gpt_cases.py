@@ -237,3 +237,13 @@ def test_paci_runtime_matches_single_process_replay(case_results):
     assert completed.returncode == 0, completed.stderr[-3000:]
     reference = json.loads(completed.stdout.strip().splitlines()[-1])
     assert run_cases.relative_difference(case_results[name]["loss"], reference) <= 1e-6
+
+
+def test_the_tp_pp_dp_rank_order_changes_the_ranks_not_the_numbers(case_results):
+    """--use-tp-pp-dp-mapping (Megatron's): the pipelines are ranks 0-1 and 2-3 instead of 0-2
+    and 1-3, and PACI's numbers, drift included, are the default order's bit for bit."""
+    mapped, default = case_results["gpt_dp2pp2_paci_tppdp"], case_results["gpt_dp2pp2_paci"]
+    assert "> rank order tp-cp-ep-pp-dp: rank 0's pipeline is ranks [0, 1]" in mapped["log"]
+    assert "> rank order tp-cp-ep-dp-pp: rank 0's pipeline is ranks [0, 2]" in default["log"]
+    assert mapped["loss"] == default["loss"]
+    assert [s["max_drift"] for s in mapped["stages"]] == [s["max_drift"] for s in default["stages"]]

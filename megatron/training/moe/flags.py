@@ -192,6 +192,14 @@ def validate_moe_args(args, *, world_size: int) -> None:
             f"world size {world_size} is not divisible by pipeline x expert tensor x expert "
             f"parallel size {pp} x {etp} x {ep} = {pp * etp * ep}"
         )
+    expert_data_parallel = world_size // (pp * etp * ep)
+    if getattr(args, "use_tp_pp_dp_mapping", False) and pp > 1:
+        if expert_data_parallel != args.data_parallel_size:  # megatron-core asserts it
+            raise UserError(
+                f"--use-tp-pp-dp-mapping with MoE needs the experts' data-parallel size "
+                f"({expert_data_parallel}) to equal the data-parallel size "
+                f"({args.data_parallel_size}); drop the flag or change the expert sizes"
+            )
     if tp > 1 and not args.sequence_parallel:  # megatron-core's MoELayer refuses it
         raise UserError(
             "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron)"

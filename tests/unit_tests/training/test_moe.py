@@ -67,6 +67,10 @@ def error_of(extra: list[str], world_size: int = 1) -> str:
          "--moe-aux-loss-coeff 0"),
         (["--moe-router-load-balancing-type", "quantile_balancing"], 1,
          "--moe-router-load-balancing-type quantile_balancing is not supported yet"),
+        (["--use-tp-pp-dp-mapping", "--pipeline-model-parallel-size", "2",
+          "--expert-model-parallel-size", "2"], 4,
+         "--use-tp-pp-dp-mapping with MoE needs the experts' data-parallel size (1) to equal "
+         "the data-parallel size (2); drop the flag or change the expert sizes"),
     ],
 )  # fmt: skip
 def test_bad_moe_settings_fail_in_one_line(extra, world_size, message):
@@ -250,7 +254,7 @@ def test_flag_coverage_of_megatron_moe_command_lines():
     kinds = [outcome for outcome, _ in outcomes]
     assert kinds.count("other error") == 0
     assert kinds.count("parse error") <= 13  # flags of features this project does not parse
-    assert kinds.count("accepted") >= 29
+    assert kinds.count("accepted") >= 31
     for flags, (outcome, _) in zip(command_lines.values(), outcomes):
         if outcome == "accepted":
             assert coverage.classify(coverage.with_schedule(flags, "paci"))[0] == "accepted"
