@@ -132,11 +132,29 @@ def _nominal_seconds(costs_ms: dict, splits: bool) -> dict:
     return {"forward_cost": forward, "backward_cost": backward, "weight_grad_cost": wgrad}
 
 
-def run_one(model, schedule: str, options, run_dir: str) -> dict:
-    """One emulated run of `schedule` on `model`'s costs and its figures."""
+def _replay(schedule: str, name: str, chunks: int, events, costs_ms, n: int, m: int, steps: int):
+    """The simulator on the costs and the p2p latency a run's trace measured."""
     from megatron.pipeline.plan import resolve_plan
     from megatron.pipeline.schedules import SIMULATED_SCHEDULES
 
+    definition = SIMULATED_SCHEDULES[schedule]
+    plan = resolve_plan(name, num_stages=n, chunks_per_rank=chunks if chunks > 1 else None)
+    nominal = _nominal_seconds(costs_ms, definition.splits_backward)
+    replay_costs = measured_pass_costs(events, plan.placement, n * chunks, nominal)
+    return simulate(
+        definition,
+        num_stages=n,
+        microbatches_per_step=m,
+        steps=steps,
+        p2p_latency=estimate_p2p_latency_on(events, plan.placement),
+        chunks_per_rank=chunks if definition.placement is not None else None,
+        record_timeline=True,
+        **replay_costs,
+    )
+
+
+def run_one(model, schedule: str, options, run_dir: str) -> dict:
+    """One emulated run of `schedule` on `model`'s costs and its figures."""
     name, chunks = RUNTIME_NAMES[schedule]
     chunks = model.interleaved_chunks if chunks is None else chunks
     costs_ms = schedule_costs_ms(model, schedule, chunks, options.ms_per_layer)
@@ -166,20 +184,7 @@ def run_one(model, schedule: str, options, run_dir: str) -> dict:
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
     events = read_chrome_trace(timeline)
-    definition = SIMULATED_SCHEDULES[schedule]
-    plan = resolve_plan(name, num_stages=n, chunks_per_rank=chunks if chunks > 1 else None)
-    nominal = _nominal_seconds(costs_ms, definition.splits_backward)
-    replay_costs = measured_pass_costs(events, plan.placement, n * chunks, nominal)
-    replay = simulate(
-        definition,
-        num_stages=n,
-        microbatches_per_step=m,
-        steps=steps,
-        p2p_latency=estimate_p2p_latency_on(events, plan.placement),
-        chunks_per_rank=chunks if definition.placement is not None else None,
-        record_timeline=True,
-        **replay_costs,
-    )
+    replay = _replay(schedule, name, chunks, events, costs_ms, n, m, steps)
     limit = n / sum(f + b for f, b in zip(costs_ms["forward"], costs_ms["backward"])) * 1000
     measured = steady_pace(events, m, steps)
     replayed = steady_pace(replay.timeline, m, steps)

@@ -165,6 +165,19 @@ def _single_chunk(model):
     return model
 
 
+def _check_exchanged_shape(model, runtime, seq_length: int, micro_batch_size: int) -> None:
+    """The stages exchange [s / cp / tp (sequence parallel), b, h]: the runtime's buffers must
+    be built for this call's sequence and micro batch."""
+    first = model.chunks[0] if hasattr(model, "chunks") else model  # a rank's model chunks
+    config = getattr(first, "config", None)
+    seq_length //= getattr(config, "context_parallel_size", 1) or 1  # a rank's 2 chunks
+    if getattr(config, "sequence_parallel", False):
+        seq_length //= config.tensor_model_parallel_size
+    expected_shape = (seq_length, micro_batch_size)
+    if runtime.tensor_shape[:2] != expected_shape:
+        raise ValueError(f"stage runtime built for {runtime.tensor_shape}, got {expected_shape}")
+
+
 def _run_schedule(
     schedule: Schedule | None,
     *,
@@ -188,7 +201,7 @@ def _run_schedule(
     if collect_non_loss_data or adjust_tensor_shapes_fn is not None:
         raise NotImplementedError("collect_non_loss_data / adjust_tensor_shapes_fn")
     _check_process_groups(p2p_communicator, pg_collection)
-    if schedule is not None:
+    if schedule is not None:  # before the model is looked at: a misuse is named first
         _check_step_func(schedule, forward_only, optimizer_step_func)
     model = _single_chunk(model)
     runtime = stage_runtime_of(model)
@@ -196,20 +209,13 @@ def _run_schedule(
         if runtime.plan is None:
             raise RuntimeError("no pipeline plan attached to this model: pass a schedule")
         schedule = runtime.plan.schedule
-    _check_step_func(schedule, forward_only, optimizer_step_func)
+        _check_step_func(schedule, forward_only, optimizer_step_func)
     forward_step_func = _megatron_loss_contract(forward_step_func, runtime.per_token_loss)
     if runtime.per_token_loss and not forward_only:
         if optimizer_step_func is None:
             raise ValueError("a per-token loss needs optimizer_step_func (it scales the step)")
         optimizer_step_func = _divided_by_step_tokens(optimizer_step_func, runtime)
-    first = model.chunks[0] if hasattr(model, "chunks") else model  # a rank's model chunks
-    config = getattr(first, "config", None)
-    seq_length //= getattr(config, "context_parallel_size", 1) or 1  # a rank's 2 chunks
-    if getattr(config, "sequence_parallel", False):  # stages exchange [s / cp / tp, b, h]
-        seq_length //= config.tensor_model_parallel_size
-    expected_shape = (seq_length, micro_batch_size)
-    if runtime.tensor_shape[:2] != expected_shape:
-        raise ValueError(f"stage runtime built for {runtime.tensor_shape}, got {expected_shape}")
+    _check_exchanged_shape(model, runtime, seq_length, micro_batch_size)
     if isinstance(data_iterator, (list, tuple)) and len(data_iterator) == 1:
         data_iterator = data_iterator[0]  # else one per model chunk, as Megatron passes them
     if forward_only:

@@ -62,7 +62,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_position_embedding_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument_group("position embeddings").add_argument
+    add("--position-embedding-type", default="learned_absolute",
+        choices=["learned_absolute", "rope", "none"])  # fmt: skip
+    add("--rotary-percent", type=float, default=1.0)
+    add("--rotary-base", type=int, default=10000)
+    add("--rotary-interleaved", action="store_true")
+    add("--use-rotary-position-embeddings", action="store_true",
+        help="Megatron's older spelling of --position-embedding-type rope")  # fmt: skip
+    add("--no-position-embedding", action="store_false", dest="add_position_embedding",
+        help="deprecated in Megatron: refused unless --position-embedding-type rope")  # fmt: skip
+    add("--use-rope-scaling", action="store_true",
+        help="Llama 3.1's RoPE frequency scaling (megatron-core's rotary embedding)")  # fmt: skip
+    add("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
+    add("--rotary-seq-len-interpolation-factor", type=int, default=None,
+        help="RoPE positions divided by this factor (linear sequence-length interpolation)")  # fmt: skip
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    _add_position_embedding_args(parser)
     add = parser.add_argument_group("model").add_argument
     add("--num-layers", type=int, required=True)
     add("--hidden-size", type=int, required=True)
@@ -82,20 +101,6 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     add("--init-method-std", type=float, default=0.02)
     add("--attention-dropout", type=float, default=0.1)
     add("--hidden-dropout", type=float, default=0.1)
-    add("--position-embedding-type", default="learned_absolute",
-        choices=["learned_absolute", "rope", "none"])  # fmt: skip
-    add("--rotary-percent", type=float, default=1.0)
-    add("--rotary-base", type=int, default=10000)
-    add("--rotary-interleaved", action="store_true")
-    add("--use-rotary-position-embeddings", action="store_true",
-        help="Megatron's older spelling of --position-embedding-type rope")  # fmt: skip
-    add("--no-position-embedding", action="store_false", dest="add_position_embedding",
-        help="deprecated in Megatron: refused unless --position-embedding-type rope")  # fmt: skip
-    add("--use-rope-scaling", action="store_true",
-        help="Llama 3.1's RoPE frequency scaling (megatron-core's rotary embedding)")  # fmt: skip
-    add("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
-    add("--rotary-seq-len-interpolation-factor", type=int, default=None,
-        help="RoPE positions divided by this factor (linear sequence-length interpolation)")  # fmt: skip
     add("--openai-gelu", action="store_true",
         help="OpenAI's tanh approximation of GeLU as the MLP activation")  # fmt: skip
     add("--init-method-xavier-uniform", action="store_true",
@@ -471,6 +476,28 @@ def _validate_context_parallel(args: argparse.Namespace) -> None:
                         "yet (the ring attention is causal over the whole sequence)")  # fmt: skip
 
 
+def _chunks_from_layers_per_chunk(args: argparse.Namespace, pp: int, per_chunk: int) -> int:
+    """--num-layers-per-virtual-pipeline-stage as Megatron reads it: chunks per rank."""
+    if args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers:
+        raise UserError(
+            "please use --num-virtual-stages-per-pipeline-rank to specify virtual pipeline "
+            "parallel degree when enable uneven pipeline parallelism"
+        )
+    if per_chunk < 1:
+        raise UserError("--num-layers-per-virtual-pipeline-stage must be >= 1")
+    # Megatron counts the embedding and the loss as layers here when they are accounted
+    accounted = (
+        args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
+    )
+    per_stage = (args.num_layers + accounted) // pp
+    if per_stage % per_chunk:
+        raise UserError(
+            f"number of layers per pipeline stage ({per_stage}) must be divisible by "
+            f"--num-layers-per-virtual-pipeline-stage {per_chunk}"
+        )
+    return per_stage // per_chunk
+
+
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
     """Megatron's rules for the virtual pipeline flags, which set
     `args.virtual_pipeline_model_parallel_size` (None: one model chunk per rank)."""
@@ -488,24 +515,7 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
         _validate_v_placement(args, pp, given, chunks, per_chunk)
         return
     if per_chunk is not None:
-        if args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers:
-            raise UserError(
-                "please use --num-virtual-stages-per-pipeline-rank to specify virtual pipeline "
-                "parallel degree when enable uneven pipeline parallelism"
-            )
-        if per_chunk < 1:
-            raise UserError("--num-layers-per-virtual-pipeline-stage must be >= 1")
-        # Megatron counts the embedding and the loss as layers here when they are accounted
-        accounted = (
-            args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
-        )
-        per_stage = (args.num_layers + accounted) // pp
-        if per_stage % per_chunk:
-            raise UserError(
-                f"number of layers per pipeline stage ({per_stage}) must be divisible by "
-                f"--num-layers-per-virtual-pipeline-stage {per_chunk}"
-            )
-        chunks = per_stage // per_chunk
+        chunks = _chunks_from_layers_per_chunk(args, pp, per_chunk)
     elif chunks is not None and chunks < 1:
         raise UserError("--num-virtual-stages-per-pipeline-rank must be >= 1")
     if chunks is None or chunks == 1:

@@ -555,6 +555,31 @@ def groups_as_pipeline_rank(pipeline_rank: int):
     return groups
 
 
+def _prepare_megatron_core(config: TransformerConfig) -> None:
+    """What megatron-core needs before it builds this config's model on any device."""
+    if config.recompute_granularity is not None:
+        use_host_rng_states()  # megatron-core's checkpoint reads the CUDA generator otherwise
+    if config.num_moe_experts:
+        from megatron.training.moe import patch_megatron_core_moe
+
+        patch_megatron_core_moe()
+
+
+def _finish_megatron_core_model(model: GPTModel, layout: StageLayout, device: torch.device) -> None:
+    """megatron-core's assignment of layers to the stage and ours must agree; off CUDA the
+    rotary embedding is the host one."""
+    if device.type != "cuda" and isinstance(
+        getattr(model, "rotary_pos_emb", None), RotaryEmbedding
+    ):
+        model.rotary_pos_emb.__class__ = HostRotaryEmbedding
+    built = len(model.decoder.layers)
+    if built != layout.layers_per_stage:
+        raise RuntimeError(
+            f"stage {layout.pipeline_rank} chunk {layout.chunk}: megatron-core built {built} "
+            f"layers, the layout says {layout.layers_per_stage}"
+        )
+
+
 def build_gpt_stage(
     config: TransformerConfig,
     layout: StageLayout,
@@ -581,12 +606,7 @@ def build_gpt_stage(
     `built_as_other_rank`: `layout.pipeline_rank` is the rank of the interleaved placement whose
     chunk is the same virtual stage (`v_chunk_layout`), not this rank's."""
     vp_stage = layout.chunk if layout.chunks > 1 else None
-    if config.recompute_granularity is not None:
-        use_host_rng_states()  # megatron-core's checkpoint reads the CUDA generator otherwise
-    if config.num_moe_experts:
-        from megatron.training.moe import patch_megatron_core_moe
-
-        patch_megatron_core_moe()
+    _prepare_megatron_core(config)
     # a V chunk is built as the interleaved (vp_stage, rank) of its virtual stage
     groups, pp_rank = None, None
     if built_as_other_rank:
@@ -611,16 +631,7 @@ def build_gpt_stage(
         seq_len_interpolation_factor=seq_len_interpolation_factor,
         vp_stage=vp_stage,
     )
-    if device.type != "cuda" and isinstance(
-        getattr(model, "rotary_pos_emb", None), RotaryEmbedding
-    ):
-        model.rotary_pos_emb.__class__ = HostRotaryEmbedding
-    built = len(model.decoder.layers)
-    if built != layout.layers_per_stage:  # megatron-core's assignment and ours must agree
-        raise RuntimeError(
-            f"stage {layout.pipeline_rank} chunk {layout.chunk}: megatron-core built {built} "
-            f"layers, the layout says {layout.layers_per_stage}"
-        )
+    _finish_megatron_core_model(model, layout, device)
     initialize_layout_independent(model, layout, seed=seed, init_method_std=config.init_method_std,
                                   xavier_uniform=xavier_uniform)  # fmt: skip
     for name, param in model.named_parameters():

@@ -354,6 +354,23 @@ def data_iterators_from_args(
     return train, valid
 
 
+def _checked_blends(data_path, per_split, mock_data: bool, split: str):
+    """(blend, per-split blends, split) for megatron-core, each dataset file checked first."""
+    if per_split is not None:
+        blend_per_split = [parse_data_path(paths) if paths else None for paths in per_split]
+        for prefixes in (b[0] for b in blend_per_split if b is not None):
+            for prefix in prefixes:
+                validate_indexed_dataset(prefix)
+        return None, blend_per_split, None  # megatron-core: per-split blends take no --split
+    if mock_data:
+        return None, None, split
+    parse_split(split)
+    blend = parse_data_path(data_path)
+    for prefix in blend[0]:
+        _check_splits_have_tokens(prefix, split)
+    return blend, None, split
+
+
 def build_data_iterators(
     *,
     data_path: Optional[List[str]],
@@ -404,30 +421,14 @@ def build_data_iterators(
         sizes=sizes,
         consumed_train_samples=consumed_train_samples,
     )
-    blend = blend_per_split = None
-    if per_split is not None:
-        blend_per_split = [parse_data_path(paths) if paths else None for paths in per_split]
-        for prefixes in (b[0] for b in blend_per_split if b is not None):
-            for prefix in prefixes:
-                validate_indexed_dataset(prefix)
-        split = None  # megatron-core: per-split blends take no --split
-    elif not mock_data:
-        parse_split(split)
-        blend = parse_data_path(data_path)
-        for prefix in blend[0]:
-            _check_splits_have_tokens(prefix, split)
-
+    blend, blend_per_split, split = _checked_blends(data_path, per_split, mock_data, split)
     datasets = _build_datasets(
         (blend, blend_per_split), split, seq_length, seed, tokenizer, data_cache_path, sizes,
         sample_options or {},
     )  # fmt: skip
 
-    common = dict(
-        micro_batch_size=micro_batch_size,
-        data_parallel_rank=data_parallel_rank,
-        data_parallel_size=data_parallel_size,
-        vocab_limit=vocab_limit,
-    )
+    common = dict(micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
+                  data_parallel_size=data_parallel_size, vocab_limit=vocab_limit)  # fmt: skip
     return _split_iterators(datasets, sizes, split, consumed_train_samples, common)
 
 

@@ -166,21 +166,45 @@ def validate_moe_args(args, *, world_size: int) -> None:
     for flag, _ in MOE_VALUE_NOT_SUPPORTED:
         if getattr(args, _dest(flag), None) is not None:
             raise UserError(f"{flag} is not supported yet")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    ep = args.expert_model_parallel_size
     if args.expert_tensor_parallel_size is None:
-        args.expert_tensor_parallel_size = tp
-    etp = args.expert_tensor_parallel_size
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
     if ep < 1 or etp < 1:
         raise UserError(
             "--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1"
         )
-    experts = args.num_experts
-    if experts is None:
+    if args.num_experts is None:
         if ep > 1:
             raise UserError("--expert-model-parallel-size > 1 needs --num-experts")
         _refuse_moe_flags_without_experts(args)
         return
+    _validate_expert_layout(args, world_size)
+    _validate_router(args)
+    if not args.disable_bias_linear:
+        # megatron-core 0.16.1's SequentialMLP adds the expert's fc2 bias in place into the
+        # output of its tensor-parallel reduction, which autograd refuses at ETP=1 (and its
+        # config refuses bias at ETP>1)
+        raise UserError("MoE with linear biases is not supported yet: add --disable-bias-linear")
+    _check_with_megatron_core(args)
+    try:
+        pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    if not any(pattern):
+        raise UserError("--moe-layer-freq puts no MoE layer in the model")
+    _validate_with_the_rest_of_the_run(args)
+
+
+def _validate_expert_layout(args, world_size: int) -> None:
+    """The experts' parallel sizes against the world and the dense layout."""
+    from megatron.training.errors import UserError
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep, etp, experts = (
+        args.expert_model_parallel_size,
+        args.expert_tensor_parallel_size,
+        args.num_experts,
+    )
     if experts < 1:
         raise UserError("--num-experts must be >= 1")
     if experts % ep:
@@ -204,6 +228,13 @@ def validate_moe_args(args, *, world_size: int) -> None:
         raise UserError(
             "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron)"
         )
+
+
+def _validate_router(args) -> None:
+    """Top-k, the token dispatcher, the balancing losses and group-limited routing."""
+    from megatron.training.errors import UserError
+
+    experts = args.num_experts
     if not 1 <= args.moe_router_topk <= experts:
         raise UserError(
             f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts "
@@ -237,31 +268,28 @@ def validate_moe_args(args, *, world_size: int) -> None:
                 f"--moe-router-num-groups {groups} must divide --num-experts {experts} and "
                 f"--moe-router-group-topk {group_topk} be between 1 and it"
             )
-    if not args.disable_bias_linear:
-        # megatron-core 0.16.1's SequentialMLP adds the expert's fc2 bias in place into the
-        # output of its tensor-parallel reduction, which autograd refuses at ETP=1 (and its
-        # config refuses bias at ETP>1)
-        raise UserError("MoE with linear biases is not supported yet: add --disable-bias-linear")
-    _check_with_megatron_core(args)
-    try:
-        pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
-    except ValueError as error:
-        raise UserError(str(error)) from None
-    if not any(pattern):
-        raise UserError("--moe-layer-freq puts no MoE layer in the model")
-    if (ep > 1 or etp != tp) and args.ckpt_format == "torch" and (args.save or args.load):
+
+
+def _validate_with_the_rest_of_the_run(args) -> None:
+    """Checkpoint format, the distributed optimizer and emulated compute with experts."""
+    from megatron.training.errors import UserError
+
+    apart = args.expert_model_parallel_size > 1 or (
+        args.expert_tensor_parallel_size != args.tensor_model_parallel_size
+    )
+    if apart and args.ckpt_format == "torch" and (args.save or args.load):
         # one file per (pipeline, tensor) rank, written by its first data-parallel rank: the
         # other data-parallel ranks' experts would be lost
         raise UserError(
             "--ckpt-format torch with expert parallelism is not supported yet (torch_dist, the "
             "default, is)"
         )
-    if args.use_distributed_optimizer and (ep > 1 or etp != tp):
-        what = "--use-distributed-optimizer with expert parallelism (--expert-model-parallel-size"
-        what += " > 1 or --expert-tensor-parallel-size other than --tensor-model-parallel-size)"
-        if args.num_distributed_optimizer_instances > 1:
-            raise UserError(f"{what} and --num-distributed-optimizer-instances > 1 is not "
-                            "supported yet")  # fmt: skip
+    if args.use_distributed_optimizer and apart and args.num_distributed_optimizer_instances > 1:
+        raise UserError(
+            "--use-distributed-optimizer with expert parallelism (--expert-model-parallel-size"
+            " > 1 or --expert-tensor-parallel-size other than --tensor-model-parallel-size) and "
+            "--num-distributed-optimizer-instances > 1 is not supported yet"
+        )
     if args.emulated_forward_ms is not None:
         raise UserError("--emulated-forward-ms with MoE (--num-experts) is not supported yet")
 
