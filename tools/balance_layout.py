@@ -17,23 +17,22 @@ import sys
 from megatron.benchmarks import balance, projection
 
 
-def rows(args) -> list[dict]:
-    shape = projection.Shape(
-        args.num_layers, args.hidden_size, args.ffn_hidden_size, args.seq_length, args.vocab_size
-    )
-    curve = None if args.calibration_data else projection.efficiency_curve(args)
+def rows(options: projection.ProjectionOptions) -> list[dict]:
+    shape = options.shape()
+    calibration = options.calibration_data
+    curve = None if calibration else projection.efficiency_curve(options)
     out = []
-    for _, mbs, m in projection.configurations(args):
-        if args.calibration_data:
-            layers = balance.layer_costs_from_calibration(args.calibration_data, mbs)
-            p2p = projection.calibrated_costs(args, args.calibration_data, mbs).p2p_latency
+    for _, mbs, m in projection.configurations(options):
+        if calibration:
+            layers = balance.layer_costs_from_calibration(calibration, mbs)
+            p2p = projection.calibrated_costs(options, mbs).p2p_latency
         else:
-            layers = balance.layer_costs_from_model(args, shape, mbs, curve[mbs])
-            p2p = projection.p2p_model(args, mbs)
-        if args.enable_vocab_parallel:
-            reductions = projection.vocab_reductions_s(args, mbs)
-            layers = balance.partition_vocabulary(layers, args.stages, reductions)
-        even = args.stage_layers
+            layers = balance.layer_costs_from_model(options, shape, mbs, curve[mbs])
+            p2p = projection.p2p_model(options, mbs)
+        if options.enable_vocab_parallel:
+            reductions = projection.vocab_reductions_s(options, mbs)
+            layers = balance.partition_vocabulary(layers, options.stages, reductions)
+        even = list(options.stage_layers)
         throughput = {}
 
         def simulated(split: list[int]) -> dict[str, float]:
@@ -42,14 +41,14 @@ def rows(args) -> list[dict]:
                 costs = layers.stage_costs(split, p2p)
                 throughput[key] = {
                     name: projection.steady_state(name, costs, m, mbs, 0.0).samples_per_s
-                    for name in args.schedules
+                    for name in options.schedules
                 }
             return throughput[key]
 
         # The split with the fastest slowest stage; of its equally slow orders, the one the
         # simulator finds fastest for the first schedule asked (PACI's pace is the default).
-        target = "paci" if "paci" in args.schedules else args.schedules[0]
-        candidates = balance.arrangements(balance.balanced_split(layers, args.stages, m))
+        target = "paci" if "paci" in options.schedules else options.schedules[0]
+        candidates = balance.arrangements(balance.balanced_split(layers, options.stages, m))
         balanced = max(candidates, key=lambda split: simulated(split)[target])
         row = {"micro_batch_size": mbs, "microbatches": m, "even": even, "balanced": balanced,
                "flags": balance.megatron_flags(balanced),
@@ -58,7 +57,7 @@ def rows(args) -> list[dict]:
             row[f"slowest_stage_s_{name}"] = max(balance.pace(layers.stage_costs(split), m))
             for schedule, value in simulated(split).items():
                 row[f"{schedule}_samples_per_s_{name}"] = value
-        for schedule in args.schedules:
+        for schedule in options.schedules:
             row[f"{schedule}_gain"] = (
                 row[f"{schedule}_samples_per_s_balanced"] / row[f"{schedule}_samples_per_s_even"]
             )
@@ -68,10 +67,10 @@ def rows(args) -> list[dict]:
 
 def main(argv=None) -> int:
     try:
-        args = projection.parse_args(argv)
-        result = {"preset": None if args.calibration else args.preset,
-                  "calibration": args.calibration, "stages": args.stages,
-                  "num_layers": args.num_layers, "rows": rows(args)}  # fmt: skip
+        options = projection.parse_args(argv)
+        result = {"preset": None if options.calibration_path else options.preset,
+                  "calibration": options.calibration_path, "stages": options.stages,
+                  "num_layers": options.num_layers, "rows": rows(options)}  # fmt: skip
     except (projection.SettingsError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -33,10 +33,10 @@ def write(path: str, text: str) -> None:
 
 def main(argv=None) -> int:
     try:
-        args = calibration.parse_args(argv)
-        text = json.dumps(calibration.measure(args), indent=2)
-        if args.output:
-            write(args.output, text)
+        options = calibration.parse_args(argv)
+        text = json.dumps(calibration.measure(options), indent=2)
+        if options.output:
+            write(options.output, text)
         else:
             print(text)
     except UserError as error:

@@ -29,11 +29,12 @@ def _write(path: str, content: str) -> None:
 
 def main(argv=None) -> int:
     try:
-        args = projection.parse_args(argv)
-        report = projection.run(args)
+        options = projection.parse_args(argv)
+        report = projection.run(options)
         text = markdown(report)
         print(text)
-        for path, content in ((args.json, json.dumps(report, indent=2)), (args.markdown, text)):
+        outputs = ((options.json_path, json.dumps(report, indent=2)), (options.markdown_path, text))
+        for path, content in outputs:
             if path:
                 _write(path, content)
     except ValueError as e:

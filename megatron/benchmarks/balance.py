@@ -15,8 +15,12 @@ the same extra (`LayerCosts.every_stage`) and only the transformer layers are le
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron.pipeline.simulation.costs import StageCosts
+
+if TYPE_CHECKING:
+    from .projection import ProjectionOptions, Shape
 
 
 @dataclass(frozen=True)
@@ -176,12 +180,14 @@ def layer_costs_from_calibration(data: dict, micro_batch_size: int | None) -> La
     return LayerCosts(_layer_costs(profile, where), extras["embedding"], extras["output"])
 
 
-def layer_costs_from_model(args, shape, micro_batch_size: int, efficiency: float) -> LayerCosts:
+def layer_costs_from_model(
+    options: "ProjectionOptions", shape: "Shape", micro_batch_size: int, efficiency: float
+) -> LayerCosts:
     """The projection's cost model per layer (projection.modelled_costs, split by layer)."""
     from .projection import layer_flops, output_flops
 
-    rate = args.peak_tflops * 1e12 * efficiency
-    per_param = args.optimizer_bytes_per_param / (args.memory_bandwidth_gbs * 1e9)
+    rate = options.peak_tflops * 1e12 * efficiency
+    per_param = options.optimizer_bytes_per_param / (options.memory_bandwidth_gbs * 1e9)
     layer = tuple(x / rate for x in layer_flops(shape, micro_batch_size))
     output = tuple(x / rate for x in output_flops(shape, micro_batch_size))
     return LayerCosts(

@@ -29,6 +29,9 @@ the simulator and the benchmark use too, over the window from step k to step 2k 
 >= 8N/m) of a run that drains after it: PACI's one-time fill and drain are left out, and
 flush's steps repeat exactly. PACI runs with a = m (its step has the flush's batch).
 
+Settings: `parse_args` resolves the flags once into a frozen `ProjectionOptions` (preset,
+calibration and derived values filled in), the one settings object every function here takes.
+
 The report (`summary`, `markdown`) is in `megatron.benchmarks.projection_report`.
 """
 
@@ -180,7 +183,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_cost_flags(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cost model (ignored parts: see --calibration)").add_argument
-    c("--calibration", metavar="FILE.json", help="measured costs (replace the cost model)")
+    c(
+        "--calibration",
+        dest="calibration_path",
+        metavar="FILE.json",
+        help="measured costs (replace the cost model)",
+    )
     c("--peak-tflops", type=float, help="device peak (bf16 dense) TFLOP/s")
     c("--efficiency", help="per-microbatch efficiency curve 'b:e,...' (fraction of peak)")
     c("--efficiency-max", type=float, help="default curve: e_max")
@@ -219,78 +227,173 @@ def _add_memory_and_output_flags(p: argparse.ArgumentParser) -> None:
         help="per layer and token (default 34 x hidden: flash attention, no recompute)",
     )
     o = p.add_argument_group("output").add_argument
-    o("--json", metavar="FILE", help="write every figure as JSON")
-    o("--markdown", metavar="FILE", help="write the report tables as Markdown")
+    o("--json", dest="json_path", metavar="FILE", help="write every figure as JSON")
+    o(
+        "--markdown",
+        dest="markdown_path",
+        metavar="FILE",
+        help="write the report tables as Markdown",
+    )
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """The projection's settings from its flags: the preset's values where a flag is not given,
-    a calibration's model shape before the preset's; raises `SettingsError`."""
-    args = build_parser().parse_args(argv)
-    _apply_preset(args)
-    _resolve_stage_layers(args)
-    if args.calibration_data is not None:
-        _keep_measured_sizes(args)
-    args.efficiency_curve = parse_efficiency(args.efficiency) if args.efficiency else None
-    return args
+def parse_args(argv=None) -> "ProjectionOptions":
+    """The projection's options from its flags (`ProjectionOptions.from_namespace`); raises
+    `SettingsError`."""
+    return ProjectionOptions.from_namespace(build_parser().parse_args(argv))
 
 
-def _apply_preset(args) -> None:
-    if args.microbatches is not None and args.global_batch_sizes is not None:
-        raise SettingsError("give --global-batch-sizes or --microbatches, not both")
-    preset = PRESETS[args.preset]
-    if args.calibration and args.stage_layers is None:
-        preset = {**preset, "stage_layers": None}  # a calibration maps layers evenly
-    args.calibration_data = read_calibration(args.calibration) if args.calibration else None
-    if args.calibration_data is not None:  # its model shape comes before the preset's
-        model = args.calibration_data.get("model")
-        for key in _SHAPE_KEYS if isinstance(model, dict) else ():
-            if getattr(args, key) is None and isinstance(model.get(key), int):
-                setattr(args, key, model[key])
-    if args.microbatches is not None or args.global_batch_sizes is not None:
-        preset = {
-            k: v for k, v in preset.items() if k not in ("microbatches", "global_batch_sizes")
-        }
-    for key, value in preset.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
-    args.schedules = _schedules(args.schedules)
+@dataclass(frozen=True)
+class ProjectionOptions:
+    """The projection's settings, resolved once from the flags: each value is the flag's, else
+    a calibration's model shape, else the preset's. Field names follow the flags'."""
+
+    preset: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    """4 x hidden_size unless a flag or the calibration's model gives it."""
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    stages: int
+    stage_layers: tuple[int, ...]
+    """Layers per stage, summing to num_layers: --stage-layers, else the preset's, else even."""
+    uniform_stages: bool
+    """Every stage at the mean stage cost (a perfectly balanced pipeline)."""
+    enable_vocab_parallel: bool
+    """The embedding, output layer and loss split by vocabulary over the pipeline ranks."""
+    global_batch_sizes: tuple[int, ...] | None
+    """Rows (global batch, b, global batch / b); None: `microbatches` gives m directly."""
+    microbatches: tuple[int, ...] | None
+    micro_batch_sizes: tuple[int, ...]
+    """With a calibration, only the sizes it has a profile for."""
+    schedules: tuple[str, ...]
+    """Simulated schedules, one model chunk per stage each."""
+    calibration_path: str | None
+    calibration_data: dict | None
+    """The calibration file's contents; None: the cost model gives the costs."""
+    peak_tflops: float
+    efficiency_points: dict[int, float] | None
+    """--efficiency's curve, micro-batch size -> fraction of peak (interpolated in between);
+    None: the assumed curve from efficiency_max and efficiency_half_tokens."""
+    efficiency_max: float
+    efficiency_half_tokens: float
+    memory_bandwidth_gbs: float
+    optimizer_bytes_per_param: float
+    p2p_latency_us: float
+    p2p_bandwidth_gbs: float
+    p2p_s: float | None
+    """Fixed seconds per hop: replaces the p2p model and a calibration's measured p2p."""
+    flush_sync_ms: float
+    """Extra per-step cost of the schedules that flush every step."""
+    param_bytes: float
+    """Bytes per parameter for weights, gradients and optimizer states."""
+    activation_bytes_per_token: float | None
+    """Per layer and token; None: 34 x hidden_size."""
+    json_path: str | None
+    markdown_path: str | None
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> "ProjectionOptions":
+        """The options from `build_parser`'s namespace: preset and calibration shape filled in,
+        schedules and stage layers checked, unmeasured micro-batch sizes left out."""
+        given = vars(namespace)
+        if given["microbatches"] is not None and given["global_batch_sizes"] is not None:
+            raise SettingsError("give --global-batch-sizes or --microbatches, not both")
+        path = given["calibration_path"]
+        calibration = read_calibration(path) if path else None
+        values = _with_defaults(given, calibration)
+        schedules = _schedules(values["schedules"])
+        stage_layers = _stage_layers(values)
+        sizes = values["micro_batch_sizes"]
+        if calibration is not None:
+            sizes = _measured_sizes(path, calibration, sizes)
+        efficiency = given["efficiency"]
+        values.update(
+            stage_layers=tuple(stage_layers),
+            global_batch_sizes=_optional_tuple(values["global_batch_sizes"]),
+            microbatches=_optional_tuple(values["microbatches"]),
+            micro_batch_sizes=tuple(sizes),
+            schedules=tuple(schedules),
+            calibration_data=calibration,
+            efficiency_points=parse_efficiency(efficiency) if efficiency else None,
+        )
+        return cls(**{field.name: values[field.name] for field in dataclasses.fields(cls)})
+
+    def shape(self) -> "Shape":
+        return Shape(
+            self.num_layers,
+            self.hidden_size,
+            self.ffn_hidden_size,
+            self.seq_length,
+            self.vocab_size,
+        )
 
 
-def _resolve_stage_layers(args) -> None:
+def _with_defaults(given: dict, calibration: dict | None) -> dict:
+    """The flags' values; where a flag is not given, the calibration's model shape, then the
+    preset's value (the FFN: 4 x hidden)."""
+    preset = dict(PRESETS[given["preset"]])
+    if given["calibration_path"] and given["stage_layers"] is None:
+        preset["stage_layers"] = None  # a calibration maps layers evenly
+    if given["microbatches"] is not None or given["global_batch_sizes"] is not None:
+        del preset["microbatches"], preset["global_batch_sizes"]  # the flag given sets the rows
+    model = calibration.get("model") if calibration is not None else None
+    measured_shape = {
+        key: model[key]
+        for key in (_SHAPE_KEYS if isinstance(model, dict) else ())
+        if isinstance(model.get(key), int)
+    }
+    values = dict(given)
+    for key, value in (*measured_shape.items(), *preset.items()):
+        if values[key] is None:
+            values[key] = value
+    if values["ffn_hidden_size"] is None:
+        values["ffn_hidden_size"] = 4 * values["hidden_size"]
+    return values
+
+
+def _stage_layers(values: dict) -> list[int]:
+    """Layers per stage: the given split, checked against the model and stages, or the even one."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "stages"):
-        if getattr(args, name) < 1:
+        if values[name] < 1:
             raise SettingsError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.stage_layers is None:
-        if args.num_layers % args.stages:
+    num_layers, stages, split = values["num_layers"], values["stages"], values["stage_layers"]
+    even = [num_layers // stages] * stages
+    if split is None:
+        if num_layers % stages:
             raise SettingsError(
-                f"--num-layers {args.num_layers} does not split evenly into {args.stages} "
+                f"--num-layers {num_layers} does not split evenly into {stages} "
                 "stages: give --stage-layers"
             )
-        args.stage_layers = [args.num_layers // args.stages] * args.stages
-    if len(args.stage_layers) != args.stages or sum(args.stage_layers) != args.num_layers:
+        split = even
+    split = list(split)
+    if len(split) != stages or sum(split) != num_layers:
         raise SettingsError(
-            f"--stage-layers {args.stage_layers}: need {args.stages} entries summing to "
-            f"{args.num_layers}"
+            f"--stage-layers {split}: need {stages} entries summing to {num_layers}"
         )
-    if args.calibration and args.stage_layers != [args.num_layers // args.stages] * args.stages:
+    if values["calibration_path"] and split != even:
         raise SettingsError("--calibration maps layers evenly onto stages: drop --stage-layers")
+    return split
 
 
-def _keep_measured_sizes(args) -> None:
-    measured = profile_sizes(args.calibration_data)
-    missing = [b for b in args.micro_batch_sizes if measured is not None and b not in measured]
+def _measured_sizes(path: str, calibration: dict, sizes: list[int]) -> list[int]:
+    """The micro-batch sizes the calibration has a profile for (all, if it has one profile)."""
+    measured = profile_sizes(calibration)
+    missing = [b for b in sizes if measured is not None and b not in measured]
     if missing:
         print(
-            f"note: {args.calibration} has no profile for micro-batch size(s) {missing}: "
-            "left out",
+            f"note: {path} has no profile for micro-batch size(s) {missing}: left out",
             file=sys.stderr,
         )
-        args.micro_batch_sizes = [b for b in args.micro_batch_sizes if b not in missing]
-    if not args.micro_batch_sizes:
-        raise SettingsError(f"{args.calibration}: none of the micro-batch sizes was measured")
+        sizes = [b for b in sizes if b not in missing]
+    if not sizes:
+        raise SettingsError(f"{path}: none of the micro-batch sizes was measured")
+    return sizes
+
+
+def _optional_tuple(values: list[int] | None) -> tuple[int, ...] | None:
+    return None if values is None else tuple(values)
 
 
 _SHAPE_KEYS = (
@@ -368,24 +471,23 @@ def efficiency_at(curve: dict[int, float], mbs: int) -> float:
     return curve[lo] + w * (curve[hi] - curve[lo])
 
 
-def efficiency_curve(args) -> dict[int, float]:
-    sizes = sorted(set(args.micro_batch_sizes))
-    if args.efficiency_curve:
-        return {b: efficiency_at(args.efficiency_curve, b) for b in sizes}
-    return {
-        b: default_efficiency(b, args.seq_length, args.efficiency_max, args.efficiency_half_tokens)
-        for b in sizes
-    }
+def efficiency_curve(options: ProjectionOptions) -> dict[int, float]:
+    """The fraction of peak at each micro-batch size: --efficiency's curve, else the assumed one."""
+    sizes = sorted(set(options.micro_batch_sizes))
+    if options.efficiency_points:
+        return {b: efficiency_at(options.efficiency_points, b) for b in sizes}
+    e_max, half_tokens = options.efficiency_max, options.efficiency_half_tokens
+    return {b: default_efficiency(b, options.seq_length, e_max, half_tokens) for b in sizes}
 
 
-def p2p_model(args, mbs: int) -> float:
-    if args.p2p_s is not None:
-        return args.p2p_s
-    num_bytes = mbs * args.seq_length * args.hidden_size * 2  # bf16 activation
-    return args.p2p_latency_us * 1e-6 + num_bytes / (args.p2p_bandwidth_gbs * 1e9)
+def p2p_model(options: ProjectionOptions, mbs: int) -> float:
+    if options.p2p_s is not None:
+        return options.p2p_s
+    num_bytes = mbs * options.seq_length * options.hidden_size * 2  # bf16 activation
+    return options.p2p_latency_us * 1e-6 + num_bytes / (options.p2p_bandwidth_gbs * 1e9)
 
 
-def vocab_reductions_s(args, mbs: int) -> tuple[float, float]:
+def vocab_reductions_s(options: ProjectionOptions, mbs: int) -> tuple[float, float]:
     """(forward, backward) seconds per microbatch a rank spends in the collectives of a
     vocabulary split over N pipeline ranks. Forward: the last hidden state broadcast to every
     rank, the softmax statistics all-reduced (max, sum, target logit: 3 fp32 per token), the
@@ -394,64 +496,71 @@ def vocab_reductions_s(args, mbs: int) -> tuple[float, float]:
     broadcast or reduce moves its bytes once over the p2p bandwidth, an all-reduce 2 (N - 1) / N
     times; each adds N - 1 latencies. Counted as the rank's busy time: no overlap with compute
     is assumed."""
-    n, tokens = args.stages, mbs * args.seq_length
+    n, tokens = options.stages, mbs * options.seq_length
     if n == 1:
         return 0.0, 0.0
-    bandwidth, latency = args.p2p_bandwidth_gbs * 1e9, (n - 1) * args.p2p_latency_us * 1e-6
-    hidden = latency + tokens * args.hidden_size * 2 / bandwidth  # bf16, broadcast or reduce
+    bandwidth = options.p2p_bandwidth_gbs * 1e9
+    latency = (n - 1) * options.p2p_latency_us * 1e-6
+    hidden = latency + tokens * options.hidden_size * 2 / bandwidth  # bf16, broadcast or reduce
     statistics = latency + 2 * (n - 1) / n * tokens * 3 * 4 / bandwidth
     return 2 * hidden + statistics, 2 * hidden
 
 
-def modelled_costs(args, shape: Shape, mbs: int, efficiency: float) -> StageCosts:
-    rate = args.peak_tflops * 1e12 * efficiency
+def modelled_costs(
+    options: ProjectionOptions, shape: Shape, mbs: int, efficiency: float
+) -> StageCosts:
+    rate = options.peak_tflops * 1e12 * efficiency
     lf, lb, lw = (x / rate for x in layer_flops(shape, mbs))
     of, ob, ow = (x / rate for x in output_flops(shape, mbs))
-    bytes_per_s = args.memory_bandwidth_gbs * 1e9
-    per_param = args.optimizer_bytes_per_param / bytes_per_s
+    bytes_per_s = options.memory_bandwidth_gbs * 1e9
+    per_param = options.optimizer_bytes_per_param / bytes_per_s
     forward, backward, wgrad, step = [], [], [], []
-    for s, layers in enumerate(args.stage_layers):
-        params = layers * shape.layer_params() + vocab_params(args, shape, s)
+    for s, layers in enumerate(options.stage_layers):
+        params = layers * shape.layer_params() + vocab_params(options, shape, s)
         f, b, w = layers * lf, layers * lb, layers * lw
-        share = _output_share(args, s)
+        share = _output_share(options, s)
         forward.append(f + share * of)
         backward.append(b + share * ob)
         wgrad.append(w + share * ow)
         step.append(params * per_param)
-    if args.enable_vocab_parallel:
-        reductions = vocab_reductions_s(args, mbs)
+    if options.enable_vocab_parallel:
+        reductions = vocab_reductions_s(options, mbs)
         forward = [f + reductions[0] for f in forward]
         backward = [b + reductions[1] for b in backward]
-    return StageCosts(forward, backward, wgrad, step, p2p_model(args, mbs), "cost model")
+    return StageCosts(forward, backward, wgrad, step, p2p_model(options, mbs), "cost model")
 
 
-def _output_share(args, stage: int) -> float:
+def _output_share(options: ProjectionOptions, stage: int) -> float:
     """The part of the output layer and loss that `stage` runs: all of it on the last stage,
     1/N on every stage with the vocabulary split over the pipeline."""
-    if args.enable_vocab_parallel:
-        return 1.0 / args.stages
-    return 1.0 if stage == args.stages - 1 else 0.0
+    if options.enable_vocab_parallel:
+        return 1.0 / options.stages
+    return 1.0 if stage == options.stages - 1 else 0.0
 
 
-def vocab_params(args, shape: Shape, stage: int) -> float:
+def vocab_params(options: ProjectionOptions, shape: Shape, stage: int) -> float:
     """Parameters of the embedding and output layer (with the final norm) on `stage`."""
-    if args.enable_vocab_parallel:
-        return (shape.embedding_params() + shape.output_params()) / args.stages
+    if options.enable_vocab_parallel:
+        return (shape.embedding_params() + shape.output_params()) / options.stages
     on_first = shape.embedding_params() if stage == 0 else 0
-    return on_first + (shape.output_params() if stage == args.stages - 1 else 0)
+    return on_first + (shape.output_params() if stage == options.stages - 1 else 0)
 
 
-def calibrated_costs(args, data: dict, mbs: int) -> StageCosts:
+def calibrated_costs(options: ProjectionOptions, mbs: int) -> StageCosts:
+    """The calibration's measured costs at `mbs`; p2p: --p2p-s, else measured, else modelled."""
+    path = options.calibration_path
     try:
-        costs = stage_costs_from_calibration(data, args.stages, mbs, source=args.calibration)
+        costs = stage_costs_from_calibration(
+            options.calibration_data, options.stages, mbs, source=path
+        )
     except ValueError as e:
-        raise SettingsError(f"{args.calibration}: {e}") from None
-    if args.p2p_s is not None:
-        p2p = args.p2p_s
+        raise SettingsError(f"{path}: {e}") from None
+    if options.p2p_s is not None:
+        p2p = options.p2p_s
     elif costs.p2p_latency is not None:
         p2p = costs.p2p_latency
     else:
-        p2p = p2p_model(args, mbs)
+        p2p = p2p_model(options, mbs)
     return dataclasses.replace(costs, p2p_latency=p2p)
 
 
@@ -537,127 +646,126 @@ def steady_state(name: str, costs: StageCosts, m: int, mbs: int, flush_sync_s: f
 
 
 # ----------------------------------------------------------------------------- memory
-def stage_memory_gb(args, shape: Shape, outcome: Outcome) -> list[float]:
+def stage_memory_gb(options: ProjectionOptions, shape: Shape, outcome: Outcome) -> list[float]:
     """Per stage: weights + grads + optimizer states, stashed weight versions (bf16) and the
     activations of the microbatches it holds (`_held_activations`)."""
-    per_token = args.activation_bytes_per_token or 34.0 * shape.hidden
+    per_token = options.activation_bytes_per_token or 34.0 * shape.hidden
     tokens = outcome.micro_batch_size * shape.seq
     memory = []
-    for s, layers in enumerate(args.stage_layers):
-        params = layers * shape.layer_params() + vocab_params(args, shape, s)
+    for s, layers in enumerate(options.stage_layers):
+        params = layers * shape.layer_params() + vocab_params(options, shape, s)
         activation = layers * per_token * tokens
         # fp32 logits kept for the loss backward: on the last stage for every microbatch it
         # holds; with the vocabulary split, a shard's for the one microbatch between its
         # output passes
-        logits = _output_share(args, s) * tokens * shape.vocab * 4
-        if not args.enable_vocab_parallel:
+        logits = _output_share(options, s) * tokens * shape.vocab * 4
+        if not options.enable_vocab_parallel:
             activation, logits = activation + logits, 0.0
-        total = params * args.param_bytes + outcome.extra_weight_versions[s] * params * 2
+        total = params * options.param_bytes + outcome.extra_weight_versions[s] * params * 2
         total += outcome.held_activations[s] * activation + logits
         memory.append(total / 1e9)
     return memory
 
 
 # ----------------------------------------------------------------------------- the report
-def configurations(args) -> list[tuple[int | None, int, int]]:
+def configurations(options: ProjectionOptions) -> list[tuple[int | None, int, int]]:
     """(global batch, micro-batch size, m) rows; m = global batch / micro-batch size."""
     rows = []
-    if args.global_batch_sizes:
-        for gb in args.global_batch_sizes:
-            for mbs in args.micro_batch_sizes:
+    if options.global_batch_sizes:
+        for gb in options.global_batch_sizes:
+            for mbs in options.micro_batch_sizes:
                 if gb % mbs == 0:
                     rows.append((gb, mbs, gb // mbs))
     else:
-        for mbs in args.micro_batch_sizes:
-            for m in args.microbatches:
+        for mbs in options.micro_batch_sizes:
+            for m in options.microbatches:
                 rows.append((m * mbs, mbs, m))
     return rows
 
 
-def run(args) -> dict:
-    shape = Shape(
-        args.num_layers, args.hidden_size, args.ffn_hidden_size, args.seq_length, args.vocab_size
-    )
-    calibration = args.calibration_data
-    if calibration is not None and args.enable_vocab_parallel:
+def run(options: ProjectionOptions) -> dict:
+    """Every configuration's steady state under each schedule, with the inputs and the summary."""
+    shape = options.shape()
+    calibrated = options.calibration_data is not None
+    if calibrated and options.enable_vocab_parallel:
         raise SettingsError(
             "--enable-vocab-parallel re-splits the output layer: use the cost model, or a "
             "per-layer calibration with tools/balance_layout.py"
         )
-    curve = None if calibration else efficiency_curve(args)
+    curve = None if calibrated else efficiency_curve(options)
     costs = {}
-    for mbs in sorted(set(args.micro_batch_sizes)):
-        if calibration is not None:
-            costs[mbs] = calibrated_costs(args, calibration, mbs)
+    for mbs in sorted(set(options.micro_batch_sizes)):
+        if calibrated:
+            costs[mbs] = calibrated_costs(options, mbs)
         else:
-            costs[mbs] = modelled_costs(args, shape, mbs, curve[mbs])
-        if args.uniform_stages:
+            costs[mbs] = modelled_costs(options, shape, mbs, curve[mbs])
+        if options.uniform_stages:
             costs[mbs] = costs[mbs].uniform()
-    flush_sync = args.flush_sync_ms * 1e-3
+    flush_sync = options.flush_sync_ms * 1e-3
     rows = []
-    for gb, mbs, m in configurations(args):
-        for name in args.schedules:
-            least = SIMULATED_SCHEDULES[name].min_microbatches_per_step(args.stages)
+    for gb, mbs, m in configurations(options):
+        for name in options.schedules:
+            least = SIMULATED_SCHEDULES[name].min_microbatches_per_step(options.stages)
             if m < least:
                 continue
             outcome = steady_state(name, costs[mbs], m, mbs, flush_sync)
             row = {"global_batch": gb, **outcome.__dict__}
-            memory = stage_memory_gb(args, shape, outcome)
+            memory = stage_memory_gb(options, shape, outcome)
             row["peak_memory_gb"] = max(memory)
             row["mean_memory_gb"] = sum(memory) / len(memory)
             row["memory_gb_per_stage"] = memory
             rows.append(row)
     return {
-        "inputs": _inputs(args, shape, curve, costs),
-        "per_sample_curve": _per_sample_curve(costs, shape, args),
+        "inputs": _inputs(options, shape, curve, costs),
+        "per_sample_curve": _per_sample_curve(costs, shape, options),
         "rows": rows,
-        "summary": summary(rows, args),
+        "summary": summary(rows, options.schedules, options.stages),
         "paper": PAPER,
     }
 
 
-def _inputs(args, shape, curve, costs) -> dict:
+def _inputs(options: ProjectionOptions, shape: Shape, curve: dict | None, costs: dict) -> dict:
     inputs = {
-        "preset": args.preset,
+        "preset": options.preset,
         "model": shape.__dict__,
-        "stages": args.stages,
-        "stage_layers": args.stage_layers,
-        "uniform_stages": args.uniform_stages,
-        "schedules": args.schedules,
-        "source": args.calibration or "cost model",
-        "flush_sync_ms": args.flush_sync_ms,
+        "stages": options.stages,
+        "stage_layers": list(options.stage_layers),
+        "uniform_stages": options.uniform_stages,
+        "schedules": list(options.schedules),
+        "source": options.calibration_path or "cost model",
+        "flush_sync_ms": options.flush_sync_ms,
         "p2p_s": {str(b): c.p2p_latency for b, c in costs.items()},
         "stage_costs": {str(b): _cost_record(c) for b, c in costs.items()},
         "command": "python tools/project_paper_scale.py " + " ".join(sys.argv[1:]),
     }
     if curve is not None:
         inputs.update(
-            peak_tflops=args.peak_tflops,
+            peak_tflops=options.peak_tflops,
             efficiency_curve={str(b): e for b, e in curve.items()},
             efficiency_curve_origin=(
                 "--efficiency"
-                if args.efficiency_curve
-                else f"assumed: e(b) = {args.efficiency_max} * b*seq / (b*seq + "
-                f"{args.efficiency_half_tokens:g})"
+                if options.efficiency_points
+                else f"assumed: e(b) = {options.efficiency_max} * b*seq / (b*seq + "
+                f"{options.efficiency_half_tokens:g})"
             ),
-            memory_bandwidth_gbs=args.memory_bandwidth_gbs,
-            optimizer_bytes_per_param=args.optimizer_bytes_per_param,
+            memory_bandwidth_gbs=options.memory_bandwidth_gbs,
+            optimizer_bytes_per_param=options.optimizer_bytes_per_param,
             p2p_model=(
-                f"{args.p2p_s} s fixed"
-                if args.p2p_s is not None
-                else f"{args.p2p_latency_us} us + bytes / {args.p2p_bandwidth_gbs} GB/s"
+                f"{options.p2p_s} s fixed"
+                if options.p2p_s is not None
+                else f"{options.p2p_latency_us} us + bytes / {options.p2p_bandwidth_gbs} GB/s"
             ),
         )
     return inputs
 
 
-def _per_sample_curve(costs: dict, shape: Shape, args) -> list[dict]:
+def _per_sample_curve(costs: dict, shape: Shape, options: ProjectionOptions) -> list[dict]:
     """GPU time per sample of a middle stage (forward + backward) at each micro-batch size."""
     curve = []
-    mid = min(1, args.stages - 1)
+    mid = min(1, options.stages - 1)
     for mbs, c in sorted(costs.items()):
         per_sample = (c.forward[mid] + c.backward[mid] + c.weight_grad[mid]) / mbs
-        layers = args.stage_layers[mid]
+        layers = options.stage_layers[mid]
         flops = sum(layer_flops(shape, mbs)) * layers / mbs
         curve.append(
             {

@@ -1,14 +1,17 @@
 """The projection's report: each schedule's best configuration and PACI's speedups
 (`summary`), and the Markdown tables of `docs/projection.md` (`markdown`)."""
 
+from collections.abc import Sequence
 
-def summary(rows: list[dict], args) -> dict:
+
+def summary(rows: list[dict], schedules: Sequence[str], stages: int) -> dict:
     """Per global batch: each schedule's best micro-batch size, PACI's best over each other
-    schedule's best, and PACI over flush at every shared configuration."""
+    schedule's best, and PACI over flush at every shared configuration (the closed form's
+    (m + N - 1) / m with N = `stages`)."""
     summary = {}
     for gb in sorted({r["global_batch"] for r in rows}):
         group = [r for r in rows if r["global_batch"] == gb]
-        by = {name: [r for r in group if r["schedule"] == name] for name in args.schedules}
+        by = {name: [r for r in group if r["schedule"] == name] for name in schedules}
         best = {n: max(rs, key=lambda r: r["samples_per_s"]) for n, rs in by.items() if rs}
         entry = {
             f"best_{n}": {
@@ -33,7 +36,7 @@ def summary(rows: list[dict], args) -> dict:
                     "microbatches": r["microbatches"],
                     "ratio": r["samples_per_s"]
                     / flush[(r["micro_batch_size"], r["microbatches"])]["samples_per_s"],
-                    "closed_form": (r["microbatches"] + args.stages - 1) / r["microbatches"],
+                    "closed_form": (r["microbatches"] + stages - 1) / r["microbatches"],
                 }
                 for r in by["paci"]
                 if (r["micro_batch_size"], r["microbatches"]) in flush

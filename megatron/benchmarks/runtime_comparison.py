@@ -29,6 +29,7 @@ import os
 import statistics
 import tempfile
 
+from megatron.pipeline.schedules import VIRTUAL_STAGE_SCHEDULES
 from megatron.pipeline.schedules.base import ActionKind
 from megatron.pipeline.simulation.engine import simulate
 from megatron.pipeline.trace import read_chrome_trace
@@ -172,9 +173,9 @@ def run_one(model, schedule: str, options, run_dir: str) -> dict:
         metrics_dir=run_dir,
         timeline_file=timeline,
         extra=extra,
-        virtual_stages=chunks if name in ("1f1b", "paci") else 1,
+        virtual_stages=chunks if name in VIRTUAL_STAGE_SCHEDULES else 1,
     )
-    if name not in ("1f1b", "paci"):  # its own placement: the layers of its chunks
+    if name not in VIRTUAL_STAGE_SCHEDULES:  # its own placement: the layers of its chunks
         args[args.index("--num-layers") + 1] = str(n * chunks)
     launch(
         torchrun_command(n, PRETRAIN_SCRIPT, args),

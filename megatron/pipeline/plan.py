@@ -8,7 +8,7 @@ schedule up again by name.
 
 from dataclasses import dataclass
 
-from .schedules import get_schedule, virtual_schedule
+from .schedules import flush_1f1b, get_schedule, virtual_schedule
 from .schedules.base import Schedule
 from .schedules.paci import with_paci_options, with_weight_stashing
 from .schedules.placement import Placement
@@ -44,10 +44,10 @@ class PipelinePlan:
     def synchronous(self) -> "PipelinePlan":
         """1F1B-flush on the same ranks and chunks: the schedule of a run's synchronous phases
         (--async-sync-warmup-iters, --async-sync-cooldown-iters)."""
-        if self.name == "1f1b":
+        if self.flushes:  # a synchronous schedule is its own synchronous phase
             return self
         return resolve_plan(
-            "1f1b",
+            flush_1f1b.SCHEDULE.name,
             num_stages=self.num_stages,
             chunks_per_rank=self.chunks_per_rank,
             microbatch_group_size=self.microbatch_group_size,
@@ -73,7 +73,9 @@ def resolve_plan(
     `inflight_limit` and `weight_stashing` are PACI's options. ValueError for a combination no
     schedule defines."""
     base = get_schedule(name)
-    if weight_stashing and (name != "paci" or (chunks_per_rank or 1) > 1):
+    # an option of an asynchronous schedule that does not stash already (PACI)
+    stashable = not (base.flushes_every_call or base.stashes_weights)
+    if weight_stashing and (not stashable or (chunks_per_rank or 1) > 1):
         raise ValueError("PACI's weight stashing runs on plain PACI (one model chunk per rank)")
     chunks = chunks_per_rank or base.default_chunks_per_rank
     if base.placement is not None:  # its own placement (ZB-V, DualPipeV)

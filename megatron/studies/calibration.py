@@ -61,7 +61,8 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
+from typing import Literal
 
 from megatron.benchmarks.calibration_file import (
     PassCost,
@@ -140,32 +141,95 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    if args.bf16 and args.dtype == "fp32":
-        raise UserError("--bf16 contradicts --dtype fp32")
-    args.dtype = "bf16" if args.bf16 else (args.dtype or "fp32")
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
-        if getattr(args, flag) < 1:
-            raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.hidden_size % args.num_attention_heads:
-        raise UserError("--hidden-size must be divisible by --num-attention-heads")
-    if args.warmup < 0 or args.repeats < 1:
-        raise UserError("--warmup must be >= 0 and --repeats >= 1")
-    if args.threads is not None and args.threads < 1:
-        raise UserError("--threads must be >= 1")
-    if args.p2p_s is not None and (not math.isfinite(args.p2p_s) or args.p2p_s < 0):
-        raise UserError("--p2p-s must be a finite number of seconds >= 0")
-    if args.p2p_s is not None and args.p2p != "none":
-        raise UserError("give either --p2p loopback or --p2p-s, not both")
-    if args.clock == "process" and args.device == "cuda":
-        raise UserError("--clock process measures CPU time: use it with --device cpu")
-    if args.depths is None:
-        args.depths = sorted({1, min(4, args.num_layers)})
-    if len(args.depths) > 2 or max(args.depths) > args.num_layers:
-        raise UserError(f"--depths: one or two depths <= --num-layers, got {args.depths}")
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
-    return args
+# the model flags that must be >= 1
+_POSITIVE_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+
+
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """The command line's settings, checked, with the defaults that depend on other flags
+    filled in (dtype, depths, FFN size); built once by `from_args`, then read everywhere."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int  # --ffn-hidden-size, else 4 x hidden size
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    micro_batch_sizes: tuple[int, ...]  # positive, distinct, ascending
+    device: Literal["auto", "cpu", "cuda"]
+    dtype: Literal["fp32", "bf16"]  # --dtype, or bf16 with --bf16
+    attention_dropout: float
+    hidden_dropout: float
+    warmup: int
+    repeats: int
+    depths: tuple[int, ...]  # the middle-stage depths d1[, d2]; default 1, min(4, L)
+    with_step: bool  # time the optimizer step (not with --no-step)
+    validate_whole_model: bool  # time the whole model as a check (not with --no-validate)
+    p2p: Literal["none", "loopback"]
+    p2p_s: float | None
+    clock: Literal["wall", "process"]
+    threads: int | None
+    seed: int
+    output: str | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "CalibrationOptions":
+        """The options of `build_parser`'s namespace (the one place that reads it)."""
+        if args.bf16 and args.dtype == "fp32":
+            raise UserError("--bf16 contradicts --dtype fp32")
+        depths = args.depths
+        if depths is None:
+            depths = sorted({1, min(4, args.num_layers)})
+        return cls(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            seq_length=args.seq_length,
+            vocab_size=args.vocab_size,
+            micro_batch_sizes=tuple(args.micro_batch_sizes),
+            device=args.device,
+            dtype="bf16" if args.bf16 else (args.dtype or "fp32"),
+            attention_dropout=args.attention_dropout,
+            hidden_dropout=args.hidden_dropout,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            depths=tuple(depths),
+            with_step=not args.no_step,
+            validate_whole_model=not args.no_validate,
+            p2p=args.p2p,
+            p2p_s=args.p2p_s,
+            clock=args.clock,
+            threads=args.threads,
+            seed=args.seed,
+            output=args.output,
+        )
+
+    def __post_init__(self) -> None:
+        for flag in _POSITIVE_SIZES:
+            if getattr(self, flag) < 1:
+                raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
+        if self.hidden_size % self.num_attention_heads:
+            raise UserError("--hidden-size must be divisible by --num-attention-heads")
+        if self.warmup < 0 or self.repeats < 1:
+            raise UserError("--warmup must be >= 0 and --repeats >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise UserError("--threads must be >= 1")
+        if self.p2p_s is not None and (not math.isfinite(self.p2p_s) or self.p2p_s < 0):
+            raise UserError("--p2p-s must be a finite number of seconds >= 0")
+        if self.p2p_s is not None and self.p2p != "none":
+            raise UserError("give either --p2p loopback or --p2p-s, not both")
+        if self.clock == "process" and self.device == "cuda":
+            raise UserError("--clock process measures CPU time: use it with --device cpu")
+        if len(self.depths) > 2 or max(self.depths) > self.num_layers:
+            depths = list(self.depths)  # printed as the flag's list
+            raise UserError(f"--depths: one or two depths <= --num-layers, got {depths}")
+
+
+def parse_args(argv=None) -> CalibrationOptions:
+    """The command line, parsed and checked (a bad flag raises UserError)."""
+    return CalibrationOptions.from_args(build_parser().parse_args(argv))
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -185,11 +249,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def training_arguments(options: argparse.Namespace, device) -> argparse.Namespace:
-    """The training code's own arguments for a one-process, TP = PP = 1 run of this model,
-    built by its parser and validation (so every training setting has its default)."""
-    from megatron.training.arguments import build_parser, validate_args
-
+def _megatron_argv(options: CalibrationOptions, device) -> list[str]:
+    """The training code's own flags for a one-process, TP = PP = 1 run of this model (its
+    parser and validation then give every other training setting its default)."""
     argv = [
         "--num-layers", str(options.num_layers),
         "--hidden-size", str(options.hidden_size),
@@ -207,31 +269,34 @@ def training_arguments(options: argparse.Namespace, device) -> argparse.Namespac
     ]  # fmt: skip
     if options.dtype == "bf16":
         argv.append("--bf16")
-    args = build_parser().parse_args(argv)
-    validate_args(args, world_size=1)
-    return args
+    return argv
 
 
-def initialize_single_process(device, options: argparse.Namespace):
+def initialize_single_process(device, options: CalibrationOptions):
     """torch.distributed with world size 1 and parallel_state with TP = PP = 1, through the
-    training code's own `initialize_distributed`; returns (device, TransformerConfig)."""
+    training code's own `initialize_distributed`; returns (device, TransformerConfig).
+
+    Megatron's own flag namespace (`megatron_args`) is built and used here only: the training
+    functions below take it."""
     import torch.distributed as dist
 
+    from megatron.training.arguments import build_parser, validate_args
+    from megatron.training.config import RunConfig
     from megatron.training.training import initialize_distributed, transformer_config
 
     if not dist.is_initialized():
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
-    args = training_arguments(options, device)
-    device = initialize_distributed(args)
-    return device, transformer_config(args, device)
+    flags = build_parser().parse_args(_megatron_argv(options, device))
+    validate_args(flags, world_size=1)
+    run = RunConfig.from_args(flags)
+    device = initialize_distributed(run)
+    return device, transformer_config(run, device)
 
 
-def build_stage(config, kind: str, depth: int, args, device):
+def build_stage(config, kind: str, depth: int, options: CalibrationOptions, device):
     """A GPT stage with `depth` layers: 'first' (embedding), 'middle', 'last' (output + loss)
     or 'whole' (both ends, the one-stage model)."""
-    import dataclasses
-
     from megatron.training.model import StageLayout, build_gpt_stage
 
     pre, post = {"first": (1, 0), "middle": (0, 0), "last": (0, 1), "whole": (1, 1)}[kind]
@@ -247,13 +312,13 @@ def build_stage(config, kind: str, depth: int, args, device):
         num_layers=depth * size,
     )
     model = build_gpt_stage(
-        dataclasses.replace(config, num_layers=depth),
+        replace(config, num_layers=depth),
         layout,
-        vocab_size=args.vocab_size,
-        max_sequence_length=args.seq_length,
+        vocab_size=options.vocab_size,
+        max_sequence_length=options.seq_length,
         position_embedding_type="learned_absolute",
         device=device,
-        seed=args.seed,
+        seed=options.seed,
     )
     if len(model.decoder.layers) != depth:
         raise RuntimeError(f"built {len(model.decoder.layers)} layers, wanted {depth}")
@@ -280,32 +345,34 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _inputs(kind: str, mbs: int, args, device, torch_dtype, generator):
+def _inputs(kind: str, mbs: int, options: CalibrationOptions, device, torch_dtype, generator):
     import torch
 
     pre, post = kind in ("first", "whole"), kind in ("last", "whole")
-    s, h = args.seq_length, args.hidden_size
+    s, h = options.seq_length, options.hidden_size
     tokens = positions = labels = hidden = None
     if pre:
-        tokens = torch.randint(0, args.vocab_size, (mbs, s), generator=generator).to(device)
+        tokens = torch.randint(0, options.vocab_size, (mbs, s), generator=generator).to(device)
         positions = torch.arange(s, device=device).unsqueeze(0).expand(mbs, s)
     else:
         hidden = torch.randn(s, mbs, h, generator=generator).to(device, torch_dtype)
         hidden.requires_grad_(True)
     if post:
-        labels = torch.randint(0, args.vocab_size, (mbs, s), generator=generator).to(device)
+        labels = torch.randint(0, options.vocab_size, (mbs, s), generator=generator).to(device)
     return tokens, positions, labels, hidden
 
 
-def one_pass(model, kind: str, mbs: int, args, device, torch_dtype, generator, clock):
+def one_pass(
+    model, kind: str, mbs: int, options: CalibrationOptions, device, torch_dtype, generator, clock
+):
     """(forward, backward) seconds of one microbatch through `model`."""
     import torch
 
     post = kind in ("last", "whole")
-    tokens, positions, labels, hidden = _inputs(kind, mbs, args, device, torch_dtype, generator)
+    tokens, positions, labels, hidden = _inputs(kind, mbs, options, device, torch_dtype, generator)
     grad = None
     if not post:
-        grad = torch.randn(args.seq_length, mbs, args.hidden_size, generator=generator)
+        grad = torch.randn(options.seq_length, mbs, options.hidden_size, generator=generator)
         grad = grad.to(device, torch_dtype)
     if hidden is not None:
         model.set_input_tensor(hidden)
@@ -325,19 +392,21 @@ def one_pass(model, kind: str, mbs: int, args, device, torch_dtype, generator, c
     return middle - start, end - middle
 
 
-def time_passes(models: dict, kinds: dict, mbs: int, args, device, torch_dtype) -> dict:
+def time_passes(
+    models: dict, kinds: dict, mbs: int, options: CalibrationOptions, device, torch_dtype
+) -> dict:
     """Median forward and backward seconds per model. The models take turns pass by pass, so
     that a change in the machine's load hits all of them alike (their differences are what
     count)."""
     import torch
 
-    generator = torch.Generator().manual_seed(args.seed + mbs)
-    clock = _CLOCKS[args.clock]
+    generator = torch.Generator().manual_seed(options.seed + mbs)
+    clock = _CLOCKS[options.clock]
     samples = {name: ([], []) for name in models}
-    for i in range(args.warmup + args.repeats):
+    for i in range(options.warmup + options.repeats):
         for name, model in models.items():
-            f, b = one_pass(model, kinds[name], mbs, args, device, torch_dtype, generator, clock)
-            if i >= args.warmup:
+            f, b = one_pass(model, kinds[name], mbs, options, device, torch_dtype, generator, clock)
+            if i >= options.warmup:
                 samples[name][0].append(f)
                 samples[name][1].append(b)
     return {
@@ -346,7 +415,7 @@ def time_passes(models: dict, kinds: dict, mbs: int, args, device, torch_dtype) 
     }
 
 
-def time_optimizer_step(model, args, device) -> float:
+def time_optimizer_step(model, options: CalibrationOptions, device) -> float:
     """Median seconds of one AdamW step over fp32 copies of the stage's parameters."""
     import torch
 
@@ -354,14 +423,14 @@ def time_optimizer_step(model, args, device) -> float:
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
-    clock = _CLOCKS[args.clock]
+    clock = _CLOCKS[options.clock]
     times = []
-    for i in range(args.warmup + args.repeats):
+    for i in range(options.warmup + options.repeats):
         _sync(device)
         start = clock()
         optimizer.step()
         _sync(device)
-        if i >= args.warmup:
+        if i >= options.warmup:
             times.append(clock() - start)
     del optimizer, params
     return statistics.median(times)
@@ -463,24 +532,26 @@ class _Collected:
         self.clamped, self.skipped = [], []
 
 
-def _stage_specs(args) -> dict[str, tuple[str, int]]:
+def _stage_specs(options: CalibrationOptions) -> dict[str, tuple[str, int]]:
     """The stages to time: name -> (kind, depth); ``whole`` is the one-stage model (a check)."""
-    d1, d2 = args.depths[0], args.depths[-1]
+    d1, d2 = options.depths[0], options.depths[-1]
     specs = {"middle_d1": ("middle", d1), "first": ("first", d1), "last": ("last", d1)}
     if d2 > d1:
         specs["middle_d2"] = ("middle", d2)
-    if not args.no_validate:
-        specs["whole"] = ("whole", args.num_layers)
+    if options.validate_whole_model:
+        specs["whole"] = ("whole", options.num_layers)
     return specs
 
 
-def _time_size(mbs, models, specs, step_s, args, device, torch_dtype) -> dict | None:
+def _time_size(
+    mbs, models, specs, step_s, options: CalibrationOptions, device, torch_dtype
+) -> dict | None:
     """Every stage's median costs at micro-batch size `mbs` (None: out of memory)."""
     import torch
 
     try:
         kinds = {name: kind for name, (kind, _) in specs.items()}
-        measured = time_passes(models, kinds, mbs, args, device, torch_dtype)
+        measured = time_passes(models, kinds, mbs, options, device, torch_dtype)
     except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is one
         if not _is_out_of_memory(error) and not isinstance(error, MemoryError):
             raise
@@ -495,17 +566,19 @@ def _time_size(mbs, models, specs, step_s, args, device, torch_dtype) -> dict | 
     return measured
 
 
-def _add_profile(collected: _Collected, mbs: int, measured: dict, args) -> None:
+def _add_profile(
+    collected: _Collected, mbs: int, measured: dict, options: CalibrationOptions
+) -> None:
     """Decompose one micro-batch size's timings into a profile and print its line."""
-    parts, notes = decompose(measured, args.depths)
+    parts, notes = decompose(measured, list(options.depths))
     collected.clamped += [f"micro-batch {mbs}: {note}" for note in notes]
     p2p = None
-    if args.p2p == "loopback":
-        element = 2 if args.dtype == "bf16" else 4
-        num_bytes = args.seq_length * mbs * args.hidden_size * element
-        p2p = loopback_p2p_seconds(num_bytes, args.repeats, max(args.warmup, 1))
+    if options.p2p == "loopback":
+        element = 2 if options.dtype == "bf16" else 4
+        num_bytes = options.seq_length * mbs * options.hidden_size * element
+        p2p = loopback_p2p_seconds(num_bytes, options.repeats, max(options.warmup, 1))
     collected.profiles.append(
-        profile_entry(mbs, parts, args.num_layers, with_step=not args.no_step, p2p_s=p2p)
+        profile_entry(mbs, parts, options.num_layers, with_step=options.with_step, p2p_s=p2p)
     )
     collected.raw[str(mbs)] = {name: asdict(cost) for name, cost in measured.items()}
     collected.overheads[str(mbs)] = asdict(parts["stage_overhead"])
@@ -514,7 +587,7 @@ def _add_profile(collected: _Collected, mbs: int, measured: dict, args) -> None:
         f"{_ms(parts['embedding'])} | output+loss {_ms(parts['output'])}"
     )
     if "whole" in measured:
-        predicted = predicted_whole_model(parts, args.num_layers)
+        predicted = predicted_whole_model(parts, options.num_layers)
         collected.validation[str(mbs)] = _validation(measured["whole"], predicted)
         line += f" | whole model {_ms(measured['whole'])} (parts {_ms(predicted)})"
     if p2p is not None:
@@ -522,60 +595,63 @@ def _add_profile(collected: _Collected, mbs: int, measured: dict, args) -> None:
     print(line, flush=True)
 
 
-def measure(args) -> dict:
+def measure(options: CalibrationOptions) -> dict:
     """Build the stages, time them at every micro-batch size, return the calibration object."""
     import torch
 
     warnings.filterwarnings("ignore")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device, config = initialize_single_process(pick_device(args.device), args)
-    torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    specs = _stage_specs(args)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    device, config = initialize_single_process(pick_device(options.device), options)
+    torch_dtype = torch.bfloat16 if options.dtype == "bf16" else torch.float32
+    specs = _stage_specs(options)
     models = {
-        name: build_stage(config, kind, depth, args, device)
+        name: build_stage(config, kind, depth, options, device)
         for name, (kind, depth) in specs.items()
     }
     step_s = {}
-    if not args.no_step:
-        step_s = {name: time_optimizer_step(model, args, device) for name, model in models.items()}
+    if options.with_step:
+        step_s = {
+            name: time_optimizer_step(model, options, device) for name, model in models.items()
+        }
     spec = layer_spec_name(device)
+    d1, d2 = options.depths[0], options.depths[-1]
     print(
-        f"> calibrating on {device_name(device)} ({device.type}), {args.dtype}, layer spec "
-        f"{spec}, threads {torch.get_num_threads()}, {args.clock} clock; warmup "
-        f"{args.warmup}, repeats {args.repeats}, depths {args.depths[0]},{args.depths[-1]}",
+        f"> calibrating on {device_name(device)} ({device.type}), {options.dtype}, layer spec "
+        f"{spec}, threads {torch.get_num_threads()}, {options.clock} clock; warmup "
+        f"{options.warmup}, repeats {options.repeats}, depths {d1},{d2}",
         flush=True,
     )
     collected = _Collected()
-    for mbs in args.micro_batch_sizes:
-        measured = _time_size(mbs, models, specs, step_s, args, device, torch_dtype)
+    for mbs in options.micro_batch_sizes:
+        measured = _time_size(mbs, models, specs, step_s, options, device, torch_dtype)
         if measured is None:
             collected.skipped.append(mbs)
         else:
-            _add_profile(collected, mbs, measured, args)
+            _add_profile(collected, mbs, measured, options)
     if not collected.profiles:
         raise UserError("no micro-batch size could be measured (out of memory)")
-    if not args.no_step:
+    if options.with_step:
         s = collected.profiles[0]["layer"]["step_s"]
         print(
             f"  optimizer step (AdamW, fp32 master weights): {s * 1e3:.3f} ms per layer", flush=True
         )
     return calibration_document(
-        model=_model_shape(args),
+        model=_model_shape(options),
         device_type=device.type,
         profiles=collected.profiles,
-        metadata=_metadata(args, collected, device, spec),
-        p2p_s=args.p2p_s,
+        metadata=_metadata(options, collected, device, spec),
+        p2p_s=options.p2p_s,
     )
 
 
-def _model_shape(args) -> dict:
+def _model_shape(options: CalibrationOptions) -> dict:
     keys = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
             "vocab_size")  # fmt: skip
-    return {key: getattr(args, key) for key in keys}
+    return {key: getattr(options, key) for key in keys}
 
 
-def _metadata(args, collected: _Collected, device, spec: str) -> dict:
+def _metadata(options: CalibrationOptions, collected: _Collected, device, spec: str) -> dict:
     import torch
 
     return {
@@ -585,14 +661,14 @@ def _metadata(args, collected: _Collected, device, spec: str) -> dict:
         "device_name": device_name(device),
         "versions": _versions(),
         "layer_spec": spec,
-        "dtype": args.dtype,
+        "dtype": options.dtype,
         "threads": torch.get_num_threads(),
-        "warmup": args.warmup,
-        "repeats": args.repeats,
+        "warmup": options.warmup,
+        "repeats": options.repeats,
         "statistic": "median",
-        "clock": args.clock,
-        "depths": [args.depths[0], args.depths[-1]],
-        "dropout": {"attention": args.attention_dropout, "hidden": args.hidden_dropout},
+        "clock": options.clock,
+        "depths": [options.depths[0], options.depths[-1]],
+        "dropout": {"attention": options.attention_dropout, "hidden": options.hidden_dropout},
         "method": "layer = (middle(d2) - middle(d1)) / (d2 - d1); embedding = first(d1) - "
         "middle(d1); output = last(d1) - middle(d1) (final norm + output layer + loss); "
         "step_s: AdamW on fp32 copies of the parameters, split the same way",
@@ -602,8 +678,8 @@ def _metadata(args, collected: _Collected, device, spec: str) -> dict:
         "skipped_micro_batch_sizes": collected.skipped,
         "p2p": (
             "loopback: gloo over TCP on this host, one-way, per profile"
-            if args.p2p == "loopback"
-            else ("given with --p2p-s" if args.p2p_s is not None else "not measured")
+            if options.p2p == "loopback"
+            else ("given with --p2p-s" if options.p2p_s is not None else "not measured")
         ),
         "measured": collected.raw,
     }

@@ -97,19 +97,21 @@ def reference_flags(run: StudyRun, *, iterations: int, data_prefix: str, tokeniz
     return flags
 
 
-def set_first_momentum(args, value: float) -> None:
-    """The coefficient the momentum sweep varies (first beta / momentum of the optimizer)."""
-    flag = {"adam": "adam_beta1", "sgd": "sgd_momentum", "muon": "muon_momentum",
-            "lion": "lion_beta1"}  # fmt: skip
-    setattr(args, flag.get(args.optimizer, "optimizer_beta1"), value)
+def first_momentum_setting(optimizer: str) -> str:
+    """The training setting the momentum sweep varies for `optimizer` (its first beta or
+    momentum); optimizers without a flag of their own read `optimizer_beta1`."""
+    setting = {"adam": "adam_beta1", "sgd": "sgd_momentum", "muon": "muon_momentum",
+               "lion": "lion_beta1"}  # fmt: skip
+    return setting.get(optimizer, "optimizer_beta1")
 
 
 def execute(run: StudyRun, flags: list[str]) -> dict:
     from megatron.studies.delayed_reference import parse_reference_args, run_delayed
 
-    args = parse_reference_args(flags)
-    set_first_momentum(args, run.momentum)
-    result = run_delayed(args, delay=VARIANTS[run.variant][0])
+    megatron_args = parse_reference_args(flags)
+    # set on the parsed namespace: not every optimizer's first momentum is a flag
+    setattr(megatron_args, first_momentum_setting(megatron_args.optimizer), run.momentum)
+    result = run_delayed(megatron_args, delay=VARIANTS[run.variant][0])
     tail = result.losses[-max(1, len(result.losses) // 10) :]
     return {
         **asdict(run),

@@ -53,17 +53,17 @@ def ensure_single_process_groups() -> None:
         parallel_state.initialize_model_parallel(1, 1)
 
 
-def prepare_host(args, device) -> None:
+def prepare_host(config, device) -> None:
     """What `pretrain` sets up for megatron-core's CUDA-minded parts on a CPU run: with MoE
     layers or --sequence-parallel, host buffers, streams and RNG tracker (one tensor rank)."""
     from megatron.training.model import run_sequence_parallel_on_host
 
-    moe = getattr(args, "num_experts", None) is not None
-    if (getattr(args, "sequence_parallel", False) or moe) and device.type == "cpu":
-        run_sequence_parallel_on_host(args.seed, 0, moe=moe)
+    moe = config.moe is not None
+    if (config.parallel.sequence_parallel or moe) and device.type == "cpu":
+        run_sequence_parallel_on_host(config.training.seed, 0, moe=moe)
 
 
-def build_local_stage(args, layout, device, vocab_size: int):
+def build_local_stage(config, layout, device):
     """One stage's model (`layout`) and its optimizer step with no process group, so that one
     process can train it: what `pretrain` builds on a rank (the same builder, `build_chunk`),
     less the groups."""
@@ -73,44 +73,48 @@ def build_local_stage(args, layout, device, vocab_size: int):
         build_optimizer,
         stage_lr_scale,
     )
-    from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
     from megatron.training.optimizer.lr_per_iteration import per_iteration
     from megatron.training.training import build_chunk, transformer_config
 
-    model = build_chunk(args, transformer_config(args, device), layout, vocab_size, device)
-    optimizer = build_optimizer(model, OptimizerConfig.from_args(args))
-    scale = stage_lr_scale(args, layout.pipeline_rank)  # --paci-stage-lr-scale
-    scheduler = build_lr_scheduler(optimizer, LRScheduleConfig.from_args(args), lr_scale=scale)
+    model = build_chunk(config, transformer_config(config, device), layout, device)
+    optimizer = build_optimizer(model, config.optimizer)
+    # --paci-stage-lr-scale
+    scale = stage_lr_scale(config.pipeline, config.training, layout.pipeline_rank)
+    scheduler = build_lr_scheduler(optimizer, config.lr, lr_scale=scale)
+    plan, microbatches = config.pipeline.plan, config.training.num_microbatches
     step = StageOptimizerStep(
         model,
         optimizer,
-        per_iteration(scheduler, args),  # PipeDream steps m times per iteration
+        per_iteration(scheduler, plan, microbatches),  # PipeDream steps m times per iteration
         data_parallel_group=None,
         grad_norm_group=None,
         tensor_parallel_rank=0,
-        clip_grad=args.clip_grad,
+        clip_grad=config.training.clip_grad,
     )
     return model, step
 
 
-def _build(args):
+def _build(config):
     """Model, optimizer step and data iterators, as `pretrain` builds them on one stage."""
-    from megatron.training.data.datasets import data_iterators_from_args
-    from megatron.training.tokenizer.tokenizer import build_tokenizer_from_args
-    from megatron.training.training import padded_vocab_size, stage_layout
+    from megatron.training.data.datasets import data_iterators_of_run
+    from megatron.training.tokenizer.tokenizer import build_tokenizer_of_run
+    from megatron.training.training import stage_layout
 
     ensure_single_process_groups()
-    torch.manual_seed(args.seed)
+    torch.manual_seed(config.training.seed)
     device = torch.device("cpu")
-    prepare_host(args, device)
-    tokenizer = build_tokenizer_from_args(args)
-    vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    model, step = build_local_stage(args, stage_layout(args), device, vocab_size)
-    train, valid = data_iterators_from_args(
-        args,
+    prepare_host(config, device)
+    tokenizer = build_tokenizer_of_run(config.data)
+    config = config.with_vocabulary(tokenizer.vocab_size)
+    model, step = build_local_stage(config, stage_layout(config), device)
+    training = config.training
+    train, valid = data_iterators_of_run(
+        config,
         tokenizer,
-        train_samples=args.train_iters * args.global_batch_size,
-        valid_samples=args.eval_iters * args.global_batch_size if args.eval_iters else 0,
+        train_samples=training.train_iters * training.global_batch_size,
+        valid_samples=(
+            training.eval_iters * training.global_batch_size if training.eval_iters else 0
+        ),
     )
     return model, step, train, valid
 
@@ -138,31 +142,36 @@ def _swap_in(params: list[torch.Tensor], values: list[torch.Tensor]) -> list[tor
     return saved
 
 
-def delay_at(step: int, args, delay: int, warmup: int, cooldown: int) -> int:
+def delay_at(step: int, train_iters: int, delay: int, warmup: int, cooldown: int) -> int:
     """The delay of `step` (0-based): 0 during the synchronous start and cooldown."""
-    if step < warmup or step >= args.train_iters - cooldown:
+    if step < warmup or step >= train_iters - cooldown:
         return 0
     return delay
 
 
 def run_delayed(args, *, delay: int, sync_warmup_iters: int = 0, sync_cooldown_iters: int = 0,
                 evaluate: bool = True) -> DelayedRun:  # fmt: skip
-    """Train `args.train_iters` steps with gradients `delay` steps stale (see module doc)."""
+    """Train --train-iters steps with gradients `delay` steps stale (see module doc); `args`:
+    the validated flags (`parse_reference_args`), read once into the run's configuration."""
     import time
 
+    from megatron.training.config import RunConfig
+
     start = time.perf_counter()
-    model, step, train, valid = _build(args)
-    moe = _MoE(model, args)
+    config = RunConfig.from_args(args)
+    model, step, train, valid = _build(config)
+    iterations, microbatches = config.training.train_iters, config.training.num_microbatches
+    moe = _MoE(model, config.moe is not None, microbatches)
     # a version: the trainable weights and, with MoE, the expert bias that routes (as the
     # weight stash of 2BW keeps it)
     params = [p for p in model.parameters() if p.requires_grad] + moe.routing_buffers
     versions = deque([[p.detach().clone() for p in params]], maxlen=delay + 1)
     result = DelayedRun()
-    for t in range(args.train_iters):
-        stale = delay_at(t, args, delay, sync_warmup_iters, sync_cooldown_iters)
+    for t in range(iterations):
+        stale = delay_at(t, iterations, delay, sync_warmup_iters, sync_cooldown_iters)
         stale = min(stale, len(versions) - 1)  # x(max(t - delay, 0))
         current = _swap_in(params, versions[-1 - stale]) if stale else None
-        loss = _microbatch_losses(model, train, args.num_microbatches, backward=True)
+        loss = _microbatch_losses(model, train, microbatches, backward=True)
         if current is not None:
             _swap_in(params, current)  # gradients stay in .grad; the update hits x(t)
         moe.before_step()
@@ -170,10 +179,10 @@ def run_delayed(args, *, delay: int, sync_warmup_iters: int = 0, sync_cooldown_i
         result.losses.append(loss)
         if delay:
             versions.append([p.detach().clone() for p in params])
-    if evaluate and valid is not None and args.eval_iters:
+    if evaluate and valid is not None and config.training.eval_iters:
         model.eval()
         with torch.no_grad():
-            count = args.eval_iters * args.num_microbatches
+            count = config.training.eval_iters * microbatches
             result.validation_loss = _microbatch_losses(model, valid, count, backward=False)
         model.train()
     result.wall_s = time.perf_counter() - start
@@ -185,13 +194,13 @@ class _MoE:
     is the main loss's, 1 / microbatches per step; before each step the expert bias is updated
     from the step's token counts and the per-step counters are reset."""
 
-    def __init__(self, model, args):
-        self.active = getattr(args, "num_experts", None) is not None
+    def __init__(self, model, active: bool, microbatches: int):
+        self.active = active
         self.routing_buffers, self.hooks = [], None
         if self.active:
             from megatron.training.moe import MoEStepHooks, routing_buffers, set_aux_loss_scale
 
-            set_aux_loss_scale(1.0 / args.num_microbatches)
+            set_aux_loss_scale(1.0 / microbatches)
             self.routing_buffers, self.hooks = routing_buffers(model), MoEStepHooks(model)
 
     def before_step(self) -> None:

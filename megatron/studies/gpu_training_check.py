@@ -214,16 +214,31 @@ def main(argv=None) -> int:
             print(f"  [{check.label}] " + " ".join(shlex.quote(word) for word in cmd))
         return 0
     os.makedirs(args.output_dir, exist_ok=True)
-    return _run_all(checks, commands, args)
+    return _run_all(
+        checks,
+        commands,
+        train_iters=args.train_iters,
+        gpus=args.gpus,
+        output_dir=args.output_dir,
+        timeout_s=args.timeout,
+    )
 
 
-def _run_all(checks, commands, args) -> int:
-    print(f"gpu_check: training pass, {len(checks)} runs of {args.train_iters} iterations "
-          f"({args.gpus} GPU(s)); logs and summaries in {args.output_dir}", flush=True)  # fmt: skip
+def _run_all(
+    checks: list[Check],
+    commands: list[list[str]],
+    *,
+    train_iters: int,
+    gpus: int,
+    output_dir: str,
+    timeout_s: int,
+) -> int:
+    print(f"gpu_check: training pass, {len(checks)} runs of {train_iters} iterations "
+          f"({gpus} GPU(s)); logs and summaries in {output_dir}", flush=True)  # fmt: skip
     outcomes = []
     for check, cmd in zip(checks, commands):
         start = time.perf_counter()
-        outcomes.append(run_check(check, cmd, args.output_dir, args.timeout))
+        outcomes.append(run_check(check, cmd, output_dir, timeout_s))
         print(describe(outcomes[-1]) + f" [{time.perf_counter() - start:.0f} s]", flush=True)
     counts = {r: sum(o.result == r for o in outcomes) for r in ("PASS", "FAIL", "SKIPPED")}
     print("gpu_check: training pass: " + ", ".join(f"{n} {r}" for r, n in counts.items()))

@@ -82,7 +82,7 @@ class EngineRun:
 def parse_engine_args(argv: list[str]):
     """pretrain_gpt.py flags validated for the world the flags describe (pipeline size N,
     tensor and data parallel 1); flush runs then train the whole model as one stage."""
-    from megatron.training.arguments import build_parser, validate_args
+    from megatron.training.arguments import build_parser, pipeline_plan, validate_args
 
     args = build_parser().parse_args(argv)
     if args.pipeline_schedule not in SCHEDULES:
@@ -98,13 +98,14 @@ def parse_engine_args(argv: list[str]):
         if getattr(args, name, None):
             raise UserError(f"{flag} is not supported yet by the single-process engine")
     validate_args(args, world_size=args.pipeline_model_parallel_size)
-    if args.pipeline_plan.schedule.depends_on_arrivals and not args.deterministic_mode:
+    plan = pipeline_plan(args)
+    if plan.schedule.depends_on_arrivals and not args.deterministic_mode:
         raise UserError(
             f"--paci-arrival-rule {args.paci_arrival_rule} orders passes by arrival times, "
             "which the single-process engine does not have: add --deterministic-mode (the "
             "rule's fixed order, as on the ranks) or train with torchrun"
         )
-    if args.pipeline_schedule == "1f1b":
+    if plan.flushes:  # the whole model as one stage
         from megatron.studies.delayed_reference import as_one_stage
 
         as_one_stage(args)
@@ -112,49 +113,52 @@ def parse_engine_args(argv: list[str]):
     return args
 
 
-def phases_of(args) -> list[tuple[int, int]]:
+def phases_of(config) -> list[tuple[int, int]]:
     """(a, iterations) of each phase: `--paci-accumulation-schedule`'s, then the configured a."""
     from megatron.training.batch_schedule import accumulation_phases
 
-    return accumulation_phases(args)
+    return accumulation_phases(config)
 
 
 class _Stages:
     """The model's stages in one process, their data iterators and optimizer steps."""
 
-    def __init__(self, args):
+    def __init__(self, config):
         from megatron.studies.delayed_reference import (
             build_local_stage,
             ensure_single_process_groups,
             prepare_host,
         )
         from megatron.training.batch_schedule import total_train_samples
-        from megatron.training.data.datasets import data_iterators_from_args
-        from megatron.training.tokenizer.tokenizer import build_tokenizer_from_args
-        from megatron.training.training import padded_vocab_size, stage_layout
+        from megatron.training.data.datasets import data_iterators_of_run
+        from megatron.training.tokenizer.tokenizer import build_tokenizer_of_run
+        from megatron.training.training import stage_layout
 
         ensure_single_process_groups()
-        torch.manual_seed(args.seed)
+        torch.manual_seed(config.training.seed)
         device = torch.device("cpu")
-        prepare_host(args, device)  # MoE: megatron-core's CUDA-minded parts on the host
-        tokenizer = build_tokenizer_from_args(args)
-        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-        self.count = args.pipeline_model_parallel_size
+        prepare_host(config, device)  # MoE: megatron-core's CUDA-minded parts on the host
+        tokenizer = build_tokenizer_of_run(config.data)
+        config = config.with_vocabulary(tokenizer.vocab_size)
+        self.count = config.parallel.pipeline_model_parallel_size
         self.models, self.steps = [], []
         for stage in range(self.count):
-            layout = stage_layout(args)
+            layout = stage_layout(config)
             layout.pipeline_rank = stage
-            model, step = build_local_stage(args, layout, device, args.padded_vocab_size)
+            model, step = build_local_stage(config, layout, device)
             self.models.append(model)
             self.steps.append(step)
-        evaluations = args.eval_iters and args.train_iters >= args.eval_interval
+        training = config.training
+        evaluations = training.eval_iters and training.train_iters >= training.eval_interval
 
         def iterators():
-            return data_iterators_from_args(
-                args,
+            return data_iterators_of_run(
+                config,
                 tokenizer,
-                train_samples=total_train_samples(args),
-                valid_samples=args.eval_iters * args.global_batch_size if evaluations else 0,
+                train_samples=total_train_samples(config),
+                valid_samples=(
+                    training.eval_iters * training.global_batch_size if evaluations else 0
+                ),
             )
 
         # The first and the last stage read the same streams, as on separate ranks.
@@ -163,10 +167,10 @@ class _Stages:
             self.train_last, self.valid_last = iterators()
         else:
             self.train_last, self.valid_last = self.train_first, self.valid_first
-        self.runtimes = _executors(args, self.models, device)
-        if getattr(args, "num_experts", None) is not None:
+        self.runtimes = _executors(config, self.models, device)
+        if config.moe is not None:
             self.steps = _with_moe(self.runtimes, self.models, self.steps)
-        self.tied = _tied_exchanges(args, self.models, self.steps) if self.count > 1 else []
+        self.tied = _tied_exchanges(config, self.models, self.steps) if self.count > 1 else []
         for s, exchange in zip((0, self.count - 1), self.tied):
             self.steps[s] = _around(self.steps[s], exchange)
 
@@ -210,7 +214,7 @@ class _QueueChannel:
         buffer.copy_(self.inbox.get())
 
 
-def _tied_exchanges(args, models, steps) -> list:
+def _tied_exchanges(config, models, steps) -> list:
     """Tied embeddings under PACI, 2BW and PipeDream: the first and the last stage's sides of
     the exchange the ranks run (optimizer/tied_embeddings.py), over queues; none when the
     embeddings are untied."""
@@ -227,7 +231,7 @@ def _tied_exchanges(args, models, steps) -> list:
     for index, (weights, channel, step) in enumerate(zip(shared, channels, (steps[0], steps[-1]))):
         exchanges.append(
             TiedEmbeddingExchange(
-                weights[0], is_first=index == 0, channel=channel, lag=tied_lag(args),
+                weights[0], is_first=index == 0, channel=channel, lag=tied_lag(config),
                 gradient_of=_stage_step(step).gradient_of,
                 refresh_main=getattr(_stage_step(step).optimizer, "refresh_from_model", None),
             )
@@ -253,13 +257,13 @@ def _around(step, exchange):
     return run
 
 
-def _executors(args, models, device) -> list:
+def _executors(config, models, device) -> list:
     """One rank executor per stage, joined by an in-process transport."""
     from megatron.pipeline.runtime import PipelineContext, RankRuntime
     from megatron.pipeline.transport import InProcessTransport
 
     transport, n = InProcessTransport(), len(models)
-    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
+    shape = (config.model.seq_length, config.training.micro_batch_size, config.model.hidden_size)
     return [
         RankRuntime(PipelineContext(stage=s, num_stages=n, device=device, backend="gloo"), model,
                     tensor_shape=shape, dtype=torch.float32, transport=transport.for_rank([s]))
@@ -310,18 +314,14 @@ def _run_stages(stages: _Stages, work) -> None:
         raise errors[0]
 
 
-def _segment(args, stages: _Stages, a: int, iterations: int, drift: list[int]) -> list[float]:
+def _segment(config, stages: _Stages, a: int, iterations: int, drift: list[int]) -> list[float]:
     """`iterations` steps from an empty pipeline to an empty one (1F1B-flush on the one stage,
     or PACI's order on each stage); the per-iteration mean losses. `drift[s]` is raised to the
     most steps a microbatch crossed on stage s."""
-    from megatron.pipeline.schedules import get_schedule
     from pretrain_gpt import forward_step
 
     n, losses = stages.count, []
-    if args.pipeline_schedule == "paci":
-        schedule = args.pipeline_plan.schedule  # the run's PACI, with its options
-    else:  # flush on one stage, or a weight-stashing schedule in its counter-only order
-        schedule = get_schedule(args.pipeline_schedule)
+    schedule = config.pipeline.plan.schedule  # the run's, with its options
     schedule = schedule.fixed_order or schedule  # what --deterministic-mode runs on a rank
 
     def run(s: int) -> None:
@@ -343,12 +343,12 @@ def _segment(args, stages: _Stages, a: int, iterations: int, drift: list[int]) -
 
 
 @torch.no_grad()
-def evaluate(args, stages: _Stages) -> float:
+def evaluate(training, stages: _Stages) -> float:
     """Mean lm loss over `--eval-iters` batches of `--global-batch-size` validation samples
     (the same set every time: the validation iterator cycles over exactly these)."""
     for model in stages.models:
         model.eval()
-    total, count = 0.0, args.eval_iters * args.num_microbatches
+    total, count = 0.0, training.eval_iters * training.num_microbatches
     for _ in range(count):
         hidden = None
         for s in range(stages.count):
@@ -360,33 +360,38 @@ def evaluate(args, stages: _Stages) -> float:
 
 
 def train(args, *, log=None) -> EngineRun:
-    """Train `args.train_iters` iterations of `args.pipeline_schedule`; evaluate every
-    `--eval-interval` iterations when `--eval-iters` > 0."""
+    """Train --train-iters iterations of --pipeline-schedule; evaluate every --eval-interval
+    iterations when --eval-iters > 0. `args`: the flags of `parse_engine_args`, read once into
+    the run's configuration."""
+    from megatron.training.config import RunConfig
+
     start = time.perf_counter()
     torch.set_num_threads(1)
-    stages = _Stages(args)
+    config = RunConfig.from_args(args)
+    training = config.training
+    stages = _Stages(config)
     result, iteration, tokens = EngineRun(), 0, 0
     phase_ends, end = [], 0
-    for a, iterations in phases_of(args):
+    for a, iterations in phases_of(config):
         end += iterations
         phase_ends.append((a, end))
         result.phases.append({"a": a, "iterations": iterations, "max_drift": [0] * stages.count})
     from megatron.training.training import drain_points
 
-    for point in drain_points(args, 0):
+    for point in drain_points(config, 0):
         while iteration < point:  # a segment never spans a phase end: those are drain points
             index = next(i for i, (_, e) in enumerate(phase_ends) if e > iteration)
             a, phase_end = phase_ends[index]
             count = min(point, phase_end) - iteration
             drift = result.phases[index]["max_drift"]
-            result.losses += _segment(args, stages, a, count, drift)
+            result.losses += _segment(config, stages, a, count, drift)
             stages.at_drain()
             for _ in range(count):
-                tokens += a * args.micro_batch_size * args.seq_length
+                tokens += a * training.micro_batch_size * config.model.seq_length
                 result.tokens.append(tokens)
             iteration += count
-        if args.eval_iters and iteration % args.eval_interval == 0:
-            loss = evaluate(args, stages)
+        if training.eval_iters and iteration % training.eval_interval == 0:
+            loss = evaluate(training, stages)
             result.validation.append({"iteration": iteration, "lm loss": loss, "tokens": tokens})
             if log is not None:
                 log(f"iteration {iteration}: train {result.losses[-1]:.4f}, valid {loss:.4f}")

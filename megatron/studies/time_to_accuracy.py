@@ -265,11 +265,11 @@ def projected_speed(schedules=("1f1b", "paci"), global_batches=(128, 256)) -> di
     projection with its default assumptions (docs/projection.md, row A)."""
     from megatron.benchmarks import projection
 
-    args = projection.parse_args([
+    options = projection.parse_args([
         "--global-batch-sizes", ",".join(map(str, global_batches)),
         "--schedules", ",".join(dict.fromkeys(("1f1b", *schedules))),
     ])  # fmt: skip
-    summary = projection.run(args)["summary"]
+    summary = projection.run(options)["summary"]
     return {
         name: {int(gb): e[f"best_{name}"]["samples_per_s"] / e["best_1f1b"]["samples_per_s"]
                for gb, e in summary.items()}
@@ -296,10 +296,12 @@ def projected_ratios(table: dict, configs: dict, targets: list[float], speed: di
     iteration of schedule S takes 1 / speed[S] (the projection's best S over best flush) and
     a synchronous warmup or cooldown iteration takes 1. Medians over seeds; a configuration
     that did not reach a target in every seed has no ratio there."""
+    from megatron.pipeline.schedules import get_schedule
+
     ratios = {}
     for target in map(str, targets):
         flush = [t[target]["median"] for n, t in table.items()
-                 if configs[n].schedule == "1f1b" and t[target]]  # fmt: skip
+                 if get_schedule(configs[n].schedule).flushes_every_call and t[target]]  # fmt: skip
         if not flush:
             continue
         best_flush = min(flush)
@@ -388,21 +390,24 @@ def simulated_times(flags: list[str], calibration: str) -> dict[int, float]:
     simulated with the calibration's costs for the run's pipeline size and micro batch."""
     from megatron.training.arguments import build_parser, validate_args
     from megatron.training.batch_schedule import accumulation_phases
+    from megatron.training.config import RunConfig
     from megatron.training.training import drain_points
 
-    args = build_parser().parse_args(flags)
-    validate_args(args, world_size=args.pipeline_model_parallel_size, check_files=False)
+    flags = build_parser().parse_args(flags)
+    validate_args(flags, world_size=flags.pipeline_model_parallel_size, check_files=False)
+    config = RunConfig.from_args(flags)
     ends, end = [], 0
-    for a, iterations in accumulation_phases(args):
+    for a, iterations in accumulation_phases(config):
         end += iterations
         ends.append((end, a))
+    plan, micro_batch = config.pipeline.plan, config.training.micro_batch_size
     times, iteration, seconds = {}, 0, 0.0
-    for point in drain_points(args, 0):
+    for point in drain_points(config, 0):
         while iteration < point:
             phase_end, a = next((e, a) for e, a in ends if e > iteration)
             count = min(point, phase_end) - iteration
-            seconds += _segment_seconds(args.pipeline_schedule, args.pipeline_model_parallel_size,
-                                        a, count, calibration, args.micro_batch_size)  # fmt: skip
+            seconds += _segment_seconds(plan.name, plan.num_stages, a, count, calibration,
+                                        micro_batch)  # fmt: skip
             iteration += count
             times[iteration] = seconds
     return times

@@ -392,7 +392,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
             "each other"
         )
-    args.pipeline_plan = _pipeline_plan(args, args.pipeline_model_parallel_size)
+    pipeline_plan(args)  # a combination no schedule defines fails here, in one line
 
 
 def _validate_ckpt_step(args: argparse.Namespace) -> None:
@@ -439,12 +439,13 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
                 )
 
 
-def _pipeline_plan(args: argparse.Namespace, pp: int) -> PipelinePlan:
-    """The pipeline resolved once (`megatron.pipeline.plan`); the rest of the run asks it."""
+def pipeline_plan(args: argparse.Namespace) -> PipelinePlan:
+    """The pipeline resolved (`megatron.pipeline.plan`), once per run by `RunConfig.from_args`;
+    the rest of the run asks it."""
     paci = args.pipeline_schedule == "paci"
     return resolve_plan(
         args.pipeline_schedule,
-        num_stages=pp,
+        num_stages=args.pipeline_model_parallel_size,
         chunks_per_rank=args.virtual_pipeline_model_parallel_size,
         microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
         arrival_rule=args.paci_arrival_rule if paci else None,

@@ -52,11 +52,21 @@ class BatchSchedule:
     """Global batch and microbatch count of each iteration, from the samples consumed (a ramp)
     or from the iteration (an accumulation schedule)."""
 
-    def __init__(self, args: argparse.Namespace):
-        self.final = args.global_batch_size
-        self.per_microbatch = args.micro_batch_size * args.data_parallel_size
-        self.ramp = ramp_of(args)
-        self.phases = getattr(args, "paci_accumulation_schedule", None) or []
+    def __init__(self, global_batch_size: int, per_microbatch: int, ramp: BatchRamp | None,
+                 phases=()):  # fmt: skip
+        self.final, self.per_microbatch = global_batch_size, per_microbatch
+        self.ramp, self.phases = ramp, list(phases)
+
+    @classmethod
+    def of(cls, config) -> "BatchSchedule":
+        """The schedule of a run (`RunConfig`)."""
+        training = config.training
+        return cls(
+            training.global_batch_size,
+            training.micro_batch_size * config.parallel.data_parallel_size,
+            ramp_of(training.rampup_batch_size, training.global_batch_size),
+            config.pipeline.paci_accumulation_schedule,
+        )
 
     def batch_of_iteration(self, iteration: int) -> int | None:
         """The accumulation schedule's global batch of `iteration` (1-based); None past its
@@ -85,12 +95,12 @@ class BatchSchedule:
         return sizes
 
 
-def ramp_of(args: argparse.Namespace) -> BatchRamp | None:
-    values = getattr(args, "rampup_batch_size", None)
-    if values is None:
+def ramp_of(rampup_batch_size, global_batch_size: int) -> BatchRamp | None:
+    """--rampup-batch-size START INCREMENT SAMPLES (validated) as a ramp; None without one."""
+    if rampup_batch_size is None:
         return None
-    start, increment, samples = values
-    return BatchRamp(start, increment, samples, args.global_batch_size)
+    start, increment, samples = rampup_batch_size
+    return BatchRamp(start, increment, samples, global_batch_size)
 
 
 def train_iterations(ramp: BatchRamp, train_samples: int) -> int:
@@ -143,7 +153,9 @@ def validate_rampup(args: argparse.Namespace) -> None:
             f"multiples of --micro-batch-size x data-parallel size = {per_microbatch}"
         )
     args.rampup_batch_size = [start, increment, samples]
-    args.train_iters = train_iterations(ramp_of(args), args.train_samples)
+    args.train_iters = train_iterations(
+        ramp_of(args.rampup_batch_size, args.global_batch_size), args.train_samples
+    )
 
 
 def parse_accumulation_schedule(text: str) -> list[tuple[int, int]]:
@@ -193,22 +205,22 @@ def validate_accumulation_schedule(args: argparse.Namespace) -> None:
     args.paci_accumulation_schedule = phases
 
 
-def accumulation_phases(args: argparse.Namespace) -> list[tuple[int, int]]:
-    """(a, iterations) of every phase of the run, the configured a's last."""
-    phases = list(getattr(args, "paci_accumulation_schedule", None) or [])
-    rest = args.train_iters - sum(iterations for _, iterations in phases)
-    return phases + [(args.num_microbatches, rest)]
+def accumulation_phases(config) -> list[tuple[int, int]]:
+    """(a, iterations) of every phase of the run (`RunConfig`), the configured a's last."""
+    phases = list(config.pipeline.paci_accumulation_schedule)
+    rest = config.training.train_iters - sum(iterations for _, iterations in phases)
+    return phases + [(config.training.num_microbatches, rest)]
 
 
-def accumulation_phase_ends(args: argparse.Namespace) -> list[int]:
+def accumulation_phase_ends(config) -> list[int]:
     """Iterations after which a changes: drain points."""
     ends, end = [], 0
-    for _, iterations in getattr(args, "paci_accumulation_schedule", None) or []:
+    for _, iterations in config.pipeline.paci_accumulation_schedule:
         end += iterations
         ends.append(end)
     return ends
 
 
-def total_train_samples(args: argparse.Namespace) -> int:
+def total_train_samples(config) -> int:
     """Samples the whole run reads."""
-    return sum(BatchSchedule(args).batches(0, args.train_iters))
+    return sum(BatchSchedule.of(config).batches(0, config.training.train_iters))

@@ -78,26 +78,27 @@ def describe(health: Health, iteration: int) -> str:
     )
 
 
-def last_good_checkpoint(args) -> str | None:
-    """Where to roll back to: --save (only healthy models are saved there), else --load."""
-    for root in (args.save, args.load):
+def last_good_checkpoint(checkpoint) -> str | None:
+    """Where to roll back to: --save (only healthy models are saved there), else --load
+    (`checkpoint`: the run's `CheckpointConfig`)."""
+    for root in (checkpoint.save, checkpoint.load):
         if root and checkpointing.read_tracker(root, quiet=True) is not None:
             return root
     return None
 
 
-def roll_back(args, state, model, step_func) -> int | None:
+def roll_back(checkpoint, state, model, step_func) -> int | None:
     """Every rank loads the last good checkpoint (collective); the iteration counter, the data
     position and the LR schedule's position stay where they are. Returns the checkpoint's
     iteration, or None when there is none."""
-    root = last_good_checkpoint(args)
+    root = last_good_checkpoint(checkpoint)
     if root is None:
         return None
     device = next(model.parameters()).device
-    verify = getattr(args, "verify_integrity", False)
     payload = checkpointing.read_checkpoint(
-        root, device, fallback=args.load_fallback, verify_integrity=verify
-    )
+        root, device, fallback=checkpoint.load_fallback,
+        verify_integrity=checkpoint.verify_integrity,
+    )  # fmt: skip
     scheduler = step_func.scheduler
     steps_now = scheduler.num_steps
     scheduler.num_steps = 0  # load_state_dict adds the checkpoint's steps to it

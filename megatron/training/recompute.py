@@ -136,14 +136,14 @@ def _validate_full(args: argparse.Namespace, layers_by_stage: list[int]) -> None
         )
 
 
-def recompute_config_fields(args) -> dict:
-    """The TransformerConfig fields; absent flags (namespaces built by tools) mean none."""
+def recompute_config_fields(model) -> dict:
+    """The TransformerConfig fields of the run's `ModelConfig`."""
     fields = dict(
-        recompute_granularity=getattr(args, "recompute_granularity", None),
-        recompute_method=getattr(args, "recompute_method", None),
-        recompute_num_layers=getattr(args, "recompute_num_layers", None),
+        recompute_granularity=model.recompute_granularity,
+        recompute_method=model.recompute_method,
+        recompute_num_layers=model.recompute_num_layers,
     )
-    modules = getattr(args, "recompute_modules", None)
+    modules = model.recompute_modules
     if modules is not None:
         fields["recompute_modules"] = list(modules)
     return fields

@@ -22,19 +22,20 @@ from megatron.training.checkpointing.save_load import atomic_write_text
 from megatron.training.errors import UserError
 
 
-def holds_the_loss(args) -> bool:
+def holds_the_loss(plan) -> bool:
     """Whether this rank runs the model's last (virtual) stage, which computes the loss: the
-    last pipeline rank, except on the V placement (ZB-V, DualPipeV), where it is rank 0."""
-    placement = args.pipeline_plan.placement
+    last pipeline rank, except on the V placement (ZB-V, DualPipeV), where it is rank 0.
+    `plan`: the run's `PipelinePlan`."""
+    placement = plan.placement
     rank = parallel_state.get_pipeline_model_parallel_rank()
     if placement is None:
-        return rank == args.pipeline_model_parallel_size - 1
+        return rank == plan.num_stages - 1
     return placement.locate(placement.num_virtual_stages - 1)[0] == rank
 
 
-def is_logging_rank(args) -> bool:
+def is_logging_rank(plan) -> bool:
     """Megatron logs from the rank with the loss (`holds_the_loss`); its first TP/CP/DP rank."""
-    return holds_the_loss(args) and is_stage_leader()
+    return holds_the_loss(plan) and is_stage_leader()
 
 
 def is_stage_leader() -> bool:
@@ -46,8 +47,8 @@ def is_stage_leader() -> bool:
     )
 
 
-def print_rank_last(args, message: str) -> None:
-    if is_logging_rank(args):
+def print_rank_last(plan, message: str) -> None:
+    if is_logging_rank(plan):
         print(message, flush=True)
 
 
@@ -59,23 +60,27 @@ def print_rank_0(message: str) -> None:
 # ---------------------------------------------------------------------------- the loop
 
 
-def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fields=None) -> None:
+def log_iteration(config, state, runtime, step_func, losses, elapsed, writer, fields=None) -> None:
     """Megatron's iteration line; `fields` ('num zeros', 'params norm') come after the grad
     norm, where Megatron prints them."""
-    if not is_logging_rank(args):
+    if not is_logging_rank(config.pipeline.plan):
         return
-    per_iteration_ms = 1000.0 * elapsed / args.log_interval
+    per_iteration_ms = 1000.0 * elapsed / config.logging.log_interval
     loss = sum(losses) / len(losses)
     drift = runtime.drift_by_stage()
     drift_text = " ".join(f"{mx}/{mean:.2f}" for mx, mean in drift)
     report = step_func.last
     fields = fields or {}
     skipped, nans = _interval_counts(state, step_func)
-    batch = getattr(state, "global_batch_size", 0) or args.global_batch_size  # ramps change it
+    batch = (
+        getattr(state, "global_batch_size", 0) or config.training.global_batch_size
+    )  # ramps change it
     throughput = ""
-    if args.log_throughput:
-        tflops = floating_point_operations(args, batch) / (per_iteration_ms / 1000.0) / 1e12
-        throughput = f"throughput per GPU (TFLOP/s/GPU): {tflops / args.world_size:.1f} | "
+    if config.logging.log_throughput:
+        tflops = floating_point_operations(config, batch) / (per_iteration_ms / 1000.0) / 1e12
+        throughput = (
+            f"throughput per GPU (TFLOP/s/GPU): {tflops / config.parallel.world_size:.1f} | "
+        )
     known = (("num zeros", ".1f"), ("params norm", ".3f"))
     extra = "".join(f"{name}: {fields[name]:{form}} | " for name, form in known if name in fields)
     # other fields (MoE: this stage's aux losses and load imbalance, moe/training_hooks.py)
@@ -84,7 +89,7 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fiel
     # Megatron's field order; our per-stage weight drift comes last.
     print(
         f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {state.iteration:8d}/"
-        f"{args.train_iters:8d} | consumed samples: {state.consumed_train_samples:12d} | "
+        f"{config.training.train_iters:8d} | consumed samples: {state.consumed_train_samples:12d} | "
         f"elapsed time per iteration (ms): {per_iteration_ms:.1f} | {throughput}"
         f"learning rate: {report.learning_rate:.6E} | "
         f"global batch size: {batch:5d} | lm loss: {loss:.6E} | "
@@ -94,33 +99,36 @@ def log_iteration(args, state, runtime, step_func, losses, elapsed, writer, fiel
         flush=True,
     )
     if writer is not None:
-        _write_scalars(args, writer, state.iteration, loss, report, per_iteration_ms, drift,
+        _write_scalars(config, writer, state.iteration, loss, report, per_iteration_ms, drift,
                        step_func.loss_scale)  # fmt: skip
         for name, value in fields.items():
             writer.add_scalar(name.replace(" ", "-"), value, state.iteration)
-        if args.log_timers_to_tensorboard:
-            _write_timers(args, writer, state.iteration, per_iteration_ms, step_func)
-        if args.log_memory_to_tensorboard:
+        if config.logging.log_timers_to_tensorboard:
+            _write_timers(config, writer, state.iteration, per_iteration_ms, step_func)
+        if config.logging.log_memory_to_tensorboard:
             _write_memory(writer, state.iteration, runtime)
 
 
-def floating_point_operations(args, global_batch_size: int | None = None) -> float:
+def floating_point_operations(config, global_batch_size: int | None = None) -> float:
     """Model FLOPs of one iteration (forward and backward, global batch), Megatron's formula
     for a dense GPT: 3 passes x 2 FLOPs per multiply-add x 2 (QKV/proj, MLP, logits) terms."""
-    heads, groups = args.num_attention_heads, args.num_query_groups or args.num_attention_heads
-    h, s, layers = args.hidden_size, args.seq_length, args.num_layers
-    query_ratio = args.kv_channels * heads / h
-    gated = 1.5 if args.swiglu else 1.0
+    heads, groups = (
+        config.model.num_attention_heads,
+        config.model.num_query_groups or config.model.num_attention_heads,
+    )
+    h, s, layers = config.model.hidden_size, config.model.seq_length, config.model.num_layers
+    query_ratio = config.model.kv_channels * heads / h
+    gated = 1.5 if config.model.swiglu else 1.0
     per_layer = (
         (1 + groups / heads + s / h) * query_ratio
-        + (args.ffn_hidden_size / h) * gated
-        + args.padded_vocab_size / (2 * layers * h)
+        + (config.model.ffn_hidden_size / h) * gated
+        + config.model.padded_vocab_size / (2 * layers * h)
     )
-    batch = global_batch_size or args.global_batch_size
+    batch = global_batch_size or config.training.global_batch_size
     return 12.0 * batch * s * layers * h * h * per_layer
 
 
-def _write_scalars(args, writer, step, loss, report, per_iteration_ms, drift, loss_scale) -> None:
+def _write_scalars(config, writer, step, loss, report, per_iteration_ms, drift, loss_scale) -> None:
     writer.add_scalar("lm loss", loss, step)
     writer.add_scalar("learning-rate", report.learning_rate, step)
     writer.add_scalar("grad-norm", report.grad_norm, step)
@@ -131,9 +139,9 @@ def _write_scalars(args, writer, step, loss, report, per_iteration_ms, drift, lo
         writer.add_scalar(f"drift/stage{stage}/mean", mean_drift, step)
 
 
-def _write_timers(args, writer, step, per_iteration_ms, step_func) -> None:
+def _write_timers(config, writer, step, per_iteration_ms, step_func) -> None:
     """The logging stage's time per iteration in its optimizer step and outside it."""
-    optimizer_s = step_func.step_seconds / args.log_interval
+    optimizer_s = step_func.step_seconds / config.logging.log_interval
     writer.add_scalar("optimizer-time", optimizer_s, step)
     writer.add_scalar("forward-backward-time", per_iteration_ms / 1000.0 - optimizer_s, step)
 
@@ -160,27 +168,27 @@ def _interval_counts(state, step_func) -> tuple[int, int]:
     return since
 
 
-def tensorboard_writer(args):
+def tensorboard_writer(config):
     """The logging rank's scalar writer: TensorBoard (--tensorboard-dir), W&B
     (--wandb-project, wandb_run.py), both, or None."""
     from megatron.training.tracking.wandb_run import ScalarWriters, WandbWriter, wandb_enabled
 
-    if not is_logging_rank(args):
+    if not is_logging_rank(config.pipeline.plan):
         return None
     writers = []
-    if args.tensorboard_dir:
+    if config.logging.tensorboard_dir:
         from torch.utils.tensorboard import SummaryWriter
 
-        writers.append(SummaryWriter(log_dir=args.tensorboard_dir))
-    if wandb_enabled(args):
-        writers.append(WandbWriter(args))
+        writers.append(SummaryWriter(log_dir=config.logging.tensorboard_dir))
+    if wandb_enabled(config.logging):
+        writers.append(WandbWriter(config.logging, config.checkpoint.save))
     if len(writers) > 1:
         return ScalarWriters(writers)
     return writers[0] if writers else None
 
 
 # ---------------------------------------------------------------------------- metrics
-def _stage_report(args, runtime, step_func, optimizer) -> dict:
+def _stage_report(config, runtime, step_func, optimizer) -> dict:
     params = [p for p in runtime.model.parameters()]
     report = runtime.stats.to_dict()
     report.update(
@@ -229,16 +237,16 @@ def _optimizer_state_bytes(optimizer) -> int:
     return total
 
 
-def write_summary(args, state, runtime, step_func, optimizer, wall_start) -> None:
+def write_summary(config, state, runtime, step_func, optimizer, wall_start) -> None:
     """Gather every rank's figures (the pipeline is drained: this is not a training step)."""
     mine = {
         "rank": dist.get_rank(),
         "optimizer_state_bytes": _optimizer_state_bytes(optimizer),
         "stage": parallel_state.get_pipeline_model_parallel_rank(),
         "leader": is_stage_leader(),
-        "report": _stage_report(args, runtime, step_func, optimizer),
-        "losses": state.losses if is_logging_rank(args) else None,
-        "validation": state.validation if is_logging_rank(args) else None,
+        "report": _stage_report(config, runtime, step_func, optimizer),
+        "losses": state.losses if is_logging_rank(config.pipeline.plan) else None,
+        "validation": state.validation if is_logging_rank(config.pipeline.plan) else None,
         "nan_iterations": state.nan_iterations,
         "train_time_s": state.train_time_s,
         "cross_stage_collectives": state.cross_stage_collectives,
@@ -246,20 +254,20 @@ def write_summary(args, state, runtime, step_func, optimizer, wall_start) -> Non
     }
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    if dist.get_rank() != 0 or not args.metrics_dir:
+    if dist.get_rank() != 0 or not config.logging.metrics_dir:
         return
     logger = next(g for g in gathered if g["losses"] is not None)
     stages = sorted((g for g in gathered if g["leader"]), key=lambda g: g["stage"])
     elapsed = max(g["train_time_s"] for g in gathered)
     summary = {
-        "schedule": args.pipeline_schedule,
-        "pipeline_stages": args.pipeline_model_parallel_size,
-        "tensor_parallel": args.tensor_model_parallel_size,
-        "data_parallel": args.data_parallel_size,
-        "num_microbatches": args.num_microbatches,
-        "micro_batch_size": args.micro_batch_size,
-        "global_batch_size": args.global_batch_size,
-        "seq_length": args.seq_length,
+        "schedule": config.pipeline.plan.name,
+        "pipeline_stages": config.parallel.pipeline_model_parallel_size,
+        "tensor_parallel": config.parallel.tensor_model_parallel_size,
+        "data_parallel": config.parallel.data_parallel_size,
+        "num_microbatches": config.training.num_microbatches,
+        "micro_batch_size": config.training.micro_batch_size,
+        "global_batch_size": config.training.global_batch_size,
+        "seq_length": config.model.seq_length,
         "iterations": state.iteration,
         "loss": logger["losses"],
         "final_loss": logger["losses"][-1] if logger["losses"] else None,
@@ -280,12 +288,12 @@ def write_summary(args, state, runtime, step_func, optimizer, wall_start) -> Non
     if audit_requested():
         summary["cross_stage_collectives"] = sum(g["cross_stage_collectives"] for g in gathered)
     try:
-        os.makedirs(args.metrics_dir, exist_ok=True)
+        os.makedirs(config.logging.metrics_dir, exist_ok=True)
     except OSError as error:
-        raise UserError(f"--metrics-dir {args.metrics_dir}: {error.strerror}") from None
+        raise UserError(f"--metrics-dir {config.logging.metrics_dir}: {error.strerror}") from None
     text = json.dumps(finite_or_none(summary), indent=2, allow_nan=False)
-    atomic_write_text(os.path.join(args.metrics_dir, "summary.json"), text)
-    print(f"> wrote {os.path.join(args.metrics_dir, 'summary.json')}", flush=True)
+    atomic_write_text(os.path.join(config.logging.metrics_dir, "summary.json"), text)
+    print(f"> wrote {os.path.join(config.logging.metrics_dir, 'summary.json')}", flush=True)
 
 
 def finite_or_none(value):
@@ -299,7 +307,7 @@ def finite_or_none(value):
     return value
 
 
-def write_timelines(args, runtime) -> None:
+def write_timelines(config, runtime) -> None:
     gathered: list = [None] * dist.get_world_size()
     events = runtime.trace if is_stage_leader() else []
     dist.all_gather_object(gathered, events)
@@ -308,6 +316,6 @@ def write_timelines(args, runtime) -> None:
         origin = min((e.start_s for e in merged), default=0.0)  # one host's monotonic clock
         shifted = [replace(e, start_s=e.start_s - origin, end_s=e.end_s - origin) for e in merged]
         write_chrome_trace(
-            args.timeline_file, shifted, process_name=f"{args.pipeline_schedule} run"
+            config.logging.timeline_file, shifted, process_name=f"{config.pipeline.plan.name} run"
         )
-        print(f"> wrote timeline {args.timeline_file}", flush=True)
+        print(f"> wrote timeline {config.logging.timeline_file}", flush=True)

@@ -60,9 +60,11 @@ class SignalFlag:
 class StopRequests:
     """This rank's own reasons to stop: a caught signal, or time since the run started."""
 
-    def __init__(self, args, start_time: float):
-        self.flag = SignalFlag() if args.exit_signal_handler else None
-        minutes = args.exit_duration_in_mins
+    def __init__(self, training, start_time: float):
+        """`training`: the run's `TrainingConfig` (--exit-signal-handler,
+        --exit-duration-in-mins)."""
+        self.flag = SignalFlag() if training.exit_signal_handler else None
+        minutes = training.exit_duration_in_mins
         self.limit_s = 60.0 * minutes if minutes else None
         self.start_time = start_time
 
@@ -79,8 +81,8 @@ class StopRequests:
             self.flag.release()
 
 
-def requested(args) -> bool:
-    return bool(args.exit_signal_handler or args.exit_duration_in_mins)
+def requested(training) -> bool:
+    return bool(training.exit_signal_handler or training.exit_duration_in_mins)
 
 
 class FlushAgreement:
@@ -144,14 +146,15 @@ class StoreAgreement:
         return self.stop is not None and iteration >= self.stop
 
 
-def build_agreement(args, requests: StopRequests, device: torch.device, flushes: bool):
+def build_agreement(config, requests: StopRequests, device: torch.device):
     """The agreement the run's schedule allows (None without either flag)."""
-    if not requested(args):
+    if not requested(config.training):
         return None
-    if flushes:
+    plan = config.pipeline.plan
+    if plan.flushes:
         return FlushAgreement(requests, device)
     store = dist.distributed_c10d._get_default_store()
-    return StoreAgreement(requests, args.pipeline_model_parallel_size, args.num_microbatches, store)
+    return StoreAgreement(requests, plan.num_stages, config.training.num_microbatches, store)
 
 
 def iterations_ahead(num_stages: int, microbatches: int) -> int:

@@ -1,6 +1,6 @@
 """The pretraining loop: set-up, iterations, evaluation, logging, metrics, checkpoints.
 
-`pretrain(args, forward_step_func)` is what `pretrain_gpt.py` calls. The loop is the same for
+`pretrain(config, forward_step_func)` is what `pretrain_gpt.py` calls. The loop is the same for
 every schedule; the schedule function (from `get_forward_backward_func`) steps each stage's
 optimizer itself when a step is due.
 """
@@ -35,8 +35,6 @@ from megatron.pipeline.parallel import (
     ranks_of_my_stage,
 )
 from megatron.pipeline.runtime import RankRuntime
-from megatron.pipeline.schedules.paci import DEFAULT_INFLIGHT_LIMIT
-from megatron.pipeline.schedules.paci import window as inflight_window
 from megatron.pipeline.transport import DistributedTransport
 from megatron.training import divergence, faults, launch, run_control
 from megatron.training.batch_schedule import (
@@ -47,8 +45,9 @@ from megatron.training.batch_schedule import (
 )
 from megatron.training.checkpointing import save_load as checkpointing
 from megatron.training.checkpointing.writer_lock import WriterLock, describe, new_run_id
-from megatron.training.data.datasets import data_iterators_from_args
-from megatron.training.data.sources import data_source, prefixes_of
+from megatron.training.config import RunConfig
+from megatron.training.data.datasets import data_iterators_of_run
+from megatron.training.data.sources import prefixes_of
 from megatron.training.divergence import check_replicas_match
 from megatron.training.emulated_stage import EmulatedStage
 from megatron.training.errors import RunFailed, UserError
@@ -76,9 +75,8 @@ from megatron.training.optimizer.build import (
     build_optimizer,
     stage_lr_scale,
 )
-from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig, model_dtype
 from megatron.training.optimizer.delay_mitigation import (
-    schedule_of_iteration,
+    plan_of_iteration,
     synchronous_phase_ends,
 )
 from megatron.training.optimizer.lr_per_iteration import per_iteration
@@ -99,7 +97,7 @@ from megatron.training.reporting import (
     write_summary,
     write_timelines,
 )
-from megatron.training.tokenizer.tokenizer import build_tokenizer_from_args
+from megatron.training.tokenizer.tokenizer import build_tokenizer_of_run
 from megatron.training.validation import check_token_ids
 
 # ---------------------------------------------------------------------------- set-up
@@ -107,9 +105,10 @@ from megatron.training.validation import check_token_ids
 RANK_ORDERS = {False: "tp-cp-ep-dp-pp", True: "tp-cp-ep-pp-dp"}
 
 
-def initialize_distributed(args) -> torch.device:
+def initialize_distributed(config) -> torch.device:
     """Process groups (torch.distributed + megatron-core's parallel_state) and the device."""
-    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    layout, seed = config.parallel, config.training.seed
+    backend = layout.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -117,75 +116,46 @@ def initialize_distributed(args) -> torch.device:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
-        startup_s = args.rendezvous_timeout_seconds
+        timeout = datetime.timedelta(minutes=layout.distributed_timeout_minutes)
+        startup_s = layout.rendezvous_timeout_seconds
         startup_s = timeout.total_seconds() if startup_s is None else startup_s
         launch.init_process_group(backend, timeout, startup_s)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
-        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
+        distributed_timeout_minutes=layout.distributed_timeout_minutes,
+        num_distributed_optimizer_instances=layout.num_distributed_optimizer_instances,
         # expert groups only where there are experts (without, the sizes change nothing)
         **(
             dict(
-                expert_model_parallel_size=args.expert_model_parallel_size,
-                expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                expert_model_parallel_size=layout.expert_model_parallel_size,
+                expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
             )
-            if getattr(args, "num_experts", None) is not None
+            if config.moe is not None
             else {}
         ),
         # megatron-core's extra gloo groups serve only its own distributed optimizer
-        create_gloo_process_groups=not args.disable_gloo_process_groups,
-        order=RANK_ORDERS[args.use_tp_pp_dp_mapping],
+        create_gloo_process_groups=not layout.disable_gloo_process_groups,
+        order=RANK_ORDERS[layout.use_tp_pp_dp_mapping],
     )
-    torch.manual_seed(args.seed)
-    moe = getattr(args, "num_experts", None) is not None
-    if (args.sequence_parallel or moe) and device.type == "cpu":  # megatron-core's CUDA parts
+    torch.manual_seed(seed)
+    moe = config.moe is not None
+    if (layout.sequence_parallel or moe) and device.type == "cpu":  # megatron-core's CUDA parts
         run_sequence_parallel_on_host(
-            args.seed, parallel_state.get_tensor_model_parallel_rank(), moe=moe
+            seed, parallel_state.get_tensor_model_parallel_rank(), moe=moe
         )
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        model_parallel_cuda_manual_seed(args.seed)
+        model_parallel_cuda_manual_seed(seed)
     return device
 
 
-def padded_vocab_size(vocab_size: int, args) -> int:
-    """Megatron pads the vocabulary to a multiple of divisible_by x tensor-parallel size."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return -(-vocab_size // multiple) * multiple
-
-
-# Megatron's defaults for the model switches, for namespaces built without our parser
-# (tools that construct a model directly).
-_MODEL_SWITCH_DEFAULTS = {
-    "normalization": "LayerNorm",
-    "norm_epsilon": 1e-5,
-    "apply_layernorm_1p": False,
-    "disable_bias_linear": False,
-    "add_qkv_bias": False,
-    "swiglu": False,
-    "squared_relu": False,
-    "num_query_groups": None,
-    "kv_channels": None,
-    "qk_layernorm": False,
-    "attention_softmax_in_fp32": False,
-    "apply_query_key_layer_scaling": False,
-    "apply_residual_connection_post_layernorm": False,
-    "rotary_interleaved": False,
-    "cross_entropy_loss_fusion": False,
-    "cross_entropy_fusion_impl": "native",
-    "test_mode": False,
-    "openai_gelu": False,
-}
-
-
-def model_switches(args) -> dict:
-    """The TransformerConfig fields that Megatron's model switches set."""
-    get = {name: getattr(args, name, default) for name, default in _MODEL_SWITCH_DEFAULTS.items()}
+def model_switches(model) -> dict:
+    """The TransformerConfig fields that Megatron's model switches set (`model`: the run's
+    `ModelConfig`)."""
+    get = vars(model)
     activation = torch.nn.functional.gelu
     if get["swiglu"]:
         activation = torch.nn.functional.silu
@@ -218,34 +188,34 @@ def model_switches(args) -> dict:
     )
 
 
-def transformer_config(args, device: torch.device) -> TransformerConfig:
-    dtype, chunks = model_dtype(args), virtual_chunks(args)
+def transformer_config(config, device: torch.device) -> TransformerConfig:
+    """megatron-core's TransformerConfig of the run (`RunConfig`)."""
+    model, layout = config.model, config.parallel
+    dtype, chunks = model.dtype, layout.chunks_per_rank
     return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        init_method_std=args.init_method_std,
-        attention_dropout=args.attention_dropout,
-        hidden_dropout=args.hidden_dropout,
-        **model_switches(args),
-        **recompute_config_fields(args),
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
-        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
-        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
-        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        init_method_std=model.init_method_std,
+        attention_dropout=model.attention_dropout,
+        hidden_dropout=model.hidden_dropout,
+        **model_switches(config.model),
+        **recompute_config_fields(config.model),
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
+        num_layers_in_first_pipeline_stage=layout.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=layout.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=layout.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=layout.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_layout=layout.pipeline_model_parallel_layout,
         virtual_pipeline_model_parallel_size=None if chunks == 1 else chunks,
-        microbatch_group_size_per_vp_stage=getattr(
-            args, "microbatch_group_size_per_virtual_pipeline_stage", None
-        ),
+        microbatch_group_size_per_vp_stage=layout.microbatch_group_size_per_virtual_pipeline_stage,
         pipeline_dtype=dtype,
         params_dtype=dtype,
-        bf16=args.bf16,
-        fp16=args.fp16,
+        bf16=model.bf16,
+        fp16=model.fp16,
         use_cpu_initialization=True,  # draws on CPU; our layout-independent init overwrites it
         perform_initialization=True,  # (it also tags tensor-parallel attributes on weights)
         gradient_accumulation_fusion=False,
@@ -254,13 +224,14 @@ def transformer_config(args, device: torch.device) -> TransformerConfig:
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        calculate_per_token_loss=args.calculate_per_token_loss,
-        sequence_parallel=args.sequence_parallel,
-        **moe_config_fields(args, grouped_gemm_available=_grouped_gemm_available(args, device)),
+        calculate_per_token_loss=model.calculate_per_token_loss,
+        sequence_parallel=layout.sequence_parallel,
+        **moe_config_fields(config.moe, config.parallel,
+                            grouped_gemm_available=_grouped_gemm_available(device)),  # fmt: skip
     )
 
 
-def _grouped_gemm_available(args, device: torch.device) -> bool:
+def _grouped_gemm_available(device: torch.device) -> bool:
     """Whether --moe-grouped-gemm (and the fused permutation and router) may take effect:
     not yet anywhere. The experts are a SequentialMLP (same math, same checkpoint keys;
     docs/moe.md): the grouped experts' parameters (TEGroupedMLP: `weight<i>`) are not yet
@@ -269,90 +240,87 @@ def _grouped_gemm_available(args, device: torch.device) -> bool:
     return False
 
 
-def stage_layout(args) -> StageLayout:
-    experts = getattr(args, "num_experts", None) or 0
+def stage_layout(config) -> StageLayout:
+    experts = config.moe.num_experts if config.moe is not None else 0
     moe = experts > 0
     return StageLayout(
         pipeline_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        pipeline_size=args.pipeline_model_parallel_size,
+        pipeline_size=config.parallel.pipeline_model_parallel_size,
         tensor_rank=parallel_state.get_tensor_model_parallel_rank(),
-        tensor_size=args.tensor_model_parallel_size,
-        num_layers=args.num_layers,
-        stage_layers=tuple(args.stage_layers),
+        tensor_size=config.parallel.tensor_model_parallel_size,
+        num_layers=config.model.num_layers,
+        stage_layers=tuple(config.parallel.stage_layers),
         expert_rank=parallel_state.get_expert_model_parallel_rank() if moe else 0,
-        expert_size=args.expert_model_parallel_size if moe else 1,
-        local_experts=experts // args.expert_model_parallel_size if moe else 0,
+        expert_size=config.parallel.expert_model_parallel_size if moe else 1,
+        local_experts=experts // config.parallel.expert_model_parallel_size if moe else 0,
         expert_tensor_rank=parallel_state.get_expert_tensor_parallel_rank() if moe else 0,
-        expert_tensor_size=args.expert_tensor_parallel_size if moe else 1,
+        expert_tensor_size=config.parallel.expert_tensor_parallel_size if moe else 1,
     )
 
 
-def virtual_chunks(args) -> int:
-    """Model chunks per rank: Megatron's virtual_pipeline_model_parallel_size (1 without)."""
-    return getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-
-
-def build_stage_model(args, vocab_size: int, device: torch.device) -> torch.nn.Module:
+def build_stage_model(config, device: torch.device) -> torch.nn.Module:
     """This rank's model: its stage, or with several chunks per rank (virtual stages, or the V
     placement of ZB-V and DualPipeV) its chunks as one `ModelChunks`."""
-    placement = args.pipeline_plan.placement
+    placement = config.pipeline.plan.placement
     rank = parallel_state.get_pipeline_model_parallel_rank()
     stages = None if placement is None else placement.stages_of(rank)
-    if args.emulated_forward_ms is not None:
+    pipeline, chunks_per_rank = config.pipeline, config.parallel.chunks_per_rank
+    if pipeline.emulated:
         chunks = [
             EmulatedStage(
-                args.emulated_forward_ms, args.emulated_backward_ms, args.hidden_size,
-                noise_cv=args.emulated_noise_cv, seed=args.seed,
-                weight_grad_ms=args.emulated_weight_grad_ms,
+                pipeline.emulated_forward_ms, pipeline.emulated_backward_ms,
+                config.model.hidden_size, noise_cv=pipeline.emulated_noise_cv,
+                seed=config.training.seed, weight_grad_ms=pipeline.emulated_weight_grad_ms,
                 virtual_stage=rank if stages is None else stages[c],
-                num_virtual_stages=args.pipeline_model_parallel_size * virtual_chunks(args),
+                num_virtual_stages=config.parallel.pipeline_model_parallel_size * chunks_per_rank,
             )
-            for c in range(virtual_chunks(args))
+            for c in range(chunks_per_rank)
         ]  # fmt: skip
         return chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
-    config = transformer_config(args, device)
-    layout = stage_layout(args)
+    transformer = transformer_config(config, device)
+    layout = stage_layout(config)
     if placement is None:
-        return build_chunk(args, config, layout, vocab_size, device)
+        return build_chunk(config, transformer, layout, device)
     if placement.shape == "v":  # each chunk built as the interleaved chunk of its stage
         n = placement.num_ranks
-        layouts = [v_chunk_layout(layout, config, stage, n) for stage in stages]
-        return ModelChunks([build_chunk(args, config, chunk, vocab_size, device,
-                                         built_as_other_rank=True) for chunk in layouts])  # fmt: skip
+        layouts = [v_chunk_layout(layout, transformer, stage, n) for stage in stages]
+        built = [build_chunk(config, transformer, chunk, device, built_as_other_rank=True)
+                 for chunk in layouts]  # fmt: skip
+        return ModelChunks(built)
     chunks = [
-        build_chunk(args, config, chunk_layout(layout, config, c), vocab_size, device)
-        for c in range(virtual_chunks(args))
+        build_chunk(config, transformer, chunk_layout(layout, transformer, c), device)
+        for c in range(config.parallel.chunks_per_rank)
     ]
     return ModelChunks(chunks)
 
 
-def build_chunk(args, config, layout, vocab_size: int, device: torch.device,
+def build_chunk(config, transformer: TransformerConfig, layout, device: torch.device,
                 built_as_other_rank: bool = False) -> torch.nn.Module:  # fmt: skip
-    """One model chunk of `layout` from the flags: the one builder of a stage, for the ranks and
-    for the single-process engine alike."""
+    """One model chunk of `layout` from the run's `config`: the one builder of a stage, for the
+    ranks and for the single-process engine alike."""
     model = build_gpt_stage(
-        config,
+        transformer,
         layout,
-        vocab_size=vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        position_embedding_type=args.position_embedding_type,
+        vocab_size=config.model.padded_vocab_size,
+        max_sequence_length=config.model.max_position_embeddings,
+        position_embedding_type=config.model.position_embedding_type,
         device=device,
-        seed=args.seed,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-        use_transformer_engine=args.transformer_impl == "transformer_engine",
-        rope_scaling=args.use_rope_scaling,
-        rope_scaling_factor=args.rope_scaling_factor,
-        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
-        xavier_uniform=args.init_method_xavier_uniform,
+        seed=config.training.seed,
+        share_embeddings_and_output_weights=not config.model.untie_embeddings_and_output_weights,
+        rotary_percent=config.model.rotary_percent,
+        rotary_base=config.model.rotary_base,
+        use_transformer_engine=config.model.transformer_impl == "transformer_engine",
+        rope_scaling=config.model.use_rope_scaling,
+        rope_scaling_factor=config.model.rope_scaling_factor,
+        seq_len_interpolation_factor=config.model.rotary_seq_len_interpolation_factor,
+        xavier_uniform=config.model.init_method_xavier_uniform,
         built_as_other_rank=built_as_other_rank,
     )
-    if not args.pipeline_plan.flushes:
+    if not config.pipeline.plan.flushes:
         for param in model.parameters():  # the last stage's copy of a tied embedding
             param.follows_first_stage = getattr(param, "shared", False)
     # As Megatron's Float16Module: every parameter (norms too) in the model's dtype.
-    return model.to(model_dtype(args))
+    return model.to(config.model.dtype)
 
 
 # ---------------------------------------------------------------------------- state
@@ -375,48 +343,50 @@ class TrainingState:
     weight_hash_checks: list = field(default_factory=list)  # iterations whose check passed
 
 
-def build_step(args, model, optimizer, scheduler) -> "MegatronStep":
+def build_step(config, model, optimizer, scheduler) -> "MegatronStep":
     """The stage's optimizer step. The gradient norm's reach: the whole model under 1F1B-flush
     (as Megatron), the stage's tensor-parallel ranks under PACI (no global synchronization)."""
     step_func = StageOptimizerStep(
         model,
         optimizer,
-        per_iteration(scheduler, args),  # PipeDream steps m times per iteration
+        # PipeDream steps m times per iteration
+        per_iteration(scheduler, config.pipeline.plan, config.training.num_microbatches),
         # context-parallel ranks hold the same weights and each a part of every sequence's
         # gradient: the step averages over data x context parallel ranks, as Megatron's DDP
         data_parallel_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
         grad_norm_group=(
             parallel_state.get_model_parallel_group()
-            if args.pipeline_plan.global_grad_norm
+            if config.pipeline.plan.global_grad_norm
             else parallel_state.get_tensor_model_parallel_group()
         ),
         tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
-        clip_grad=args.clip_grad,
-        average_in_collective=args.ddp_average_in_collective,
+        clip_grad=config.training.clip_grad,
+        average_in_collective=config.parallel.ddp_average_in_collective,
         tensor_parallel_group=parallel_state.get_tensor_model_parallel_group(),
-        experts=_expert_groups(args),
+        experts=_expert_groups(config),
     )
-    return MegatronStep(step_func, model, args)
+    return MegatronStep(step_func, model, config)
 
 
-def _expert_shard_group(args):
+def _expert_shard_group(config):
     """The expert-data-parallel group, when the distributed optimizer shards the routed
     experts over it apart from the dense parameters (MoE with EP > 1 or ETP != TP)."""
-    if getattr(args, "num_experts", None) is None or not args.use_distributed_optimizer:
+    if config.moe is None or not config.parallel.use_distributed_optimizer:
         return None
-    if (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (
-        1, args.tensor_model_parallel_size,
+    layout = config.parallel
+    if (layout.expert_model_parallel_size, layout.expert_tensor_parallel_size) == (
+        1, layout.tensor_model_parallel_size,
     ):  # fmt: skip
         return None  # the expert groups are the dense ones
     return parallel_state.get_expert_data_parallel_group()
 
 
-def _expert_groups(args) -> ExpertGroups | None:
+def _expert_groups(config) -> ExpertGroups | None:
     """megatron-core's expert process groups, for the routed experts' gradients (None
     without MoE)."""
-    if getattr(args, "num_experts", None) is None:
+    if config.moe is None:
         return None
-    global_norm = args.pipeline_plan.global_grad_norm
+    global_norm = config.pipeline.plan.global_grad_norm
     return ExpertGroups(
         data_parallel_group=parallel_state.get_expert_data_parallel_group(),
         grad_norm_group=(
@@ -424,48 +394,54 @@ def _expert_groups(args) -> ExpertGroups | None:
             if global_norm
             else parallel_state.get_expert_tensor_and_model_parallel_group()
         ),
-        data_parallel_size=args.data_parallel_size,
+        data_parallel_size=config.parallel.data_parallel_size,
     )
 
 
-def _note_inflight_window(args) -> None:
+def _note_inflight_window(config) -> None:
     """PACI's window is N - s whatever the microbatches per step; with fewer than the stages,
     that is more than flush holds, so more activation memory: say so, and how to cap it."""
-    n, m = args.pipeline_model_parallel_size, args.num_microbatches
-    if args.pipeline_schedule != "paci" or m >= n or virtual_chunks(args) > 1:
-        return  # over virtual stages PACI holds at most interleaved flush's
-    limit = args.paci_inflight_limit or DEFAULT_INFLIGHT_LIMIT
-    windows = " ".join(str(inflight_window(s, n, m, limit)) for s in range(n))
+    n, m = config.parallel.pipeline_model_parallel_size, config.training.num_microbatches
+    window = config.pipeline.plan.schedule.inflight_window
+    if window is None or m >= n:  # (over virtual stages PACI holds at most interleaved flush's)
+        return
+    windows = " ".join(str(window(s, n, m)) for s in range(n))
     flush = " ".join(str(min(m, n - s)) for s in range(n))
-    if limit == "depth":
-        print_rank_0(
-            f"> note: {m} microbatches per step < {n} stages: PACI holds up to {windows} "
-            f"microbatches in flight per stage, flush at most {flush} (more activation memory); "
-            "--paci-inflight-limit flush keeps flush's"
-        )
-    else:
+    if windows != " ".join(str(n - s) for s in range(n)):  # capped by --paci-inflight-limit
         print_rank_0(f"> PACI in-flight limit flush: at most {windows} microbatches per stage")
+        return
+    print_rank_0(
+        f"> note: {m} microbatches per step < {n} stages: PACI holds up to {windows} "
+        f"microbatches in flight per stage, flush at most {flush} (more activation memory); "
+        "--paci-inflight-limit flush keeps flush's"
+    )
 
 
 def pretrain(args, forward_step_func) -> TrainingState:
+    """Train with the validated flags `args`: the one place the run's typed configuration
+    (`RunConfig`) is built from them; everything below reads the configuration."""
     wall_start = time.perf_counter()
+    config = RunConfig.from_args(args)
     # Installed first, so that a SIGTERM during set-up is caught too (--exit-signal-handler).
-    requests = run_control.StopRequests(args, wall_start) if run_control.requested(args) else None
+    requests = None
+    if run_control.requested(config.training):
+        requests = run_control.StopRequests(config.training, wall_start)
     try:
         with faults.stop_on_interrupt():
-            return _pretrain(args, forward_step_func, wall_start, requests)
+            return _pretrain(config, forward_step_func, wall_start, requests)
     finally:
         if requests is not None:
             requests.release()
 
 
-def _pretrain(args, forward_step_func, wall_start, requests) -> TrainingState:
+def _pretrain(config, forward_step_func, wall_start, requests) -> TrainingState:
     faults.watch_launcher()
     groups_before = _process_groups()
-    device = initialize_distributed(args)
-    save_lock = _take_save_directory(args)
+    device = initialize_distributed(config)
+    run_id, save_lock = _take_save_directory(config.checkpoint)
+    config = config.with_run_id(run_id)
     try:
-        state = _set_up_and_train(args, forward_step_func, wall_start, requests, device,
+        state = _set_up_and_train(config, forward_step_func, wall_start, requests, device,
                                   save_lock)  # fmt: skip
     finally:
         if save_lock is not None:
@@ -474,84 +450,85 @@ def _pretrain(args, forward_step_func, wall_start, requests) -> TrainingState:
     return state
 
 
-def _take_save_directory(args) -> WriterLock | None:
+def _take_save_directory(checkpoint) -> tuple[str, WriterLock | None]:
     """Rank 0 holds `--save` for the run (checkpointing/writer_lock.py); every rank learns the
-    run's id, and a refusal ends every rank with the same one line."""
+    run's id, and a refusal ends every rank with the same one line. (run id, the lock)."""
     lock, outcome = None, [None, None]  # (run id, problem)
     if dist.get_rank() == 0:
         run_id = new_run_id()
         outcome = [run_id, None]
-        if args.save:
-            lock = WriterLock(args.save, run_id)
+        if checkpoint.save:
+            lock = WriterLock(checkpoint.save, run_id)
             try:
                 lock.acquire()
             except UserError as error:
                 lock, outcome = None, [run_id, str(error)]
             if lock is not None and lock.taken_over:
-                print(f"> --save {args.save}: the lock of {describe(lock.taken_over)} was left "
-                      "by a run that is no longer running: taken over", flush=True)  # fmt: skip
+                owner = describe(lock.taken_over)
+                print(f"> --save {checkpoint.save}: the lock of {owner} was left by a run that "
+                      "is no longer running: taken over", flush=True)  # fmt: skip
     dist.broadcast_object_list(outcome, src=0)
-    args.run_id = outcome[0]
     if outcome[1] is not None:
         raise UserError(outcome[1])
-    return lock
+    return outcome[0], lock
 
 
-def _set_up_and_train(args, forward_step_func, wall_start, requests, device,
+def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
                       save_lock) -> TrainingState:  # fmt: skip
     # the resident set follows live memory (host_memory.py)
-    unmap_large_blocks_when_freed(device, args.cpu_mmap_threshold_kib)
+    unmap_large_blocks_when_freed(device, config.parallel.cpu_mmap_threshold_kib)
+    layout = config.parallel
     print_rank_0(
-        f"> world size {args.world_size}: tensor {args.tensor_model_parallel_size} x pipeline "
-        f"{args.pipeline_model_parallel_size} x context {args.context_parallel_size} x data "
-        f"{args.data_parallel_size}, backend "
-        f"{dist.get_backend()}, schedule {args.pipeline_schedule}, {args.num_microbatches} "
-        f"microbatches per step"
+        f"> world size {layout.world_size}: tensor {layout.tensor_model_parallel_size} x "
+        f"pipeline {layout.pipeline_model_parallel_size} x context "
+        f"{layout.context_parallel_size} x data {layout.data_parallel_size}, backend "
+        f"{dist.get_backend()}, schedule {config.pipeline.plan.name}, "
+        f"{config.training.num_microbatches} microbatches per step"
     )
     pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
-    print_rank_0(f"> rank order {RANK_ORDERS[args.use_tp_pp_dp_mapping]}: rank 0's pipeline is "
-                 f"ranks {pipeline}")  # fmt: skip
-    _note_inflight_window(args)
-    tokenizer = _build_checked_tokenizer(args)
-    model = build_stage_model(args, args.padded_vocab_size, device)
-    optimizer = build_optimizer(
-        model, OptimizerConfig.from_args(args), expert_group=_expert_shard_group(args)
-    )
+    print_rank_0(f"> rank order {RANK_ORDERS[layout.use_tp_pp_dp_mapping]}: rank 0's pipeline "
+                 f"is ranks {pipeline}")  # fmt: skip
+    _note_inflight_window(config)
+    tokenizer, config = _build_checked_tokenizer(config)
+    model = build_stage_model(config, device)
+    optimizer = build_optimizer(model, config.optimizer, expert_group=_expert_shard_group(config))
+    stage = parallel_state.get_pipeline_model_parallel_rank()
     scheduler = build_lr_scheduler(
-        optimizer,
-        LRScheduleConfig.from_args(args),
-        lr_scale=stage_lr_scale(args, parallel_state.get_pipeline_model_parallel_rank()),
+        optimizer, config.lr, lr_scale=stage_lr_scale(config.pipeline, config.training, stage)
     )
-    step_func = build_step(args, model, optimizer, scheduler)
+    step_func = build_step(config, model, optimizer, scheduler)
     state = TrainingState()
-    if args.load:
+    if config.checkpoint.load:
         state.iteration, state.consumed_train_samples = checkpointing.load(
-            args.load, model=model, optimizer=optimizer, scheduler=scheduler, args=args
+            config.checkpoint.load,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            config=config,
         )
-    runtime = _build_stage_runtime(args, model, device)
+    runtime = _build_stage_runtime(config, model, device)
     runtime.loss_scaler = step_func.loss_scaler  # fp16: the stage's scale, on its messages
-    train_iter, valid_iter = _build_train_valid_iterators(args, tokenizer, state)
+    train_iter, valid_iter = _build_train_valid_iterators(config, tokenizer, state)
     train_iter, valid_iter = _per_chunk_data(model, train_iter), _per_chunk_data(model, valid_iter)
-    writer = tensorboard_writer(args)
+    writer = tensorboard_writer(config)
     faults.register_peers()
-    faults.apply_timeout_to_all_groups(args.distributed_timeout_minutes)
+    faults.apply_timeout_to_all_groups(config.parallel.distributed_timeout_minutes)
     dist.barrier()  # everyone built; from here on only the schedule's own traffic
     runtime.stats.start_memory_tracking(device)  # real peak memory: training, not set-up
     print_rank_0(f"> setup done in {time.perf_counter() - wall_start:.1f} s, training ...")
 
-    flushes = args.pipeline_plan.flushes
-    control = run_control.build_agreement(args, requests, device, flushes)
+    control = run_control.build_agreement(config, requests, device)
     with _maybe_audit() as audit:
-        if args.skip_train:
+        if config.training.skip_train:
             print_rank_0("> --skip-train: evaluation only")
-            evaluate(args, forward_step_func, model, valid_iter, state, writer)
+            evaluate(config, forward_step_func, model, valid_iter, state, writer)
         else:
-            train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter,
+            train(config, forward_step_func, model, runtime, step_func, train_iter, valid_iter,
                   state, writer, audit, control)  # fmt: skip
     if audit_requested():
         state.cross_stage_collectives = len(audit.violations)
 
-    _finish_run(args, state, runtime, step_func, optimizer, writer, wall_start)
+    _finish_run(config, state, runtime, step_func, optimizer, writer, wall_start)
     return state
 
 
@@ -578,31 +555,34 @@ def _destroy_groups_since(before: set) -> None:
     gc.freeze()
 
 
-def _build_checked_tokenizer(args):
-    """The tokenizer; sets ``args.padded_vocab_size`` and checks the data's token ids."""
-    tokenizer = build_tokenizer_from_args(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    if not args.mock_data:
-        check_token_ids(prefixes_of(data_source(args)), tokenizer.vocab_size,
-                        args.padded_vocab_size)  # fmt: skip
-    return tokenizer
+def _build_checked_tokenizer(config):
+    """(The tokenizer, the configuration with its padded vocabulary); checks the data's token
+    ids against it."""
+    tokenizer = build_tokenizer_of_run(config.data)
+    config = config.with_vocabulary(tokenizer.vocab_size)
+    if not config.data.mock_data:
+        check_token_ids(prefixes_of(config.data.source), tokenizer.vocab_size,
+                        config.model.padded_vocab_size)  # fmt: skip
+    return tokenizer, config
 
 
-def boundary_sequence_length(args) -> int:
+def boundary_sequence_length(config) -> int:
     """The sequence length of the activations between stages: a context-parallel rank's two
     chunks, s / cp, and with sequence parallelism each tensor-parallel rank's part of them,
     [s / cp / tp, b, h] (megatron-core's convention)."""
-    local = args.seq_length // args.context_parallel_size
-    tp = args.tensor_model_parallel_size
-    return local // tp if args.sequence_parallel else local
+    local = config.model.seq_length // config.parallel.context_parallel_size
+    tp = config.parallel.tensor_model_parallel_size
+    return local // tp if config.parallel.sequence_parallel else local
 
 
-def _build_stage_runtime(args, model, device) -> RankRuntime:
+def _build_stage_runtime(config, model, device) -> RankRuntime:
     """The rank's pipeline runtime, attached to the model with the run's pipeline plan."""
-    dtype, plan = model_dtype(args), args.pipeline_plan
+    dtype, plan = config.model.dtype, config.pipeline.plan
     # a stage's context-parallel ranks run one ring per forward and backward, its expert-
     # parallel ranks (over its data-parallel replicas) all-to-alls: they run the same order
-    per_stage = args.context_parallel_size > 1 or args.expert_model_parallel_size > 1
+    per_stage = (
+        config.parallel.context_parallel_size > 1 or config.parallel.expert_model_parallel_size > 1
+    )
     context = build_pipeline_context(device, decide_per_stage=per_stage)
     placement, transport = plan.placement, None
     if placement is not None:  # several chunks per rank: a stream per chunk and neighbour
@@ -614,30 +594,34 @@ def _build_stage_runtime(args, model, device) -> RankRuntime:
     runtime = RankRuntime(
         context,
         model,
-        tensor_shape=(boundary_sequence_length(args), args.micro_batch_size, args.hidden_size),
+        tensor_shape=(
+            boundary_sequence_length(config),
+            config.training.micro_batch_size,
+            config.model.hidden_size,
+        ),
         dtype=dtype,
         placement=placement,
         transport=transport,
-        record_trace=args.timeline_file is not None,
-        deterministic=args.deterministic_mode,
-        per_token_loss=args.calculate_per_token_loss,
+        record_trace=config.logging.timeline_file is not None,
+        deterministic=config.parallel.deterministic_mode,
+        per_token_loss=config.model.calculate_per_token_loss,
     )
-    if args.num_experts is not None:  # megatron-core's aux losses: scaled as each backward's loss
+    if config.moe is not None:  # megatron-core's aux losses: scaled as each backward's loss
         runtime.backward_scale_listeners.append(set_aux_loss_scale)
         runtime.versioned_buffers.extend(routing_buffers(model))  # 2BW, PipeDream: stashed
     attach_stage_runtime(model, runtime, plan)
     return runtime
 
 
-def _build_train_valid_iterators(args, tokenizer, state: TrainingState):
+def _build_train_valid_iterators(config, tokenizer, state: TrainingState):
     """The (train, valid) microbatch iterators of this data-parallel rank."""
-    return data_iterators_from_args(
-        args,
+    return data_iterators_of_run(
+        config,
         tokenizer,
-        train_samples=total_train_samples(args),
-        valid_samples=_eval_samples(args),
+        train_samples=total_train_samples(config),
+        valid_samples=_eval_samples(config.training),
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
-        data_parallel_size=args.data_parallel_size,
+        data_parallel_size=config.parallel.data_parallel_size,
         consumed_train_samples=state.consumed_train_samples,
     )
 
@@ -653,12 +637,12 @@ def _per_chunk_data(model, iterator):
     return list(itertools.tee(iterator, len(chunks))) if len(readers) > 1 else iterator
 
 
-def _finish_run(args, state, runtime, step_func, optimizer, writer, wall_start) -> None:
+def _finish_run(config, state, runtime, step_func, optimizer, writer, wall_start) -> None:
     """Write the timelines and summary, close the writer and tear down model parallelism;
     raises ``RunFailed`` when training diverged."""
-    if args.timeline_file:
-        write_timelines(args, runtime)
-    write_summary(args, state, runtime, step_func, optimizer, wall_start)
+    if config.logging.timeline_file:
+        write_timelines(config, runtime)
+    write_summary(config, state, runtime, step_func, optimizer, wall_start)
     if writer is not None:
         writer.close()
     parallel_state.destroy_model_parallel()
@@ -689,18 +673,21 @@ class MegatronStep:
     * --log-timers-to-tensorboard: time spent in the step.
     """
 
-    def __init__(self, step_func: StageOptimizerStep, model: torch.nn.Module, args):
+    def __init__(self, step_func: StageOptimizerStep, model: torch.nn.Module, config):
         self.step_func = step_func
-        sync_tied = args.pipeline_plan.flushes
+        sync_tied = config.pipeline.plan.flushes
         shared = [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
         self.tied_weights = shared if sync_tied else []
         self.group = parallel_state.get_embedding_group() if self.tied_weights else None
         self.tied_exchange = None if sync_tied or not shared else _tied_exchange(
-            shared[0], step_func, args
+            shared[0], step_func, config
         )  # fmt: skip
-        self.count_zeros, self.norm = args.log_num_zeros_in_grad, args.log_params_norm
+        self.count_zeros, self.norm = (
+            config.logging.log_num_zeros_in_grad,
+            config.logging.log_params_norm,
+        )
         self.moe_hooks = MoEStepHooks(model)
-        moe = getattr(args, "num_experts", None) is not None and args.emulated_forward_ms is None
+        moe = config.moe is not None and config.pipeline.emulated_forward_ms is None
         self.moe_stats = MoELoadStats(model) if moe else None
         self.num_zeros, self.params_norm_squared = (0.0, 0.0), (0.0, 0.0)  # dense, experts
         self.step_seconds = 0.0
@@ -735,7 +722,7 @@ class MegatronStep:
         return getattr(self.step_func, name)
 
 
-def _tied_exchange(weight, step_func: StageOptimizerStep, args) -> TiedEmbeddingExchange:
+def _tied_exchange(weight, step_func: StageOptimizerStep, config) -> TiedEmbeddingExchange:
     """This rank's side of the tied-embedding exchange with its embedding-group peer. The lag
     is set for the fewest microbatches per step of the run (a batch ramp's first, or the
     smallest a of --paci-accumulation-schedule)."""
@@ -745,21 +732,23 @@ def _tied_exchange(weight, step_func: StageOptimizerStep, args) -> TiedEmbedding
         weight,
         is_first=parallel_state.is_pipeline_first_stage(),
         channel=ProcessGroupChannel(peer, group),
-        lag=tied_lag(args),
+        lag=tied_lag(config),
         gradient_of=step_func.gradient_of,
         refresh_main=getattr(step_func.optimizer, "refresh_from_model", None),
     )
 
 
-def tied_lag(args) -> int:
+def tied_lag(config) -> int:
     """The tied copy's lag bound, for the fewest microbatches per step of the run (a batch
     ramp's first, or the smallest a of --paci-accumulation-schedule)."""
-    microbatches = min(a for a, _ in accumulation_phases(args))
-    if args.rampup_batch_size is not None:
-        start = int(args.rampup_batch_size[0])
-        microbatches = start // (args.micro_batch_size * args.data_parallel_size)
-    per_update = args.pipeline_plan.microbatches_per_update(microbatches)
-    return lag_bound(args.pipeline_model_parallel_size, per_update)
+    microbatches = min(a for a, _ in accumulation_phases(config))
+    if config.training.rampup_batch_size is not None:
+        start = int(config.training.rampup_batch_size[0])
+        microbatches = start // (
+            config.training.micro_batch_size * config.parallel.data_parallel_size
+        )
+    per_update = config.pipeline.plan.microbatches_per_update(microbatches)
+    return lag_bound(config.parallel.pipeline_model_parallel_size, per_update)
 
 
 def _counted_once(params, *, experts: bool = False):
@@ -793,11 +782,11 @@ def _squared_norm(params) -> tuple[float, float]:
     )
 
 
-def megatron_log_fields(args, step_func: MegatronStep) -> dict:
+def megatron_log_fields(config, step_func: MegatronStep) -> dict:
     """'num zeros' and 'params norm' for the iteration line. 1F1B-flush sums the stages'
     values over the model-parallel group (the pipeline is flushed at every step anyway); PACI
     reports the logging (last) stage's own, since a sum over stages would synchronize them."""
-    if not (args.log_num_zeros_in_grad or args.log_params_norm):
+    if not (config.logging.log_num_zeros_in_grad or config.logging.log_params_norm):
         return {}
     (dense_zeros, expert_zeros), (dense_norm, expert_norm) = (
         step_func.num_zeros,
@@ -805,24 +794,24 @@ def megatron_log_fields(args, step_func: MegatronStep) -> dict:
     )
     dense = torch.tensor([dense_zeros, dense_norm], dtype=torch.float64)
     experts = torch.tensor([expert_zeros, expert_norm], dtype=torch.float64)
-    if args.pipeline_plan.global_grad_norm:
+    if config.pipeline.plan.global_grad_norm:
         params = step_func.step_func.params
         device = params[0].device if params else torch.device("cpu")
         dense, experts = dense.to(device), experts.to(device)
         dist.all_reduce(dense, group=parallel_state.get_model_parallel_group())
-        if getattr(args, "num_experts", None) is not None:  # MoE: each expert once
+        if config.moe is not None:  # MoE: each expert once
             group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
             dist.all_reduce(experts, group=group)
     values = dense + experts
     fields = {}
-    if args.log_num_zeros_in_grad:
+    if config.logging.log_num_zeros_in_grad:
         fields["num zeros"] = float(values[0])
-    if args.log_params_norm:
+    if config.logging.log_params_norm:
         fields["params norm"] = math.sqrt(float(values[1]))
     return fields
 
 
-def moe_log_fields(args, step_func: MegatronStep, iteration: int) -> dict:
+def moe_log_fields(config, step_func: MegatronStep, iteration: int) -> dict:
     """MoE: the stage's aux losses and load statistics over the interval
     (moe/training_hooks.py), reduced over the stage's tensor x data-parallel ranks only. The
     logging stage's go into the iteration line and TensorBoard; every other stage's leader
@@ -831,34 +820,38 @@ def moe_log_fields(args, step_func: MegatronStep, iteration: int) -> dict:
     if stats is None:
         return {}
     fields = stats.collect(parallel_state.get_tensor_and_data_parallel_group())
-    if fields and is_stage_leader() and not is_logging_rank(args):
+    if fields and is_stage_leader() and not is_logging_rank(config.pipeline.plan):
         stage = parallel_state.get_pipeline_model_parallel_rank()
         text = "".join(f"{name}: {value:.6E} | " for name, value in fields.items())
         print(f" stage {stage} MoE at iteration {iteration:8d} | {text}", flush=True)
-    return fields if is_logging_rank(args) else {}
+    return fields if is_logging_rank(config.pipeline.plan) else {}
 
 
-def _eval_samples(args) -> int:
-    evaluations = args.train_iters // args.eval_interval + int(args.skip_train)
-    return args.eval_iters * args.global_batch_size if evaluations and args.eval_iters else 0
+def _eval_samples(training) -> int:
+    """Validation samples the run reads (`training`: its `TrainingConfig`)."""
+    evaluations = training.train_iters // training.eval_interval + int(training.skip_train)
+    return training.eval_iters * training.global_batch_size if evaluations else 0
 
 
-def stop_iteration(args, start_iteration: int) -> int:
+def stop_iteration(config, start_iteration: int) -> int:
     """--train-iters, or earlier the first iteration after the start that --exit-interval
     divides (Megatron saves with --save and exits there)."""
-    if args.exit_interval is None:
-        return args.train_iters
-    first_exit = (start_iteration // args.exit_interval + 1) * args.exit_interval
-    return min(args.train_iters, first_exit)
+    training = config.training
+    if training.exit_interval is None:
+        return training.train_iters
+    first_exit = (start_iteration // training.exit_interval + 1) * training.exit_interval
+    return min(training.train_iters, first_exit)
 
 
-def drain_points(args, start_iteration: int) -> list[int]:
+def drain_points(config, start_iteration: int) -> list[int]:
     """Iterations after which the pipeline must be empty: evaluation, checkpoint, the end, and
     where the schedule or PACI's accumulation factor changes."""
-    stop = stop_iteration(args, start_iteration)
-    phase_ends = synchronous_phase_ends(args) + accumulation_phase_ends(args)
+    stop = stop_iteration(config, start_iteration)
+    phase_ends = synchronous_phase_ends(config.pipeline, config.training.train_iters)
+    phase_ends += accumulation_phase_ends(config)
     points = {stop, *(p for p in phase_ends if p <= stop)}
-    for interval in (args.eval_interval if args.eval_iters else None, args.save_interval):
+    evaluations = config.training.eval_interval if config.training.eval_iters else None
+    for interval in (evaluations, config.checkpoint.save_interval):
         if interval:
             points.update(range(interval, stop + 1, interval))
     return sorted(p for p in points if p > start_iteration)
@@ -869,16 +862,16 @@ class IterationPlan:
     microbatches (constant, or growing with --rampup-batch-size), and the drain points
     (evaluation, checkpoint, the end, and an agreed early stop)."""
 
-    def __init__(self, args, state: TrainingState):
+    def __init__(self, config, state: TrainingState):
         self.first = state.iteration + 1
-        self.drains = drain_points(args, state.iteration)
+        self.drains = drain_points(config, state.iteration)
         self.stop = self.drains[-1] if self.drains else state.iteration
-        schedule = BatchSchedule(args)
+        schedule = BatchSchedule.of(config)
         self.per_microbatch = schedule.per_microbatch
         self.sizes = schedule.batches(state.consumed_train_samples, self.stop - state.iteration,
                                       first_iteration=self.first)  # fmt: skip
         self.ramp = schedule.ramp is not None
-        self.final_microbatches = args.num_microbatches
+        self.final_microbatches = config.training.num_microbatches
         # microbatches of the first i iterations, for O(1) sums over any range
         self.prefix = [0, *itertools.accumulate(b // self.per_microbatch for b in self.sizes)]
 
@@ -911,26 +904,26 @@ class IterationPlan:
             self.stop = iteration
 
 
-def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state,
+def train(config, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state,
           writer, audit, control=None) -> None:  # fmt: skip
-    plan = IterationPlan(args, state)
+    plan = IterationPlan(config, state)
     interval_start, interval_losses = time.perf_counter(), []
     train_start = time.perf_counter()
-    hash_interval = args.check_weight_hash_across_dp_replicas_interval
+    hash_interval = config.training.check_weight_hash_across_dp_replicas_interval
     if hash_interval is not None:  # as Megatron: once before the first iteration too
         _check_weight_hashes(state, model, state.iteration)
     while state.iteration < plan.stop:
         iteration = state.iteration + 1
         if control is not None:
             _agree_on_stop(control, plan, iteration, runtime)
-        loss_dicts = _train_iteration(args, forward_step_func, model, train_iter, step_func,
+        loss_dicts = _train_iteration(config, forward_step_func, model, train_iter, step_func,
                                       plan, iteration)  # fmt: skip
-        _account_iteration(args, state, plan, iteration, loss_dicts, interval_losses)
-        if iteration % args.log_interval == 0:
+        _account_iteration(config, state, plan, iteration, loss_dicts, interval_losses)
+        if iteration % config.logging.log_interval == 0:
             elapsed = time.perf_counter() - interval_start
-            fields = megatron_log_fields(args, step_func)
-            fields.update(moe_log_fields(args, step_func, iteration))
-            log_iteration(args, state, runtime, step_func, interval_losses, elapsed, writer,
+            fields = megatron_log_fields(config, step_func)
+            fields.update(moe_log_fields(config, step_func, iteration))
+            log_iteration(config, state, runtime, step_func, interval_losses, elapsed, writer,
                           fields)  # fmt: skip
             step_func.step_seconds = 0.0
             interval_start, interval_losses = time.perf_counter(), []
@@ -940,18 +933,22 @@ def train(args, forward_step_func, model, runtime, step_func, train_iter, valid_
         if iteration == plan.next_drain(iteration) or stopping:
             step_func.at_drain()
             with audit.paused():  # the pipeline is drained here: not a training step
-                if not _check_health(args, state, model, step_func):
+                if not _check_health(config, state, model, step_func):
                     break
-        if args.eval_iters and iteration % args.eval_interval == 0:
-            evaluate(args, forward_step_func, model, valid_iter, state, writer)
+        if config.training.eval_iters and iteration % config.training.eval_interval == 0:
+            evaluate(config, forward_step_func, model, valid_iter, state, writer)
             interval_start = time.perf_counter()  # evaluation time is not iteration time
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            _save_checkpoint(args, state, model, step_func, audit)
+        if (
+            config.checkpoint.save
+            and config.checkpoint.save_interval
+            and iteration % config.checkpoint.save_interval == 0
+        ):
+            _save_checkpoint(config, state, model, step_func, audit)
         if stopping:
             state.exit_reason = control.reason
             break
     state.train_time_s = time.perf_counter() - train_start
-    _end_of_training(args, state, model, step_func, audit)
+    _end_of_training(config, state, model, step_func, audit)
 
 
 def _check_weight_hashes(state, model, iteration: int) -> None:
@@ -991,12 +988,10 @@ def _agree_on_stop(control, plan: IterationPlan, iteration: int, runtime) -> Non
     print_rank_0(f"> {control.reason}: training stops after iteration {agreed} (drained)")
 
 
-def _train_iteration(args, forward_step_func, model, train_iter, step_func, plan, iteration):
+def _train_iteration(config, forward_step_func, model, train_iter, step_func, plan, iteration):
     """One iteration of the schedule (flush during synchronous phases); the last stage's
     loss dicts."""
-    pipeline = args.pipeline_plan
-    if schedule_of_iteration(args, iteration) != pipeline.name:  # a synchronous phase
-        pipeline = pipeline.synchronous
+    pipeline = plan_of_iteration(config.pipeline, config.training.train_iters, iteration)
     schedule_function = forward_backward_func_for(pipeline.schedule)
     if plan.ramp:  # Megatron's LR schedule of a ramp is in samples
         getattr(step_func, "step_func", step_func).scheduler_increment = plan.batch(iteration)
@@ -1005,52 +1000,54 @@ def _train_iteration(args, forward_step_func, model, train_iter, step_func, plan
         data_iterator=train_iter,
         model=model,
         num_microbatches=plan.microbatches(iteration),
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
+        seq_length=config.model.seq_length,
+        micro_batch_size=config.training.micro_batch_size,
         optimizer_step_func=step_func,
         microbatches_before_drain=plan.microbatches_before_drain(iteration),
     )
 
 
-def _account_iteration(args, state, plan, iteration, loss_dicts, interval_losses) -> None:
+def _account_iteration(config, state, plan, iteration, loss_dicts, interval_losses) -> None:
     batch = plan.batch(iteration)
     state.iteration = iteration
     state.global_batch_size = batch
     state.consumed_train_samples += batch
-    state.tokens += batch * args.seq_length
-    if holds_the_loss(args):
+    state.tokens += batch * config.model.seq_length
+    if holds_the_loss(config.pipeline.plan):
         loss = _average_loss(loss_dicts)
         state.losses.append(loss)
         interval_losses.append(loss)
         state.nan_iterations += 0 if math.isfinite(loss) else 1
 
 
-def _end_of_training(args, state, model, step_func, audit) -> None:
+def _end_of_training(config, state, model, step_func, audit) -> None:
     """Save unless the last iteration just did; say why training stopped early."""
-    saved_last = args.save_interval and state.iteration % args.save_interval == 0
-    if args.save and not saved_last and not state.diverged:
-        _save_checkpoint(args, state, model, step_func, audit)
-    if state.iteration < args.train_iters and not state.diverged:
+    saved_last = (
+        config.checkpoint.save_interval and state.iteration % config.checkpoint.save_interval == 0
+    )
+    if config.checkpoint.save and not saved_last and not state.diverged:
+        _save_checkpoint(config, state, model, step_func, audit)
+    if state.iteration < config.training.train_iters and not state.diverged:
         reason = state.exit_reason or "--exit-interval"
         print_rank_0(f"> exiting at iteration {state.iteration} ({reason})")
 
 
-def _check_health(args, state, model, step_func) -> bool:
+def _check_health(config, state, model, step_func) -> bool:
     """At a drain point: agree on divergence, roll back past the limit. False: stop training."""
-    last_loss = state.losses[-1] if holds_the_loss(args) and state.losses else None
+    last_loss = state.losses[-1] if holds_the_loss(config.pipeline.plan) and state.losses else None
     health = divergence.agree_on_health(model, step_func, last_loss)
     state.fit_to_save = health.fit_to_save()
-    if not health.must_roll_back(args.max_consecutive_skips):
+    if not health.must_roll_back(config.training.max_consecutive_skips):
         return True
     reason = divergence.describe(health, state.iteration)
-    if state.iteration < args.train_iters:
-        restored = divergence.roll_back(args, state, model, step_func)
+    if state.iteration < config.training.train_iters:
+        restored = divergence.roll_back(config.checkpoint, state, model, step_func)
         if restored is not None:
             state.rollbacks.append({"iteration": state.iteration, "to": restored})
             state.fit_to_save = True
             print_rank_0(
-                f"> {reason} (--max-consecutive-skips {args.max_consecutive_skips}): rolled "
-                f"back to the checkpoint of iteration {restored}; continuing at iteration "
+                f"> {reason} (--max-consecutive-skips {config.training.max_consecutive_skips}): "
+                f"rolled back to the checkpoint of iteration {restored}; continuing at iteration "
                 f"{state.iteration + 1} with the next data"
             )
             return True
@@ -1062,7 +1059,7 @@ def _check_health(args, state, model, step_func) -> bool:
     return False
 
 
-def _save_checkpoint(args, state, model, step_func, audit) -> None:
+def _save_checkpoint(config, state, model, step_func, audit) -> None:
     """Save, unless some stage's state is not finite (then the last good checkpoint stays)."""
     if not state.fit_to_save:
         print_rank_0(
@@ -1072,20 +1069,25 @@ def _save_checkpoint(args, state, model, step_func, audit) -> None:
         )
         return
     with audit.paused():  # the pipeline is drained here: not a training step
-        _check_still_ours(args)
+        _check_still_ours(config)
         checkpointing.save(
-            args.save, state, model, step_func.optimizer, step_func.scheduler, args=args
+            config.checkpoint.save,
+            state,
+            model,
+            step_func.optimizer,
+            step_func.scheduler,
+            config=config,
         )
 
 
-def _check_still_ours(args) -> None:
+def _check_still_ours(config) -> None:
     """Before a save, the owner record of --save still names this run (where flock is not
     honoured, another job may have taken the directory): else every rank stops, saving
     nothing."""
     problem = [None]
     if dist.get_rank() == 0:
         try:
-            WriterLock(args.save, args.run_id).check()
+            WriterLock(config.checkpoint.save, config.checkpoint.run_id).check()
         except UserError as error:
             problem = [str(error)]
     dist.broadcast_object_list(problem, src=0)
@@ -1115,26 +1117,26 @@ def _per_token_mean(sum_and_tokens: torch.Tensor) -> float:
     return float(sum_and_tokens[0] / sum_and_tokens[1].clamp(min=1.0))
 
 
-def evaluate(args, forward_step_func, model, valid_iter, state, writer) -> None:
+def evaluate(config, forward_step_func, model, valid_iter, state, writer) -> None:
     if valid_iter is None:
         return
     model.eval()
     schedule_function = get_forward_backward_func()  # Megatron's call: the configured one
     losses = []
-    for _ in range(args.eval_iters):
+    for _ in range(config.training.eval_iters):
         loss_dicts = schedule_function(
             forward_step_func=forward_step_func,
             data_iterator=valid_iter,
             model=model,
-            num_microbatches=args.num_microbatches,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
+            num_microbatches=config.training.num_microbatches,
+            seq_length=config.model.seq_length,
+            micro_batch_size=config.training.micro_batch_size,
             forward_only=True,
         )
-        if holds_the_loss(args):
+        if holds_the_loss(config.pipeline.plan):
             losses.append(_average_loss(loss_dicts))
     model.train()
-    if holds_the_loss(args):
+    if holds_the_loss(config.pipeline.plan):
         loss = sum(losses) / len(losses)
         ppl = math.exp(min(20.0, loss))  # Megatron caps the exponent at 20
         state.validation.append({"iteration": state.iteration, "lm loss": loss})
@@ -1142,8 +1144,10 @@ def evaluate(args, forward_step_func, model, valid_iter, state, writer) -> None:
             f" validation loss at iteration {state.iteration} | lm loss value: {loss:.6E} | "
             f"lm loss PPL: {ppl:.6E} |"
         )
-        print_rank_last(args, "-" * len(line) + "\n" + line + "\n" + "-" * len(line))
-        if writer is not None and is_logging_rank(args):
+        print_rank_last(
+            config.pipeline.plan, "-" * len(line) + "\n" + line + "\n" + "-" * len(line)
+        )
+        if writer is not None and is_logging_rank(config.pipeline.plan):
             writer.add_scalar("lm loss validation", loss, state.iteration)
-            if args.log_validation_ppl_to_tensorboard:
+            if config.logging.log_validation_ppl_to_tensorboard:
                 writer.add_scalar("lm loss validation ppl", ppl, state.iteration)

@@ -33,9 +33,10 @@ def main(argv: list[str]) -> int:
     from megatron.pipeline.schedules.paci import with_paci_options
     from megatron.pipeline.simulation import simulate
     from megatron.studies.delayed_reference import build_local_stage, ensure_single_process_groups
-    from megatron.training.data.datasets import data_iterators_from_args
+    from megatron.training.config import RunConfig
+    from megatron.training.data.datasets import data_iterators_of_run
     from megatron.training.tokenizer.tokenizer import build_tokenizer
-    from megatron.training.training import padded_vocab_size, stage_layout
+    from megatron.training.training import stage_layout
     from pretrain_gpt import forward_step
 
     torch.set_num_threads(1)
@@ -43,18 +44,18 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(args.seed)
     device = torch.device("cpu")
     tokenizer = build_tokenizer(args.tokenizer_type, vocab_size=args.vocab_size)
-    vocab = padded_vocab_size(tokenizer.vocab_size, args)
+    config = RunConfig.from_args(args, vocab_size=tokenizer.vocab_size)
 
     stages = []
     for stage in range(num_stages):
-        layout = stage_layout(args)
+        layout = stage_layout(config)
         layout.pipeline_rank = stage
-        model, step = build_local_stage(args, layout, device, vocab)
+        model, step = build_local_stage(config, layout, device)
         stages.append({"model": model, "step": step, "inputs": {}, "outputs": {}})
 
     def data_iterator():  # first and last stage read the same stream, as on separate ranks
         samples = args.train_iters * args.global_batch_size
-        return data_iterators_from_args(args, tokenizer, train_samples=samples, valid_samples=0)[0]
+        return data_iterators_of_run(config, tokenizer, train_samples=samples, valid_samples=0)[0]
 
     stages[0]["data"] = data_iterator()
     stages[-1]["data"] = data_iterator() if num_stages > 1 else stages[0]["data"]

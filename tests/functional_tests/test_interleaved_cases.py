@@ -18,6 +18,7 @@ from run_cases import relative_difference
 from megatron.pipeline.schedules import paci_interleaved, virtual_schedule
 from megatron.pipeline.simulation import simulate
 from megatron.training.arguments import build_parser, validate_args
+from megatron.training.config import RunConfig
 from megatron.training.training import transformer_config
 
 FLUSH = {  # case -> its one-process reference
@@ -68,7 +69,7 @@ def test_each_chunk_builds_megatron_cores_layers(case_results, name):
     """Chunk c of rank r holds the layers megatron-core gives (pp_rank r, vp_stage c): its
     offset function and its count (with one layer per chunk, layer c * N + r)."""
     args = parsed(name)
-    config = transformer_config(args, device=None)
+    config = transformer_config(RunConfig.from_args(args), device=None)
     n, v = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
     assert v == 2
     built = []

@@ -3,6 +3,7 @@ one-rank gloo group (the loader is collective: every rank must agree on what it 
 Every check runs for both formats (`--ckpt-format torch` and `torch_dist`) on a small
 megatron-core GPT stage with AdamW state."""
 
+import dataclasses
 import errno
 import os
 import shutil
@@ -14,9 +15,9 @@ import torch
 
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.checkpointing import save_load as checkpointing
+from megatron.training.config import RunConfig
 from megatron.training.errors import UserError
 from megatron.training.optimizer.build import build_lr_scheduler, build_optimizer
-from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
 from megatron.training.training import build_stage_model
 
 FLAGS = [
@@ -53,38 +54,46 @@ def ckpt_format(request):
     yield request.param
 
 
-def make_args(*extra: str):
+def make_args(*extra: str) -> RunConfig:
+    """The run's configuration from FLAGS + `extra` (a 128-token vocabulary)."""
     args = build_parser().parse_args(FLAGS + ["--ckpt-format", current["format"], *extra])
     validate_args(args, world_size=1)
-    args.padded_vocab_size = 128
-    return args
+    return RunConfig.from_args(args, vocab_size=128)
+
+
+def recorded_as(config: RunConfig, **flags) -> RunConfig:
+    """`config` whose checkpoints record other values of `flags` (as another run wrote them)."""
+    recorded = {**config.checkpoint.recorded, **flags}
+    return dataclasses.replace(
+        config, checkpoint=dataclasses.replace(config.checkpoint, recorded=recorded)
+    )
 
 
 def make_run(args, width: int = 8):
     """A GPT stage with AdamW state (one step on a made-up gradient)."""
-    if width != args.hidden_size:
+    if width != args.model.hidden_size:
         args = make_args("--hidden-size", str(width))
-    model = build_stage_model(args, args.padded_vocab_size, torch.device("cpu"))
-    optimizer = build_optimizer(model, OptimizerConfig.from_args(args))
+    model = build_stage_model(args, torch.device("cpu"))
+    optimizer = build_optimizer(model, args.optimizer)
     for param in model.parameters():
         param.grad = torch.full_like(param, 0.01)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return model, optimizer, build_lr_scheduler(optimizer, LRScheduleConfig.from_args(args))
+    return model, optimizer, build_lr_scheduler(optimizer, args.lr)
 
 
 def save_at(root, iteration: int, args=None) -> None:
     args = args or make_args()
     model, optimizer, scheduler = make_run(args)
     state = SimpleNamespace(iteration=iteration, consumed_train_samples=iteration)
-    checkpointing.save(str(root), state, model, optimizer, scheduler, args=args)
+    checkpointing.save(str(root), state, model, optimizer, scheduler, config=args)
 
 
 def load(root, args=None, width: int = 8):
     args = args or make_args()
     model, optimizer, scheduler = make_run(args, width)
     iteration, _ = checkpointing.load(
-        str(root), model=model, optimizer=optimizer, scheduler=scheduler, args=args
+        str(root), model=model, optimizer=optimizer, scheduler=scheduler, config=args
     )
     return iteration, scheduler
 
@@ -207,11 +216,10 @@ def test_flush_checkpoint_resumes_under_paci_and_back(tmp_path, capsys):
 
 def test_changed_layout_is_named_or_resharded(tmp_path, ckpt_format, capsys):
     """A torch file belongs to its model-parallel rank; torch_dist keys are global."""
-    args = make_args()
+    args = recorded_as(make_args(), pipeline_model_parallel_size=4)  # a 4-stage run wrote it
     model, optimizer, scheduler = make_run(args)
-    args.pipeline_model_parallel_size = 4  # recorded as written by a 4-stage run
     state = SimpleNamespace(iteration=2, consumed_train_samples=2)
-    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, args=args)
+    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, config=args)
     if ckpt_format == "torch":
         message = load_error(tmp_path)
         assert "the layout differs: --pipeline-model-parallel-size 1 (checkpoint 4)" in message
@@ -289,14 +297,14 @@ def save_and_load_fresh(root, args) -> tuple:
     model, optimizer, scheduler = make_run(args)
     scheduler.step(increment=3)
     state = SimpleNamespace(iteration=3, consumed_train_samples=24)
-    checkpointing.save(str(root), state, model, optimizer, scheduler, args=args)
+    checkpointing.save(str(root), state, model, optimizer, scheduler, config=args)
     fresh_model, fresh_optimizer, fresh_scheduler = make_run(args)
     with torch.no_grad():
         for param in fresh_model.parameters():
             param.add_(1.0)
     fresh_optimizer.state.clear()  # as a new run's optimizer: no state before its first step
     loaded = checkpointing.load(str(root), model=fresh_model, optimizer=fresh_optimizer,
-                                scheduler=fresh_scheduler, args=args)  # fmt: skip
+                                scheduler=fresh_scheduler, config=args)  # fmt: skip
     for name, value in model.state_dict().items():
         if torch.is_tensor(value):
             assert torch.equal(value, fresh_model.state_dict()[name]), name
@@ -394,11 +402,11 @@ def test_every_optimizers_state_round_trips(tmp_path, flags):
     model, optimizer, scheduler = make_run(args)
     optimizer.step()  # a second step: SOAP makes its first update only now
     state = SimpleNamespace(iteration=2, consumed_train_samples=2)
-    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, args=args)
-    fresh_model = build_stage_model(args, args.padded_vocab_size, torch.device("cpu"))
-    fresh_optimizer = build_optimizer(fresh_model, OptimizerConfig.from_args(args))
+    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, config=args)
+    fresh_model = build_stage_model(args, torch.device("cpu"))
+    fresh_optimizer = build_optimizer(fresh_model, args.optimizer)
     checkpointing.load(str(tmp_path), model=fresh_model, optimizer=fresh_optimizer,
-                       scheduler=build_lr_scheduler(fresh_optimizer, LRScheduleConfig.from_args(args)), args=args)  # fmt: skip
+                       scheduler=build_lr_scheduler(fresh_optimizer, args.lr), config=args)  # fmt: skip
     expected = dict(state_leaves(optimizer.state_dict()))
     got = dict(state_leaves(fresh_optimizer.state_dict()))
     assert expected.keys() == got.keys() and len(expected) > 0
@@ -409,11 +417,10 @@ def test_every_optimizers_state_round_trips(tmp_path, flags):
 @pytest.mark.parametrize("ckpt_format", ["torch_dist"], indirect=True)
 def test_state_that_does_not_reshard_refuses_another_layout(tmp_path):
     """SOAP's preconditioners are not parameter-shaped: they load into the saving layout only."""
-    args = make_args("--optimizer", "soap")
+    args = recorded_as(make_args("--optimizer", "soap"), tensor_model_parallel_size=2)  # TP=2's
     model, optimizer, scheduler = make_run(args)
-    args.tensor_model_parallel_size = 2  # recorded as written by a TP=2 run
     state = SimpleNamespace(iteration=2, consumed_train_samples=2)
-    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, args=args)
+    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, config=args)
     message = load_error(tmp_path, "--optimizer", "soap")
     assert "this optimizer keeps state that does not reshard (" in message
     assert "saved with tensor x pipeline (2, 1): load it with that layout" in message
@@ -427,7 +434,7 @@ def test_emulated_stages_are_checkpointed_in_the_torch_format_only():
         make_args(*emulated)
     assert str(caught.value).endswith("checkpoint them with --ckpt-format torch")
     current["format"] = "torch"
-    assert make_args(*emulated).ckpt_format == "torch"
+    assert make_args(*emulated).checkpoint.ckpt_format == "torch"
 
 
 # ---------------------------------------------------------------------------- --verify-integrity
@@ -538,8 +545,7 @@ def ramp_args(*ramp: str, extra=()):
               current["format"], *(["--rampup-batch-size", *ramp] if ramp else []), *extra]  # fmt: skip
     args = build_parser().parse_args(flags)
     validate_args(args, world_size=1)
-    args.padded_vocab_size = 128
-    return args
+    return RunConfig.from_args(args, vocab_size=128)
 
 
 @pytest.mark.parametrize("ckpt_format", FORMATS, indirect=True)

@@ -3,7 +3,7 @@
 import pytest
 from test_validation import validation_error, with_flags
 
-from megatron.training.arguments import build_parser, validate_args
+from megatron.training.arguments import build_parser, pipeline_plan, validate_args
 from megatron.training.optimizer.lr_per_iteration import SchedulerPerIteration, per_iteration
 
 CASES = {
@@ -81,7 +81,7 @@ def test_pipedream_advances_the_lr_schedule_once_per_iteration():
     args = parsed("--pipeline-schedule", "pipedream", "--untie-embeddings-and-output-weights",
                   None)  # fmt: skip
     inner = CountingScheduler()
-    scheduler = per_iteration(inner, args)
+    scheduler = per_iteration(inner, pipeline_plan(args), args.num_microbatches)
     assert isinstance(scheduler, SchedulerPerIteration)
     counts = []
     for _ in range(8):
@@ -93,4 +93,4 @@ def test_pipedream_advances_the_lr_schedule_once_per_iteration():
     for schedule in ("2bw", "paci", "1f1b"):
         untied = "--untie-embeddings-and-output-weights"
         args = parsed("--pipeline-schedule", schedule, untied, None)
-        assert per_iteration(inner, args) is inner
+        assert per_iteration(inner, pipeline_plan(args), args.num_microbatches) is inner

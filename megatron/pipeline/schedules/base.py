@@ -249,6 +249,9 @@ class Schedule:
     # its backwards, from (rank, chunk, placement, microbatches per step); the runtime posts
     # that many receives ahead. None: up to the call's forward limit.
     chunk_lookahead: Callable | None = None
+    # Schedules that admit forwards by a window (PACI's rule 1): microbatches stage s may hold
+    # in flight, from (stage, stages, microbatches per step); None: no such window.
+    inflight_window: Callable[[int, int, int], int] | None = None
 
     @property
     def global_grad_norm(self) -> bool:

@@ -175,7 +175,12 @@ def _paci_schedule(rule: str, limit: str) -> Schedule:
         description="Asynchronous 1F1B, no flush, per-stage step after every a local backwards; "
         f"{first}{capped}",
         fixed_order=_fixed_order(limit),
+        inflight_window=functools.partial(_window_under, limit),
     )
+
+
+def _window_under(limit: str, stage: int, num_stages: int, accumulation: int) -> int:
+    return window(stage, num_stages, accumulation, limit)
 
 
 ARRIVAL_RULES: dict[str, Schedule] = {rule: paci_schedule(rule) for rule in _RULES}

@@ -15,7 +15,7 @@ accumulation or in-flight microbatches.
 
 Each checkpoint records the arguments that fix its layout, model shape and schedule; loading
 compares them with the run's and names what differs in one line (the layout only for the torch
-format; the schedule only outside the drained schedules, see `DRAINED_SCHEDULES`). An
+format; the schedule only between schedules that keep more than one weight version). An
 unreadable file is named; with `--load-fallback` the newest checkpoint every rank can read is
 loaded instead.
 """
@@ -29,8 +29,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron.pipeline.schedules import SCHEDULES
 from megatron.training import faults
 from megatron.training.checkpointing import integrity, torch_dist
+from megatron.training.config import CheckpointConfig
 from megatron.training.errors import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -45,10 +47,6 @@ RECORDED_ARGS = {  # in the order they are checked: a changed shape is named as 
 }  # fmt: skip
 # Recorded arguments a torch_dist checkpoint does not need to match: its keys are global.
 RESHARDABLE = {"layout"}
-# Schedules whose checkpoints hold no schedule state: each saves with the pipeline empty and
-# every stage at the same step boundary (flush by construction, PACI by draining first), and
-# keeps one weight version. A checkpoint of one resumes under the other.
-DRAINED_SCHEDULES = ("1f1b", "paci", "zb-h1", "zb-v", "dualpipe-v")
 # OptimizerParamScheduler field -> what the user calls it
 _SCHEDULE_FIELDS = {
     "max_lr": "--lr",
@@ -103,35 +101,43 @@ RECORDED_SCHEDULE_ARGS = ("rampup_batch_size", "decoupled_lr", "decoupled_min_lr
 RECORDED_INFO = ("expert_model_parallel_size", "expert_tensor_parallel_size", "data_parallel_size")
 
 
-def recorded_args(args) -> dict:
+def recorded_flags(args) -> dict:
+    """The flags a checkpoint records, from the validated namespace (`RunConfig.from_args`)."""
     names = [name for names in RECORDED_ARGS.values() for name in names]
     names += list(RECORDED_SCHEDULE_ARGS) + list(RECORDED_INFO)
     return {name: getattr(args, name, None) for name in names}
 
 
+def _checkpoint_config(config) -> CheckpointConfig:
+    """The run's checkpoint section; Megatron's defaults for a save or load without a run."""
+    return CheckpointConfig() if config is None else config.checkpoint
+
+
 # ---------------------------------------------------------------------------- save
-def save(root: str, state, model, optimizer, scheduler, args=None) -> None:
-    """In `--ckpt-format` (torch without `args`); with `args`: Megatron's --no-save-optim /
-    --no-save-rng leave those parts out."""
+def save(root: str, state, model, optimizer, scheduler, config=None) -> None:
+    """In the run's `--ckpt-format` (torch without a `config`), without the parts Megatron's
+    --no-save-optim / --no-save-rng leave out."""
     _stop_here_if_injected(state.iteration)
+    checkpoint = _checkpoint_config(config)
     try:
-        if getattr(args, "ckpt_format", "torch") == torch_dist.FORMAT:
-            _save_dist(root, state, model, optimizer, scheduler, args)
+        if checkpoint.ckpt_format == torch_dist.FORMAT:
+            _save_dist(root, state, model, optimizer, scheduler, checkpoint)
         else:
-            _save_torch(root, state, model, optimizer, scheduler, args)
+            _save_torch(root, state, model, optimizer, scheduler, checkpoint)
         dist.barrier()  # every rank's part is complete before the tracker names the iteration
     except (RuntimeError, torch_dist.CheckpointException) as error:
         if not faults.timed_out(error):
             raise
-        raise UserError(_save_timeout(root, state.iteration, args)) from None
+        minutes = None if config is None else config.parallel.distributed_timeout_minutes
+        raise UserError(_save_timeout(root, state.iteration, minutes)) from None
     if dist.get_rank() == 0:
         atomic_write_text(os.path.join(root, TRACKER), str(state.iteration))
         print(f"> saved checkpoint at iteration {state.iteration} to {root}", flush=True)
 
 
-def _save_torch(root: str, state, model, optimizer, scheduler, args) -> None:
+def _save_torch(root: str, state, model, optimizer, scheduler, checkpoint) -> None:
     path = _rank_file(root, state.iteration)
-    save_optim = not getattr(args, "no_save_optim", False)
+    save_optim = not checkpoint.no_save_optim
     # On every rank: the distributed optimizer gathers its shards over data parallelism.
     optimizer_state = optimizer.state_dict() if save_optim else None
     if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:  # one per replica
@@ -139,31 +145,33 @@ def _save_torch(root: str, state, model, optimizer, scheduler, args) -> None:
             "iteration": state.iteration,
             "consumed_train_samples": state.consumed_train_samples,
             "model": model.state_dict(),
-            "args": recorded_args(args) if args is not None else None,
-            "run_id": getattr(args, "run_id", None),  # which run wrote it (writer_lock.py)
+            "args": checkpoint.recorded or None,
+            "run_id": checkpoint.run_id,  # which run wrote it (writer_lock.py)
         }
         if save_optim:
             payload["optimizer"] = optimizer_state
             payload["opt_param_scheduler"] = scheduler.state_dict()
-        if not getattr(args, "no_save_rng", False):
+        if not checkpoint.no_save_rng:
             payload["rng_state"] = torch.get_rng_state()
         _write_rank_file(root, path, payload)
 
 
-def _save_dist(root: str, state, model, optimizer, scheduler, args) -> None:
+def _save_dist(root: str, state, model, optimizer, scheduler, checkpoint) -> None:
     """The LR schedule goes with the common state (the first stage's, as in Megatron; stages'
     schedules differ only after one of them skipped a step)."""
     directory = os.path.join(root, f"iter_{state.iteration:07d}")
     common = {
         "iteration": state.iteration,
         "consumed_train_samples": state.consumed_train_samples,
-        "args": recorded_args(args),
-        "run_id": getattr(args, "run_id", None),  # which run wrote it (writer_lock.py)
+        "args": checkpoint.recorded,
+        "run_id": checkpoint.run_id,  # which run wrote it (writer_lock.py)
     }
-    if not args.no_save_optim:
+    if not checkpoint.no_save_optim:
         common["opt_param_scheduler"] = scheduler.state_dict()
     try:
-        torch_dist.save_checkpoint(directory, common, model=model, optimizer=optimizer, args=args)
+        torch_dist.save_checkpoint(
+            directory, common, model=model, optimizer=optimizer, checkpoint=checkpoint
+        )
     except (OSError, RuntimeError, torch_dist.CheckpointException) as error:
         torch_dist.remove_staging(directory)
         if not isinstance(error, OSError) and faults.timed_out(error):
@@ -175,7 +183,7 @@ def _save_dist(root: str, state, model, optimizer, scheduler, args) -> None:
         raise UserError(f"{problem}: checkpoint not saved{_kept_note(root)}") from None
 
 
-def _save_timeout(root: str, iteration: int, args) -> str:
+def _save_timeout(root: str, iteration: int, minutes: int | None) -> str:
     """A rank did not take part in the save's collectives in time: the stopped ones on this
     host are ended (so the launcher need not wait for them) and named."""
     from megatron.pipeline.p2p import describe_rank
@@ -186,7 +194,6 @@ def _save_timeout(root: str, iteration: int, args) -> str:
         who += f" {'was' if len(stopped) == 1 else 'were'} stopped (ended now) and"
     else:
         who = "a rank (stuck, or on another host)"
-    minutes = getattr(args, "distributed_timeout_minutes", None)
     return (
         f"checkpoint of iteration {iteration} not saved: {who} did not take part within "
         f"--distributed-timeout-minutes {minutes}{_kept_note(root)}"
@@ -365,30 +372,32 @@ def read_checkpoint(
     raise UserError(f"--load {root}: no intact checkpoint there")
 
 
-def _differences(recorded: dict, args, names) -> list[str]:
+def _differences(recorded: dict, now: dict, names) -> list[str]:
     return [
-        f"--{name.replace('_', '-')} {getattr(args, name, None)} (checkpoint {recorded[name]})"
+        f"--{name.replace('_', '-')} {now.get(name)} (checkpoint {recorded[name]})"
         for name in names
-        if name in recorded and recorded[name] != getattr(args, name, None)
+        if name in recorded and recorded[name] != now.get(name)
     ]
 
 
-def check_recorded_args(payload: dict, args, path: str) -> None:
+def check_recorded_args(payload: dict, config, path: str) -> None:
     """One line naming every recorded argument that differs from this run's; a torch_dist
-    checkpoint may change the layout, and any checkpoint may change between the drained
-    schedules (both are printed)."""
+    checkpoint may change the layout, and any checkpoint may change between schedules that
+    drain to one weight version (both are printed)."""
     recorded = payload.get("args")
-    if not recorded or args is None:
+    if not recorded or config is None:
         return
-    resharding = payload.get("format") == torch_dist.FORMAT
+    resharding, now = payload.get("format") == torch_dist.FORMAT, config.checkpoint.recorded
     for what, names in RECORDED_ARGS.items():
-        differences = _differences(recorded, args, names)
+        differences = _differences(recorded, now, names)
         allowed = (what in RESHARDABLE and resharding) or (
-            what == "schedule" and _drained(recorded.get("pipeline_schedule"), args)
+            what == "schedule"
+            and _one_weight_version(recorded.get("pipeline_schedule"))
+            and not config.pipeline.plan.schedule.stashes_weights
         )
         if differences and not allowed:
             raise UserError(f"--load {path}: the {what} differs: {', '.join(differences)}")
-        if differences and what == "schedule" and not resharding and _tied_over_stages(args):
+        if differences and what == "schedule" and not resharding and _tied_over_stages(config):
             # the last stage's copy sits in an optimizer group of its own under PACI
             raise UserError(
                 f"--load {path}: a --ckpt-format torch checkpoint of tied embeddings resumes "
@@ -400,39 +409,41 @@ def check_recorded_args(payload: dict, args, path: str) -> None:
                   flush=True)  # fmt: skip
 
 
-def _tied_over_stages(args) -> bool:
-    return (
-        not getattr(args, "untie_embeddings_and_output_weights", True)
-        and getattr(args, "pipeline_model_parallel_size", 1) > 1
-    )
+def _tied_over_stages(config) -> bool:
+    return config.model.tied_embeddings and config.parallel.pipeline_model_parallel_size > 1
 
 
-def _drained(saved_schedule, args) -> bool:
-    return saved_schedule in DRAINED_SCHEDULES and args.pipeline_schedule in DRAINED_SCHEDULES
+def _one_weight_version(saved_schedule: str | None) -> bool:
+    """A checkpoint of this schedule holds no schedule state: it saves with the pipeline empty
+    and every stage at the same step boundary (a flush by construction, PACI by draining
+    first) and keeps one weight version, so it resumes under any other such schedule."""
+    schedule = SCHEDULES.get(saved_schedule)
+    return schedule is not None and not schedule.stashes_weights
 
 
-def check_schedule(payload: dict, scheduler, args, path: str) -> None:
+def check_schedule(payload: dict, scheduler, config, path: str) -> None:
     """A changed LR schedule is used only when asked to (Megatron's two flags); else one line.
     So is a changed batch-size ramp (--override-opt_param-scheduler takes the new one): the
     ramp, like the LR, is a function of the samples consumed, and a new one applied halfway
     changes the run's remaining batches and its length in iterations."""
-    _check_batch_ramp(payload, args, path)
-    _check_decoupled_groups(payload, args, path)
-    if getattr(args, "override_opt_param_scheduler", False):
+    checkpoint = config.checkpoint
+    _check_batch_ramp(payload, checkpoint, path)
+    _check_decoupled_groups(payload, checkpoint, path)
+    if checkpoint.override_opt_param_scheduler:
         scheduler.override_opt_param_scheduler = True
         return
-    if getattr(args, "use_checkpoint_opt_param_scheduler", False):
+    if checkpoint.use_checkpoint_opt_param_scheduler:
         scheduler.use_checkpoint_opt_param_scheduler = True
         return
     saved = payload.get("opt_param_scheduler")
-    if saved is None or args.finetune or args.no_load_optim:
+    if saved is None or checkpoint.finetune or checkpoint.no_load_optim:
         return  # the schedule is not restored
     differences = [
         f"{label} {getattr(scheduler, field)} (checkpoint {saved[field]})"
         for field, label in _SCHEDULE_FIELDS.items()
         if field in saved and saved[field] != getattr(scheduler, field)
     ]
-    differences += _differences(payload.get("args") or {}, args, _DECOUPLED_LR_ARGS)
+    differences += _differences(payload.get("args") or {}, checkpoint.recorded, _DECOUPLED_LR_ARGS)
     if differences:
         raise UserError(
             f"--load {path}: the learning-rate schedule differs: {', '.join(differences)}; "
@@ -444,14 +455,14 @@ def check_schedule(payload: dict, scheduler, args, path: str) -> None:
 _DECOUPLED_LR_ARGS = ("decoupled_lr", "decoupled_min_lr")
 
 
-def _check_decoupled_groups(payload: dict, args, path: str) -> None:
+def _check_decoupled_groups(payload: dict, checkpoint: CheckpointConfig, path: str) -> None:
     """--decoupled-lr puts the embedding and output layer in optimizer groups of their own:
     turning it on or off changes the optimizer state's groups, which a checkpoint keeps."""
     recorded = payload.get("args") or {}
-    if "decoupled_lr" not in recorded or getattr(args, "no_load_optim", False):
+    if "decoupled_lr" not in recorded or checkpoint.no_load_optim:
         return
-    saved, now = recorded["decoupled_lr"], getattr(args, "decoupled_lr", None)
-    if (saved is None) != (now is None) and not getattr(args, "finetune", False):
+    saved, now = recorded["decoupled_lr"], checkpoint.recorded.get("decoupled_lr")
+    if (saved is None) != (now is None) and not checkpoint.finetune:
         spell = lambda lr: "not given" if lr is None else f"{lr:g}"  # noqa: E731
         raise UserError(
             f"--load {path}: --decoupled-lr is {spell(now)} here and {spell(saved)} in the "
@@ -460,22 +471,22 @@ def _check_decoupled_groups(payload: dict, args, path: str) -> None:
         )
 
 
-def apply_decoupled_lr(optimizer, scheduler, payload: dict, args) -> None:
+def apply_decoupled_lr(optimizer, scheduler, payload: dict, config) -> None:
     """The embedding's and output layer's LR bounds after a load: the checkpoint's under
     --use-checkpoint-opt_param-scheduler, else this run's (`check_schedule` refuses a
     difference without one of Megatron's two flags). A torch checkpoint's optimizer state
     brings the saved bounds and torch_dist's does not, so both are set here."""
-    values = {name: getattr(args, name, None) for name in _DECOUPLED_LR_ARGS}
-    if getattr(args, "use_checkpoint_opt_param_scheduler", False):
+    checkpoint = _checkpoint_config(config)
+    values = {name: checkpoint.recorded.get(name) for name in _DECOUPLED_LR_ARGS}
+    if checkpoint.use_checkpoint_opt_param_scheduler:
         values = {name: (payload.get("args") or {}).get(name) for name in _DECOUPLED_LR_ARGS}
     if values["decoupled_lr"] is None:
         return
-    from megatron.core import parallel_state
-
     from megatron.training.optimizer.build import stage_lr_scale
 
     # --paci-stage-lr-scale scales these bounds as it scales the scheduler's (min_lr included)
-    scale = stage_lr_scale(args, parallel_state.get_pipeline_model_parallel_rank())
+    scale = stage_lr_scale(config.pipeline, config.training,
+                           parallel_state.get_pipeline_model_parallel_rank())  # fmt: skip
     floor = values["decoupled_min_lr"]
     floor = scheduler.min_lr if floor is None else floor * scale
     for group in optimizer.param_groups:
@@ -483,11 +494,11 @@ def apply_decoupled_lr(optimizer, scheduler, payload: dict, args) -> None:
             group["max_lr"], group["min_lr"] = values["decoupled_lr"] * scale, floor
 
 
-def _check_batch_ramp(payload: dict, args, path: str) -> None:
+def _check_batch_ramp(payload: dict, checkpoint: CheckpointConfig, path: str) -> None:
     recorded = payload.get("args") or {}
-    if "rampup_batch_size" not in recorded or getattr(args, "override_opt_param_scheduler", False):
+    if "rampup_batch_size" not in recorded or checkpoint.override_opt_param_scheduler:
         return
-    saved, now = recorded["rampup_batch_size"], getattr(args, "rampup_batch_size", None)
+    saved, now = recorded["rampup_batch_size"], checkpoint.recorded.get("rampup_batch_size")
     if saved != now:
         spell = lambda ramp: " ".join(map(str, ramp)) if ramp else "none"  # noqa: E731
         raise UserError(
@@ -497,12 +508,12 @@ def _check_batch_ramp(payload: dict, args, path: str) -> None:
         )
 
 
-def restore(payload: dict, *, model, optimizer, scheduler, path: str, args=None) -> None:
-    """Model, then optimizer and schedule, then RNG state; with `args`, Megatron's
+def restore(payload: dict, *, model, optimizer, scheduler, path: str, config=None) -> None:
+    """Model, then optimizer and schedule, then RNG state; with the run's `config`, Megatron's
     --finetune (model only), --no-load-optim and --no-load-rng."""
-    finetune = getattr(args, "finetune", False)
-    load_optim = not (finetune or getattr(args, "no_load_optim", False))
-    load_rng = not (finetune or getattr(args, "no_load_rng", False))
+    checkpoint = _checkpoint_config(config)
+    load_optim = not (checkpoint.finetune or checkpoint.no_load_optim)
+    load_rng = not (checkpoint.finetune or checkpoint.no_load_rng)
     saved = payload.get("saved_parts", payload)  # torch_dist lists them; torch holds them
     for part, wanted, flag in (("optimizer", load_optim, "--no-load-optim"),
                                ("rng_state", load_rng, "--no-load-rng")):  # fmt: skip
@@ -511,14 +522,14 @@ def restore(payload: dict, *, model, optimizer, scheduler, path: str, args=None)
     if payload.get("format") == torch_dist.FORMAT:
         torch_dist.restore_checkpoint(
             payload, model=model, optimizer=optimizer, load_optim=load_optim, load_rng=load_rng,
-            strict=getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected"),
+            strict=checkpoint.dist_ckpt_strictness,
         )  # fmt: skip
     else:
         _restore_torch(payload, model=model, optimizer=optimizer, path=path,
                        load_optim=load_optim, load_rng=load_rng)  # fmt: skip
     if load_optim:
         scheduler.load_state_dict(payload["opt_param_scheduler"])
-        apply_decoupled_lr(optimizer, scheduler, payload, args)
+        apply_decoupled_lr(optimizer, scheduler, payload, config)
 
 
 def _restore_torch(payload: dict, *, model, optimizer, path: str, load_optim, load_rng) -> None:
@@ -540,11 +551,11 @@ def has_checkpoint(root: str, fallback: bool) -> bool:
     return fallback and os.path.isdir(root) and bool(iterations_on_disk(root))
 
 
-def load(root: str, *, model, optimizer, scheduler, args=None) -> tuple[int, int]:
+def load(root: str, *, model, optimizer, scheduler, config=None) -> tuple[int, int]:
     """(iteration, consumed samples) of the checkpoint in `root`, or (0, 0) when `root` has
     none: Megatron then starts from scratch, so `--save DIR --load DIR` works on a first run."""
-    fallback = getattr(args, "load_fallback", False)
-    step = getattr(args, "ckpt_step", None)
+    checkpoint = _checkpoint_config(config)
+    fallback, step = checkpoint.load_fallback, checkpoint.ckpt_step
     if step is not None and step not in _iterations_if_any(root):
         raise UserError(f"--ckpt-step {step}: no checkpoint of iteration {step} in --load {root}")
     if step is None and not has_checkpoint(root, fallback):
@@ -553,19 +564,21 @@ def load(root: str, *, model, optimizer, scheduler, args=None) -> tuple[int, int
                   flush=True)  # fmt: skip
         return 0, 0
     device = next(model.parameters()).device
-    wanted = None if getattr(args, "auto_detect_ckpt_format", True) else args.ckpt_format
-    verify = getattr(args, "verify_integrity", False)
+    wanted = None if checkpoint.auto_detect_ckpt_format else checkpoint.ckpt_format
+    verify = checkpoint.verify_integrity
     payload = read_checkpoint(root, device, fallback, wanted, verify_integrity=verify, step=step)
-    check_recorded_args(payload, args, root)
-    finetune = getattr(args, "finetune", False)
-    if args is not None:
-        check_schedule(payload, scheduler, args, root)
-        if payload["iteration"] >= args.train_iters and not (finetune or args.skip_train):
+    check_recorded_args(payload, config, root)
+    finetune = checkpoint.finetune
+    if config is not None:
+        check_schedule(payload, scheduler, config, root)
+        train_iters = config.training.train_iters
+        if payload["iteration"] >= train_iters and not (finetune or config.training.skip_train):
             raise UserError(
                 f"--load {root} is at iteration {payload['iteration']}, at or past "
-                f"--train-iters {args.train_iters}: nothing to train (raise --train-iters)"
+                f"--train-iters {train_iters}: nothing to train (raise --train-iters)"
             )
-    restore(payload, model=model, optimizer=optimizer, scheduler=scheduler, path=root, args=args)
+    restore(payload, model=model, optimizer=optimizer, scheduler=scheduler, path=root,
+            config=config)  # fmt: skip
     if dist.get_rank() == 0:
         writer = payload.get("run_id")
         by = f" (saved by run {writer})" if writer else ""

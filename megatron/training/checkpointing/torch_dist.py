@@ -435,19 +435,20 @@ def first_line(error: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------- checkpoints
-def save_checkpoint(directory: str, common: dict, *, model, optimizer, args) -> None:
+def save_checkpoint(directory: str, common: dict, *, model, optimizer, checkpoint) -> None:
     """Model, optimizer (unless --no-save-optim) and RNG (unless --no-save-rng) under their
-    global keys; `common` (iteration, samples, recorded arguments, LR schedule) in common.pt."""
+    global keys; `common` (iteration, samples, recorded arguments, LR schedule) in common.pt.
+    `checkpoint` is the run's `CheckpointConfig`."""
     model_sharded = model_sharded_state_dict(model)
     sharded = {"model": model_sharded, **common, "format": FORMAT, "saved_parts": []}
-    if not getattr(args, "no_save_optim", False):
+    if not checkpoint.no_save_optim:
         mapping = OptimizerMapping(optimizer, sharded_parameters(model_sharded))
         sharded["optimizer"] = mapping.sharded_state_dict(with_local=True)
         sharded["saved_parts"].append("optimizer")
-    if not getattr(args, "no_save_rng", False):
+    if not checkpoint.no_save_rng:
         sharded["rng_state"] = per_model_rank_object("rng_state", torch.get_rng_state())
         sharded["saved_parts"].append("rng_state")
-    write(directory, sharded, manifest=getattr(args, "verify_integrity", False))
+    write(directory, sharded, manifest=checkpoint.verify_integrity)
 
 
 def saved_layout(payload: dict) -> tuple | None:

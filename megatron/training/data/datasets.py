@@ -316,8 +316,8 @@ class MicrobatchIterator:
         return {key: torch.stack([sample[key] for sample in samples]) for key in keys}
 
 
-def data_iterators_from_args(
-    args,
+def data_iterators_of_run(
+    config,
     tokenizer,
     *,
     train_samples: int,
@@ -326,30 +326,32 @@ def data_iterators_from_args(
     data_parallel_size: int = 1,
     consumed_train_samples: int = 0,
 ):
-    """`build_data_iterators` with the data flags of `args` (--data-path or --mock-data,
-    --split, --seq-length, --seed, --data-cache-path, --micro-batch-size); (train, valid).
-    Their batches are checked against ``args.padded_vocab_size`` once the tokenizer set it."""
-    from megatron.training.data.sources import data_source, sample_options
-
-    source = None if args.mock_data else data_source(args)
+    """`build_data_iterators` for a run (`RunConfig`: its data source or mock data, split,
+    sample options, sequence length, seed and micro batch); (train, valid). Their batches are
+    checked against the model's padded vocabulary."""
+    data, source = config.data, config.data.source
     train, valid, _ = build_data_iterators(
         data_path=source and source.data_path,
         per_split=source and source.per_split,
-        sample_options=sample_options(args),
-        mock_data=args.mock_data,
-        split=args.split,
-        seq_length=args.seq_length,
-        seed=args.seed,
+        sample_options=dict(
+            eod_mask_loss=data.eod_mask_loss,
+            reset_position_ids=data.reset_position_ids,
+            reset_attention_mask=data.reset_attention_mask,
+        ),
+        mock_data=data.mock_data,
+        split=data.split,
+        seq_length=config.model.seq_length,
+        seed=config.training.seed,
         tokenizer=tokenizer,
-        data_cache_path=args.data_cache_path,
-        micro_batch_size=args.micro_batch_size,
+        data_cache_path=data.data_cache_path,
+        micro_batch_size=config.training.micro_batch_size,
         data_parallel_rank=data_parallel_rank,
         data_parallel_size=data_parallel_size,
         train_samples=train_samples,
         valid_samples=valid_samples,
         test_samples=0,
         consumed_train_samples=consumed_train_samples,
-        vocab_limit=getattr(args, "padded_vocab_size", None),
+        vocab_limit=config.model.padded_vocab_size,
     )
     return train, valid
 

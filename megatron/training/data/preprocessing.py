@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy
 
@@ -184,13 +185,57 @@ def _check_output_directory(prefix: str) -> None:
         raise UserError(f"--output-prefix directory is not writable: {out_dir}")
 
 
-def _file_error(err: OSError, args) -> UserError:
+@dataclass(frozen=True)
+class PreprocessOptions:
+    """What `preprocess` reads of the command line, built once from `get_args`'s namespace."""
+
+    input: str  # the jsonl file
+    json_keys: tuple[str, ...]  # one dataset per key, no key twice
+    tokenizer_type: str
+    tokenizer_model: str | None
+    vocab_file: str | None
+    merge_file: str | None
+    vocab_size: int | None
+    append_eod: bool
+    output_prefix: str
+    workers: int  # tokenizer processes (1: tokenize in this process)
+    log_interval: int  # documents between progress lines
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "PreprocessOptions":
+        return cls(
+            input=args.input,
+            json_keys=tuple(args.json_keys),
+            tokenizer_type=args.tokenizer_type,
+            tokenizer_model=args.tokenizer_model,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
+            vocab_size=args.vocab_size,
+            append_eod=args.append_eod,
+            output_prefix=args.output_prefix,
+            workers=args.workers,
+            log_interval=args.log_interval,
+        )
+
+    def tokenizer_kwargs(self) -> dict:
+        """`build_tokenizer`'s arguments (also sent to the worker processes)."""
+        return dict(
+            tokenizer_type=self.tokenizer_type,
+            tokenizer_model=self.tokenizer_model,
+            vocab_file=self.vocab_file,
+            merge_file=self.merge_file,
+            vocab_size=self.vocab_size,
+        )
+
+
+def _file_error(err: OSError, options: PreprocessOptions) -> UserError:
     """An OSError of reading the input or writing the outputs, as one line naming the file."""
-    path = err.filename2 or err.filename or args.output_prefix  # a rename: its target
-    if path == args.input:
+    path = err.filename2 or err.filename or options.output_prefix  # a rename: its target
+    if path == options.input:
         return UserError(f"cannot read --input {path}: {err.strerror}")
     path = re.sub(r"\.tmp-\d+$", "", str(path))  # the name it was to have, not the temporary one
-    return UserError(f"cannot write {path} (--output-prefix {args.output_prefix}): {err.strerror}")
+    prefix = options.output_prefix
+    return UserError(f"cannot write {path} (--output-prefix {prefix}): {err.strerror}")
 
 
 def _log_progress(count: int, n_bytes: int, elapsed: float) -> None:
@@ -203,21 +248,17 @@ def _log_progress(count: int, n_bytes: int, elapsed: float) -> None:
     )
 
 
-def preprocess(args) -> list:
-    """Tokenize ``args.input`` into one dataset per json key; returns the written datasets."""
-    tokenizer_kwargs = dict(
-        tokenizer_type=args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        vocab_size=args.vocab_size,
-    )
+def preprocess(options: PreprocessOptions) -> list:
+    """Tokenize ``options.input`` into one dataset per json key; returns the written datasets."""
+    tokenizer_kwargs = options.tokenizer_kwargs()
     tokenizer = build_tokenizer(**tokenizer_kwargs)  # fails early on bad tokenizer arguments
     vocab_size = tokenizer.vocab_size
-    init_args = (tokenizer_kwargs, args.json_keys, args.append_eod)
+    init_args = (tokenizer_kwargs, options.json_keys, options.append_eod)
     # Fork the workers before megatron-core (and torch) are imported: lighter processes.
-    pool = multiprocessing.Pool(args.workers, _init_worker, init_args) if args.workers > 1 else None
-    if pool is None:
+    pool = None
+    if options.workers > 1:
+        pool = multiprocessing.Pool(options.workers, _init_worker, init_args)
+    else:
         _init_worker(*init_args)
 
     from megatron.core.datasets.indexed_dataset import DType
@@ -225,9 +266,9 @@ def preprocess(args) -> list:
     dtype = DType.optimal_dtype(vocab_size)
     outputs = {}
     try:
-        for key in args.json_keys:
-            outputs[key] = _AtomicDataset(f"{args.output_prefix}_{key}_document", dtype)
-        lines = _read_lines(args.input)
+        for key in options.json_keys:
+            outputs[key] = _AtomicDataset(f"{options.output_prefix}_{key}_document", dtype)
+        lines = _read_lines(options.input)
         encoded = pool.imap(_encode, lines, chunksize=16) if pool else map(_encode, lines)
         start = time.time()
         count, n_bytes = 0, 0
@@ -242,16 +283,16 @@ def preprocess(args) -> list:
                 where = f"--input line {lineno}, key {key!r}"
                 outputs[key].add(checked_document(doc, [len(doc)], vocab_size, dtype, where))
             count += 1
-            if count % args.log_interval == 0:
+            if count % options.log_interval == 0:
                 _log_progress(count, n_bytes, time.time() - start)
         if count == 0:
-            raise UserError(f"--input {args.input} has no documents")
+            raise UserError(f"--input {options.input} has no documents")
         for output in outputs.values():
             output.commit(vocab_size)
     except UnicodeDecodeError:
-        raise UserError(f"--input {args.input} is not UTF-8 text") from None
+        raise UserError(f"--input {options.input} is not UTF-8 text") from None
     except OSError as err:  # read-only file system, disk full, a directory in the way
-        raise _file_error(err, args) from None
+        raise _file_error(err, options) from None
     finally:
         if pool is not None:
             pool.terminate()
@@ -264,8 +305,7 @@ def preprocess(args) -> list:
 def main(argv=None) -> int:
     start = time.time()
     try:
-        args = get_args(argv)
-        outputs = preprocess(args)
+        outputs = preprocess(PreprocessOptions.from_args(get_args(argv)))
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

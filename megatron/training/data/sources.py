@@ -125,15 +125,6 @@ def validate_data_source(args: argparse.Namespace) -> None:
         validate_indexed_dataset(prefix)
 
 
-def sample_options(args: argparse.Namespace) -> dict:
-    """The per-sample settings of megatron-core's GPTDatasetConfig."""
-    return dict(
-        eod_mask_loss=getattr(args, "eod_mask_loss", False),
-        reset_position_ids=getattr(args, "reset_position_ids", False),
-        reset_attention_mask=getattr(args, "reset_attention_mask", False),
-    )
-
-
 def validate_sample_options(args: argparse.Namespace) -> None:
     """--reset-attention-mask: the mask travels with the batch, which only the first and the
     last stage read, into our SDPA core attention; one line where that does not hold."""

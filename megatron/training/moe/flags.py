@@ -303,6 +303,7 @@ def _check_with_megatron_core(args) -> None:
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron.training.config import MoEConfig, ParallelConfig
     from megatron.training.errors import UserError
 
     try:
@@ -316,7 +317,7 @@ def _check_with_megatron_core(args) -> None:
                 add_bias_linear=not args.disable_bias_linear,
                 tensor_model_parallel_size=args.tensor_model_parallel_size,
                 pipeline_dtype=torch.float32,
-                **moe_config_fields(args),
+                **moe_config_fields(MoEConfig.from_flags(args), ParallelConfig.from_flags(args)),
             )
     except (AssertionError, ValueError) as error:
         detail = " ".join(str(error).split()) or type(error).__name__
@@ -343,41 +344,42 @@ def _refuse_moe_flags_without_experts(args) -> None:
             raise UserError(f"--{dest.replace('_', '-')} needs --num-experts")
 
 
-def moe_config_fields(args, *, grouped_gemm_available: bool = False) -> dict:
-    """The TransformerConfig fields of the MoE flags (empty without --num-experts)."""
-    if getattr(args, "num_experts", None) is None:
+def moe_config_fields(moe, parallel, *, grouped_gemm_available: bool = False) -> dict:
+    """The TransformerConfig fields of the run's `MoEConfig` and `ParallelConfig` (empty for a
+    dense model, `moe` None)."""
+    if moe is None:
         return {}
-    types = _as_list(args.moe_router_load_balancing_type)
-    coeffs = _as_list(args.moe_aux_loss_coeff)
+    types = _as_list(moe.moe_router_load_balancing_type)
+    coeffs = _as_list(moe.moe_aux_loss_coeff)
     return dict(
-        num_moe_experts=args.num_experts,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        moe_layer_freq=args.moe_layer_freq,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=args.moe_shared_expert_gate,
+        num_moe_experts=moe.num_experts,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        moe_layer_freq=moe.moe_layer_freq,
+        moe_ffn_hidden_size=moe.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=moe.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=moe.moe_shared_expert_gate,
         moe_router_load_balancing_type=types[0] if len(types) == 1 else types,
         moe_aux_loss_coeff=coeffs[0] if len(coeffs) == 1 else coeffs,
-        moe_z_loss_coeff=args.moe_z_loss_coeff,
-        moe_router_topk=args.moe_router_topk,
-        moe_router_score_function=args.moe_router_score_function,
-        moe_router_pre_softmax=args.moe_router_pre_softmax,
-        moe_router_num_groups=args.moe_router_num_groups,
-        moe_router_group_topk=args.moe_router_group_topk,
-        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
-        moe_router_dtype=args.moe_router_dtype,
-        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
-        moe_router_force_load_balancing=args.moe_router_force_load_balancing,
-        moe_input_jitter_eps=args.moe_input_jitter_eps,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
-        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
-        moe_token_drop_policy=args.moe_token_drop_policy,
-        moe_grouped_gemm=args.moe_grouped_gemm and grouped_gemm_available,
-        moe_apply_probs_on_input=args.moe_apply_probs_on_input,
+        moe_z_loss_coeff=moe.moe_z_loss_coeff,
+        moe_router_topk=moe.moe_router_topk,
+        moe_router_score_function=moe.moe_router_score_function,
+        moe_router_pre_softmax=moe.moe_router_pre_softmax,
+        moe_router_num_groups=moe.moe_router_num_groups,
+        moe_router_group_topk=moe.moe_router_group_topk,
+        moe_router_topk_scaling_factor=moe.moe_router_topk_scaling_factor,
+        moe_router_dtype=moe.moe_router_dtype,
+        moe_router_enable_expert_bias=moe.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=moe.moe_router_bias_update_rate,
+        moe_router_force_load_balancing=moe.moe_router_force_load_balancing,
+        moe_input_jitter_eps=moe.moe_input_jitter_eps,
+        moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
+        moe_expert_capacity_factor=moe.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=moe.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=moe.moe_token_drop_policy,
+        moe_grouped_gemm=moe.moe_grouped_gemm and grouped_gemm_available,
+        moe_apply_probs_on_input=moe.moe_apply_probs_on_input,
         # the fused kernels are Transformer Engine's; the unfused code computes the same
-        moe_permute_fusion=args.moe_permute_fusion and grouped_gemm_available,
-        moe_router_fusion=args.moe_router_fusion and grouped_gemm_available,
+        moe_permute_fusion=moe.moe_permute_fusion and grouped_gemm_available,
+        moe_router_fusion=moe.moe_router_fusion and grouped_gemm_available,
     )

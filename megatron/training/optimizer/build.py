@@ -103,18 +103,19 @@ def build_expert_sharded_optimizer(model: torch.nn.Module, config: OptimizerConf
     return ExpertShardedOptimizer(*parts)
 
 
-def stage_lr_scale(args, stage: int) -> float:
+def stage_lr_scale(pipeline, training, stage: int) -> float:
     """`--paci-stage-lr-scale C`: pipeline stage `stage`'s LR factor 1 / (1 + C (N - 1 - s) / a),
     N stages, a microbatches per optimizer step. (N - 1 - s) / a is the mean number of optimizer
     steps a PACI gradient of stage s is stale (in steady state a microbatch's backward reaches
     stage s N - 1 - s microbatch slots after its forward, and a step takes a slots); it is also
     the fraction of the stage's microbatches that cross a step when a >= N - 1. The last stage
-    (no delay) keeps its LR; 1 without the flag."""
-    c = getattr(args, "paci_stage_lr_scale", None)
+    (no delay) keeps its LR; 1 without the flag. `pipeline` and `training` are the run's
+    `PipelineConfig` and `TrainingConfig`."""
+    c = pipeline.paci_stage_lr_scale
     if not c:
         return 1.0
-    stages = args.pipeline_model_parallel_size
-    return 1.0 / (1.0 + c * (stages - 1 - stage) / args.num_microbatches)
+    stages = pipeline.plan.num_stages
+    return 1.0 / (1.0 + c * (stages - 1 - stage) / training.num_microbatches)
 
 
 def build_lr_scheduler(

@@ -138,22 +138,21 @@ def with_delay_mitigation(optimizer, params, config):
     )
 
 
-def schedule_of_iteration(args, iteration: int) -> str:
+def plan_of_iteration(pipeline, train_iters: int, iteration: int):
     """`--async-sync-warmup-iters K` / `--async-sync-cooldown-iters K`: 1F1B-flush for the
-    first and last K iterations (1-based), the asynchronous schedule in between."""
-    warmup = getattr(args, "async_sync_warmup_iters", 0)
-    cooldown = getattr(args, "async_sync_cooldown_iters", 0)
-    if iteration <= warmup or iteration > args.train_iters - cooldown:
-        return "1f1b"
-    return args.pipeline_schedule
+    first and last K iterations (1-based), the asynchronous schedule in between. `pipeline`
+    is the run's `PipelineConfig`; returns the `PipelinePlan` of `iteration`."""
+    warmup, cooldown = pipeline.async_sync_warmup_iters, pipeline.async_sync_cooldown_iters
+    if iteration <= warmup or iteration > train_iters - cooldown:
+        return pipeline.plan.synchronous
+    return pipeline.plan
 
 
-def synchronous_phase_ends(args) -> list[int]:
+def synchronous_phase_ends(pipeline, train_iters: int) -> list[int]:
     """Iterations after which the schedule changes: the pipeline drains there, so the switch
     happens with no microbatch in flight and no partial accumulation."""
-    warmup = getattr(args, "async_sync_warmup_iters", 0)
-    cooldown = getattr(args, "async_sync_cooldown_iters", 0)
+    warmup, cooldown = pipeline.async_sync_warmup_iters, pipeline.async_sync_cooldown_iters
     ends = [warmup] if warmup else []
     if cooldown:
-        ends.append(args.train_iters - cooldown)
-    return [end for end in ends if 0 < end < args.train_iters]
+        ends.append(train_iters - cooldown)
+    return [end for end in ends if 0 < end < train_iters]

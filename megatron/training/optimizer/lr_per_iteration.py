@@ -6,8 +6,6 @@ m steps: every step of an iteration uses that iteration's learning rate, as the 
 an iteration does under every other schedule.
 """
 
-from megatron.pipeline.schedules import get_schedule
-
 
 class SchedulerPerIteration:
     """Wraps an `OptimizerParamScheduler`: `step` advances it every `updates_per_iteration`-th
@@ -31,9 +29,8 @@ class SchedulerPerIteration:
         setattr(self._scheduler, name, value)
 
 
-def per_iteration(scheduler, args):
-    """`scheduler`, advanced once per iteration under `--pipeline-schedule` (unchanged when the
-    schedule steps once per iteration)."""
-    m = args.num_microbatches
-    updates = m // get_schedule(args.pipeline_schedule).microbatches_per_update(m)
+def per_iteration(scheduler, plan, microbatches: int):
+    """`scheduler`, advanced once per iteration under the run's `PipelinePlan` with
+    `microbatches` per iteration (unchanged when the schedule steps once per iteration)."""
+    updates = microbatches // plan.microbatches_per_update(microbatches)
     return scheduler if updates == 1 else SchedulerPerIteration(scheduler, updates)

@@ -70,14 +70,14 @@ def build_tokenizer(
     raise UserError(f"unknown --tokenizer-type {tokenizer_type!r} (known: {known})")
 
 
-def build_tokenizer_from_args(args):
-    """`build_tokenizer` with the tokenizer flags of parsed pretraining arguments."""
+def build_tokenizer_of_run(data):
+    """`build_tokenizer` with the tokenizer flags of a run (its `DataConfig`)."""
     return build_tokenizer(
-        args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        vocab_size=args.vocab_size,
+        data.tokenizer_type,
+        tokenizer_model=data.tokenizer_model,
+        vocab_file=data.vocab_file,
+        merge_file=data.merge_file,
+        vocab_size=data.vocab_size,
     )
 
 

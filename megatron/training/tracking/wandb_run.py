@@ -23,12 +23,13 @@ def add_wandb_args(parser: argparse.ArgumentParser) -> None:
     add("--wandb-save-dir", default=None, help="the run's local files (default: --save/wandb)")
 
 
-def wandb_enabled(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "wandb_project", None))
+def wandb_enabled(logging) -> bool:
+    """`logging`: the run's `LoggingConfig` (or, while validating, the flags)."""
+    return bool(getattr(logging, "wandb_project", None))
 
 
-def save_dir(args: argparse.Namespace) -> str:
-    return args.wandb_save_dir or os.path.join(args.save, "wandb")
+def save_dir(logging, save: str | None) -> str:
+    return logging.wandb_save_dir or os.path.join(save, "wandb")
 
 
 def validate_wandb_args(args: argparse.Namespace) -> None:
@@ -52,8 +53,9 @@ def validate_wandb_args(args: argparse.Namespace) -> None:
         ) from None
 
 
-def _plain_config(args: argparse.Namespace) -> dict:
-    """The flags as the run's config (values W&B stores as they are)."""
+def plain_flags(args: argparse.Namespace) -> dict:
+    """The flags as the run's config (values W&B stores as they are), taken once by
+    `RunConfig.from_args`."""
     plain = (bool, int, float, str, type(None))
     config = {}
     for name, value in vars(args).items():
@@ -67,15 +69,16 @@ def _plain_config(args: argparse.Namespace) -> dict:
 class WandbWriter:
     """TensorBoard's `add_scalar` / `flush` / `close` onto a W&B run."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, logging, save: str | None):
+        """`logging`: the run's `LoggingConfig`; `save`: --save (the default directory)."""
         import wandb
 
-        directory = save_dir(args)
+        directory = save_dir(logging, save)
         os.makedirs(directory, exist_ok=True)
-        settings = dict(dir=directory, name=args.wandb_exp_name, project=args.wandb_project,
-                        config=_plain_config(args))  # fmt: skip
-        if args.wandb_entity:
-            settings["entity"] = args.wandb_entity
+        settings = dict(dir=directory, name=logging.wandb_exp_name,
+                        project=logging.wandb_project, config=dict(logging.flags))  # fmt: skip
+        if logging.wandb_entity:
+            settings["entity"] = logging.wandb_entity
         self.run = wandb.init(**settings)
 
     def add_scalar(self, tag: str, value, step: int) -> None:

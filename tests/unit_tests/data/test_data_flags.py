@@ -10,7 +10,8 @@ import torch
 from datatests_support import random_documents, write_indexed_dataset
 
 from megatron.training.arguments import build_parser, validate_args
-from megatron.training.data.datasets import data_iterators_from_args
+from megatron.training.config import RunConfig
+from megatron.training.data.datasets import data_iterators_of_run
 from megatron.training.errors import UserError
 from megatron.training.tokenizer.tokenizer import build_tokenizer
 
@@ -37,7 +38,8 @@ def batches(args, tmp_path, count: int = 4):
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)
     assert tokenizer.eod == EOD
     args.data_cache_path = str(tmp_path / "cache")
-    train, valid = data_iterators_from_args(args, tokenizer, train_samples=16, valid_samples=8)
+    config = RunConfig.from_args(args, vocab_size=tokenizer.vocab_size)
+    train, valid = data_iterators_of_run(config, tokenizer, train_samples=16, valid_samples=8)
     return [next(train) for _ in range(count)], next(valid)
 
 
@@ -165,7 +167,8 @@ def test_reset_attention_mask_is_megatron_cores_and_keeps_documents_apart(corpor
                                 world_size=1)  # fmt: skip
         parallel_state.initialize_model_parallel(1, 1)
     try:
-        model = build_stage_model(args, VOCAB, torch.device("cpu")).eval()
+        config = RunConfig.from_args(args, vocab_size=VOCAB)
+        model = build_stage_model(config, torch.device("cpu")).eval()
         with torch.no_grad():
             whole = model(batch["tokens"][:1], batch["position_ids"][:1], mask[:1])
             rest = tokens[end + 1 :].unsqueeze(0)

@@ -16,3 +16,11 @@ def validated(extra: list[str], world_size: int = 1):
     args = build_parser().parse_args(BASE + extra)
     validate_args(args, world_size=world_size)
     return args
+
+
+def configured(extra: list[str], world_size: int = 1, vocab_size: int | None = None):
+    """The typed configuration (`RunConfig`) of `validated(extra, world_size)`; `vocab_size`,
+    the tokenizer's, pads the model's vocabulary as a run does."""
+    from megatron.training.config import RunConfig
+
+    return RunConfig.from_args(validated(extra, world_size), vocab_size=vocab_size)

@@ -9,6 +9,7 @@ from megatron.training.batch_schedule import (
     accumulation_phases,
     total_train_samples,
 )
+from megatron.training.config import RunConfig
 from megatron.training.errors import UserError
 from megatron.training.training import drain_points
 
@@ -18,27 +19,27 @@ PACI = ["--pipeline-schedule", "paci", "--pipeline-model-parallel-size", "2", "-
 
 def schedule_args(text: str, iterations: int = 10, world_size: int = 2):
     flags = PACI + ["--train-iters", str(iterations), "--paci-accumulation-schedule", text]
-    return validated(flags, world_size=world_size)
+    return RunConfig.from_args(validated(flags, world_size=world_size))
 
 
 def test_each_iterations_batch_is_its_phases_a_times_the_micro_batch():
-    args = schedule_args("8:2,1:3")  # micro batch 2, global batch 8: a = 4 afterwards
-    assert args.paci_accumulation_schedule == [(8, 2), (1, 3)]
-    assert accumulation_phases(args) == [(8, 2), (1, 3), (4, 5)]
-    assert BatchSchedule(args).batches(0, 10) == [16, 16, 2, 2, 2, 8, 8, 8, 8, 8]
-    assert BatchSchedule(args).batches(18, 3, first_iteration=3) == [2, 2, 2]  # a resume
-    assert total_train_samples(args) == 16 * 2 + 2 * 3 + 8 * 5
+    config = schedule_args("8:2,1:3")  # micro batch 2, global batch 8: a = 4 afterwards
+    assert config.pipeline.paci_accumulation_schedule == ((8, 2), (1, 3))
+    assert accumulation_phases(config) == [(8, 2), (1, 3), (4, 5)]
+    assert BatchSchedule.of(config).batches(0, 10) == [16, 16, 2, 2, 2, 8, 8, 8, 8, 8]
+    assert BatchSchedule.of(config).batches(18, 3, first_iteration=3) == [2, 2, 2]  # a resume
+    assert total_train_samples(config) == 16 * 2 + 2 * 3 + 8 * 5
 
 
 def test_data_parallel_ranks_each_take_a_microbatches():
-    args = schedule_args("3:4", world_size=4)  # 2 stages x 2 replicas
-    assert BatchSchedule(args).batches(0, 5) == [12, 12, 12, 12, 8]
+    config = schedule_args("3:4", world_size=4)  # 2 stages x 2 replicas
+    assert BatchSchedule.of(config).batches(0, 5) == [12, 12, 12, 12, 8]
 
 
 def test_a_changes_only_at_drain_points():
-    args = schedule_args("8:2,1:3")
-    assert drain_points(args, 0) == [2, 5, 10]
-    assert drain_points(args, 3) == [5, 10]
+    config = schedule_args("8:2,1:3")
+    assert drain_points(config, 0) == [2, 5, 10]
+    assert drain_points(config, 3) == [5, 10]
 
 
 @pytest.mark.parametrize(

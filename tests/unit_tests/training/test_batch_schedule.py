@@ -6,6 +6,7 @@ from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBat
 
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.batch_schedule import BatchSchedule, train_iterations
+from megatron.training.config import RunConfig
 from megatron.training.errors import UserError
 from megatron.training.optimizer.config import LRScheduleConfig
 
@@ -41,7 +42,8 @@ def reference(start, increment, samples, batch, micro, dp):
 
 @pytest.mark.parametrize("ramp", RAMPS)
 def test_batch_and_microbatches_follow_megatron_core(ramp):
-    schedule, calculator = BatchSchedule(ramp_args(*ramp)), reference(*ramp)
+    schedule = BatchSchedule.of(RunConfig.from_args(ramp_args(*ramp)))
+    calculator = reference(*ramp)
     for consumed in range(0, 2 * ramp[2] + 40):
         calculator.update(consumed, consistency_check=True)
         assert schedule.batch_size(consumed) == calculator.get_current_global_batch_size()
@@ -61,16 +63,19 @@ def test_iteration_count_is_megatrons(ramp, train_samples):
         iterations += (train_samples - consumed) // ramp[3]
     args = ramp_args(*ramp, train_samples=train_samples)
     assert (
-        args.train_iters == iterations == train_iterations(BatchSchedule(args).ramp, train_samples)
+        args.train_iters
+        == iterations
+        == train_iterations(BatchSchedule.of(RunConfig.from_args(args)).ramp, train_samples)
     )
 
 
 def test_batches_of_a_run_and_resume_from_consumed_samples():
     args = ramp_args(4, 4, 24, 16, 2, 1, train_samples=100)
-    sizes = BatchSchedule(args).batches(0, args.train_iters)
+    schedule = BatchSchedule.of(RunConfig.from_args(args))
+    sizes = schedule.batches(0, args.train_iters)
     assert sizes[:6] == [4, 4, 8, 12, 16, 16]  # slices of 24 / 3 = 8 samples
     # resuming after 3 iterations (16 samples) continues the same sequence
-    assert BatchSchedule(args).batches(sum(sizes[:3]), 3) == sizes[3:6]
+    assert schedule.batches(sum(sizes[:3]), 3) == sizes[3:6]
 
 
 def test_learning_rate_schedule_is_in_samples_with_a_ramp():

@@ -4,9 +4,10 @@ supported yet (one line); the model switches reach megatron-core's TransformerCo
 import os
 
 import pytest
-from small_run_flags import BASE, validated
+from small_run_flags import BASE, configured, validated
 
 from megatron.training.arguments import build_parser, validate_args
+from megatron.training.config import RunConfig
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import NOT_SUPPORTED, OUR_BEHAVIOUR
 from megatron.training.optimizer.config import LRScheduleConfig
@@ -178,7 +179,7 @@ def test_model_switches_reach_transformer_config():
 
     from megatron.training.training import transformer_config
 
-    args = validated(["--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
+    args = configured(["--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
                       "--num-query-groups", "2", "--disable-bias-linear", "--qk-layernorm",
                       "--apply-layernorm-1p", "--kv-channels", "32", "--norm-epsilon", "1e-6",
                       "--attention-softmax-in-fp32", "--rotary-interleaved",
@@ -186,7 +187,7 @@ def test_model_switches_reach_transformer_config():
                       "--cross-entropy-loss-fusion"])  # fmt: skip
     config = transformer_config(args, torch.device("cpu"))
     assert config.cross_entropy_loss_fusion and config.cross_entropy_fusion_impl == "native"
-    assert transformer_config(validated(["--test-mode"]), torch.device("cpu")).test_mode
+    assert transformer_config(configured(["--test-mode"]), torch.device("cpu")).test_mode
     assert config.normalization == "RMSNorm" and config.layernorm_epsilon == 1e-6
     assert config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
     assert config.num_query_groups == 2 and config.kv_channels == 32
@@ -244,16 +245,16 @@ def test_scheduler_settings_are_checked_against_the_checkpoint(flag, loaded_lr):
     optimizer, scheduler = _scheduler_for([flag] if flag else [])
     payload = {"model": {}, "optimizer": optimizer.state_dict(),
                "opt_param_scheduler": saved.state_dict(), "rng_state": None}  # fmt: skip
-    args = validated([flag] if flag else [])
+    config = RunConfig.from_args(validated([flag] if flag else []))
     if flag is None:
         with pytest.raises(UserError, match="schedule differs.*--override-opt_param-scheduler"):
-            checkpointing.check_schedule(payload, scheduler, args, "ckpt")
+            checkpointing.check_schedule(payload, scheduler, config, "ckpt")
         return
-    checkpointing.check_schedule(payload, scheduler, args, "ckpt")
-    args.no_load_rng = True
+    checkpointing.check_schedule(payload, scheduler, config, "ckpt")
+    config = RunConfig.from_args(validated([flag, "--no-load-rng"]))
     model = torch_module()
     checkpointing.restore(payload | {"model": model.state_dict()}, model=model,
-                          optimizer=optimizer, scheduler=scheduler, path="ckpt", args=args)  # fmt: skip
+                          optimizer=optimizer, scheduler=scheduler, path="ckpt", config=config)  # fmt: skip
     assert scheduler.max_lr == loaded_lr
 
 
@@ -269,7 +270,7 @@ def test_checkpoint_without_optimizer_state_says_how_to_load_it():
     optimizer, scheduler = _scheduler_for([])
     with pytest.raises(UserError, match="add --no-load-optim"):
         checkpointing.restore({"model": {}}, model=torch_module(), optimizer=optimizer,
-                              scheduler=scheduler, path="ckpt", args=validated([]))  # fmt: skip
+                              scheduler=scheduler, path="ckpt", config=configured([]))  # fmt: skip
 
 
 def test_throughput_flops_match_the_published_gpt_formula():
@@ -277,10 +278,9 @@ def test_throughput_flops_match_the_published_gpt_formula():
     one key/value head per query head; --log-throughput uses Megatron's general form."""
     from megatron.training.reporting import floating_point_operations
 
-    args = validated(["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12",
-                      "--seq-length", "1024", "--micro-batch-size", "8",
-                      "--global-batch-size", "8"])  # fmt: skip
-    args.padded_vocab_size = 50304
+    args = configured(["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12",
+                       "--seq-length", "1024", "--micro-batch-size", "8",
+                       "--global-batch-size", "8"], vocab_size=50304)  # fmt: skip
     b, s, layers, h, v = 8, 1024, 12, 768, 50304
     published = 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
     assert floating_point_operations(args) == pytest.approx(published, rel=1e-12)
@@ -361,7 +361,7 @@ def _initialize(rank: int, port: int, found) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     for disabled in (False, True):
-        initialize_distributed(validated(["--disable-gloo-process-groups"] if disabled else []))
+        initialize_distributed(configured(["--disable-gloo-process-groups"] if disabled else []))
         found[disabled] = parallel_state._DATA_PARALLEL_GROUP_GLOO is not None
         parallel_state.destroy_model_parallel()
 

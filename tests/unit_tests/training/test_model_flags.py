@@ -7,7 +7,7 @@ import socket
 
 import pytest
 import torch
-from small_run_flags import BASE, validated
+from small_run_flags import BASE, configured, validated
 
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.errors import UserError
@@ -40,7 +40,7 @@ def one_rank_group():
 def stage(extra: list[str]):
     from megatron.training.training import build_stage_model
 
-    return build_stage_model(validated(extra), 128, torch.device("cpu"))
+    return build_stage_model(configured(extra, vocab_size=128), torch.device("cpu"))
 
 
 def test_rope_scaling_and_interpolation_reach_megatron_cores_rotary_embedding(one_rank_group):
@@ -64,9 +64,9 @@ def test_openai_gelu_is_megatron_cores(one_rank_group):
 
     from megatron.training.training import transformer_config
 
-    config = transformer_config(validated(["--openai-gelu"]), torch.device("cpu"))
+    config = transformer_config(configured(["--openai-gelu"]), torch.device("cpu"))
     assert config.activation_func is openai_gelu
-    default = transformer_config(validated([]), torch.device("cpu"))
+    default = transformer_config(configured([]), torch.device("cpu"))
     assert default.activation_func is torch.nn.functional.gelu
 
 

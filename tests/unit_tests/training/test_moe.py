@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 import torch
-from small_run_flags import validated
+from small_run_flags import configured, validated
 
 from megatron.training.errors import UserError
 from megatron.training.model import StageLayout, global_parameter_name, is_expert_parameter
@@ -93,10 +93,12 @@ def test_megatron_cores_own_moe_rules_are_one_line(extra, needle):
 
 
 def test_expert_tensor_parallel_size_of_a_dense_model_changes_nothing():
-    args = validated(["--expert-tensor-parallel-size", "4"])
+    from megatron.training.config import RunConfig
     from megatron.training.moe import moe_config_fields
 
-    assert moe_config_fields(args) == {}  # no expert field reaches megatron-core
+    config = RunConfig.from_args(validated(["--expert-tensor-parallel-size", "4"]))
+    assert config.moe is None
+    assert moe_config_fields(config.moe, config.parallel) == {}  # no expert field reaches mcore
 
 
 def test_moe_flags_need_experts_and_biases_are_refused():
@@ -108,7 +110,7 @@ def test_moe_flags_need_experts_and_biases_are_refused():
 def test_moe_flags_reach_transformer_config():
     from megatron.training.training import transformer_config
 
-    args = validated(MOE + [
+    args = configured(MOE + [
         "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01",
         "--moe-z-loss-coeff", "0.001", "--moe-router-score-function", "sigmoid",
         "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",

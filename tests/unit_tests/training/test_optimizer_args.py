@@ -93,16 +93,18 @@ def test_mitigations_are_accepted_where_they_apply():
 
 
 def test_schedule_of_each_iteration_with_synchronous_phases():
+    from megatron.training.config import RunConfig
     from megatron.training.optimizer.delay_mitigation import (
-        schedule_of_iteration,
+        plan_of_iteration,
         synchronous_phase_ends,
     )
 
     args = validated(["--pipeline-schedule", "paci", "--train-iters", "10",
                       "--async-sync-warmup-iters", "2", "--async-sync-cooldown-iters", "3"])  # fmt: skip
-    schedules = [schedule_of_iteration(args, i) for i in range(1, 11)]
+    pipeline = RunConfig.from_args(args).pipeline
+    schedules = [plan_of_iteration(pipeline, 10, i).name for i in range(1, 11)]
     assert schedules == ["1f1b"] * 2 + ["paci"] * 5 + ["1f1b"] * 3
-    assert synchronous_phase_ends(args) == [2, 7]
+    assert synchronous_phase_ends(pipeline, 10) == [2, 7]
 
 
 def test_a_wrong_optimizer_name_is_one_line_and_exit_code_2():

@@ -3,7 +3,7 @@ megatron-core's checkpoint on a machine without CUDA (dropout masks drawn again 
 
 import pytest
 import torch
-from small_run_flags import validated
+from small_run_flags import configured, validated
 
 from megatron.training.errors import UserError
 
@@ -84,7 +84,7 @@ def test_uneven_stages_bound_the_uniform_chunk():
 def test_flags_reach_transformer_config(extra, granularity, method, layers, modules):
     from megatron.training.training import transformer_config
 
-    config = transformer_config(validated(extra), torch.device("cpu"))
+    config = transformer_config(configured(extra), torch.device("cpu"))
     assert config.recompute_granularity == granularity
     assert config.recompute_method == method
     assert config.recompute_num_layers == layers

@@ -6,11 +6,11 @@ import math
 import os
 import signal
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
+from megatron.training.config import TrainingConfig
 from megatron.training.run_control import (
     SignalFlag,
     StopRequests,
@@ -20,7 +20,7 @@ from megatron.training.run_control import (
 
 
 def run_args(signal_handler=False, minutes=None):
-    return SimpleNamespace(exit_signal_handler=signal_handler, exit_duration_in_mins=minutes)
+    return TrainingConfig(exit_signal_handler=signal_handler, exit_duration_in_mins=minutes)
 
 
 def test_sigterm_is_caught_and_the_previous_handler_restored():

@@ -56,6 +56,7 @@ def test_paci_weight_stashing_stashes_in_both_orders_and_only_for_plain_paci():
     from small_run_flags import validated
 
     from megatron.pipeline.plan import resolve_plan
+    from megatron.training.arguments import pipeline_plan
     from megatron.training.errors import UserError
 
     plain = resolve_plan("paci", num_stages=4, arrival_rule="backward-first")
@@ -71,7 +72,7 @@ def test_paci_weight_stashing_stashes_in_both_orders_and_only_for_plain_paci():
     paci4 = ["--pipeline-model-parallel-size", "4", "--eval-iters", "0",
                     "--untie-embeddings-and-output-weights", "--paci-weight-stashing"]  # fmt: skip
     args = validated(paci4 + ["--pipeline-schedule", "paci"], world_size=4)
-    assert args.pipeline_plan.schedule.stashes_weights
+    assert pipeline_plan(args).schedule.stashes_weights
     with pytest.raises(UserError, match="applies to --pipeline-schedule paci only"):
         validated(paci4 + ["--pipeline-schedule", "1f1b"], world_size=4)
     with pytest.raises(UserError, match="not supported yet with --pipeline-schedule paci"):

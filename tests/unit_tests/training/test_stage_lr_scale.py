@@ -7,6 +7,7 @@ import pytest
 import torch
 from small_run_flags import BASE, validated
 
+from megatron.training.config import RunConfig
 from megatron.training.errors import UserError
 from megatron.training.optimizer.build import stage_lr_scale
 
@@ -19,10 +20,12 @@ def formula(c: float, stage: int, stages: int, a: int) -> float:
 
 
 def test_the_factor_is_one_over_one_plus_c_times_the_mean_staleness():
-    args = validated(PACI4 + ["--paci-stage-lr-scale", "2"], world_size=4)  # a = 8 / 2 = 4
-    assert args.num_microbatches == 4
-    assert [stage_lr_scale(args, s) for s in range(4)] == [1 / 2.5, 1 / 2, 1 / 1.5, 1.0]
-    assert [stage_lr_scale(validated(PACI4, world_size=4), s) for s in range(4)] == [1.0] * 4
+    config = RunConfig.from_args(validated(PACI4 + ["--paci-stage-lr-scale", "2"], world_size=4))
+    assert config.training.num_microbatches == 4  # a = 8 / 2
+    scales = [stage_lr_scale(config.pipeline, config.training, s) for s in range(4)]
+    assert scales == [1 / 2.5, 1 / 2, 1 / 1.5, 1.0]
+    plain = RunConfig.from_args(validated(PACI4, world_size=4))
+    assert [stage_lr_scale(plain.pipeline, plain.training, s) for s in range(4)] == [1.0] * 4
 
 
 def _stage_lrs(flags: list[str], steps: int) -> list[list[tuple[float, float, float]]]:
@@ -32,14 +35,13 @@ def _stage_lrs(flags: list[str], steps: int) -> list[list[tuple[float, float, fl
     from megatron.studies.single_process_engine import parse_engine_args
     from megatron.training.training import stage_layout
 
-    args = parse_engine_args(BASE + PACI4 + flags)
+    config = RunConfig.from_args(parse_engine_args(BASE + PACI4 + flags), vocab_size=128)
     ensure_single_process_groups()
-    args.padded_vocab_size = 128
     result = []
     for stage in range(4):
-        layout = stage_layout(args)
+        layout = stage_layout(config)
         layout.pipeline_rank = stage
-        _, step = build_local_stage(args, layout, torch.device("cpu"), args.padded_vocab_size)
+        _, step = build_local_stage(config, layout, torch.device("cpu"))
         for _ in range(steps):
             step.scheduler.step(increment=1)
         groups = step.optimizer.param_groups

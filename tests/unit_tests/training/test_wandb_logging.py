@@ -30,6 +30,7 @@ def test_scalars_reach_the_offline_run_as_in_tensorboard(tmp_path, monkeypatch):
     from torch.utils.tensorboard import SummaryWriter
     from wandb_records import read_run, run_file
 
+    from megatron.training.config import RunConfig
     from megatron.training.tracking.wandb_run import ScalarWriters, WandbWriter
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -37,7 +38,9 @@ def test_scalars_reach_the_offline_run_as_in_tensorboard(tmp_path, monkeypatch):
     save = tmp_path / "ckpt"
     args = validated(["--wandb-project", "proj", "--wandb-exp-name", "run-1",
                       "--save", str(save), "--tensorboard-dir", str(tmp_path / "tb")])  # fmt: skip
-    writer = ScalarWriters([SummaryWriter(log_dir=args.tensorboard_dir), WandbWriter(args)])
+    logging = RunConfig.from_args(args).logging
+    writer = ScalarWriters([SummaryWriter(log_dir=args.tensorboard_dir),
+                            WandbWriter(logging, args.save)])  # fmt: skip
     for step in range(1, 4):
         writer.add_scalar("lm loss", 7.0 / step, step)
         writer.add_scalar("drift/stage0/max", step % 2, step)
