@@ -8,7 +8,6 @@ import argparse
 import math
 import os
 
-from megatron.pipeline.plan import PipelinePlan, resolve_plan
 from megatron.pipeline.schedules import (
     SCHEDULES,
     VIRTUAL_STAGE_SCHEDULES,
@@ -23,6 +22,7 @@ from megatron.pipeline.schedules.paci import (
 )
 from megatron.pipeline.simulation.costs import stage_values
 from megatron.training.batch_schedule import validate_accumulation_schedule, validate_rampup
+from megatron.training.config import pipeline_plan
 from megatron.training.data.sources import add_data_source_args, validate_sample_options
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
@@ -437,21 +437,6 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
                     f"--{flag.replace('_', '-')} with tied embeddings is not supported yet "
                     "(add --untie-embeddings-and-output-weights)"
                 )
-
-
-def pipeline_plan(args: argparse.Namespace) -> PipelinePlan:
-    """The pipeline resolved (`megatron.pipeline.plan`), once per run by `RunConfig.from_args`;
-    the rest of the run asks it."""
-    paci = args.pipeline_schedule == "paci"
-    return resolve_plan(
-        args.pipeline_schedule,
-        num_stages=args.pipeline_model_parallel_size,
-        chunks_per_rank=args.virtual_pipeline_model_parallel_size,
-        microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
-        arrival_rule=args.paci_arrival_rule if paci else None,
-        inflight_limit=args.paci_inflight_limit if paci else None,
-        weight_stashing=paci and getattr(args, "paci_weight_stashing", False),
-    )
 
 
 def _validate_context_parallel(args: argparse.Namespace) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from megatron.pipeline.plan import PipelinePlan
+from megatron.pipeline.plan import PipelinePlan, resolve_plan
 from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
 
 
@@ -252,8 +252,6 @@ class CheckpointConfig(_Section):
     use_checkpoint_opt_param_scheduler: bool = False
     override_opt_param_scheduler: bool = False
     run_id: str | None = None  # this run's, once rank 0 holds --save (writer_lock.py)
-    # the flags a checkpoint records and a resume compares (save_load.recorded_flags)
-    recorded: dict = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -293,8 +291,6 @@ class RunConfig:
     def from_args(cls, args, *, vocab_size: int | None = None) -> "RunConfig":
         """The run's configuration from flags `validate_args` has checked. `vocab_size` (the
         tokenizer's, also later by `with_vocabulary`) sets `model.padded_vocab_size`."""
-        from megatron.training.arguments import pipeline_plan
-        from megatron.training.checkpointing.save_load import recorded_flags
         from megatron.training.data.sources import data_source
         from megatron.training.tracking.wandb_run import plain_flags
 
@@ -313,7 +309,7 @@ class RunConfig:
                 args, rampup_batch_size=_tuple(getattr(args, "rampup_batch_size", None))
             ),
             data=DataConfig.from_flags(args, source=None if mock else data_source(args)),
-            checkpoint=CheckpointConfig.from_flags(args, recorded=recorded_flags(args)),
+            checkpoint=CheckpointConfig.from_flags(args),
             logging=LoggingConfig.from_flags(args, flags=plain_flags(args)),
             optimizer=OptimizerConfig.from_args(args),
             lr=LRScheduleConfig.from_args(args),
@@ -323,15 +319,11 @@ class RunConfig:
     def with_vocabulary(self, vocab_size: int) -> "RunConfig":
         """The configuration once the tokenizer is known: Megatron pads the vocabulary to a
         multiple of --make-vocab-size-divisible-by x the tensor-parallel size."""
-        multiple = (
-            self.model.make_vocab_size_divisible_by * self.parallel.tensor_model_parallel_size
-        )
+        divisible_by = self.model.make_vocab_size_divisible_by
+        multiple = divisible_by * self.parallel.tensor_model_parallel_size
         padded = -(-vocab_size // multiple) * multiple
-        recorded = {**self.checkpoint.recorded, "padded_vocab_size": padded}
         return dataclasses.replace(
-            self,
-            model=dataclasses.replace(self.model, padded_vocab_size=padded),
-            checkpoint=dataclasses.replace(self.checkpoint, recorded=recorded),
+            self, model=dataclasses.replace(self.model, padded_vocab_size=padded)
         )
 
     def with_run_id(self, run_id: str) -> "RunConfig":
@@ -339,6 +331,21 @@ class RunConfig:
         return dataclasses.replace(
             self, checkpoint=dataclasses.replace(self.checkpoint, run_id=run_id)
         )
+
+
+def pipeline_plan(args) -> PipelinePlan:
+    """The pipeline of the flags, resolved (`megatron.pipeline.plan`): once per run by
+    `RunConfig.from_args`, and by the flag checks, which refuse a combination no schedule
+    defines. PACI's options reach only PACI (the checks refuse them elsewhere)."""
+    return resolve_plan(
+        args.pipeline_schedule,
+        num_stages=args.pipeline_model_parallel_size,
+        chunks_per_rank=args.virtual_pipeline_model_parallel_size,
+        microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
+        arrival_rule=args.paci_arrival_rule,
+        inflight_limit=args.paci_inflight_limit,
+        weight_stashing=getattr(args, "paci_weight_stashing", False),
+    )
 
 
 def _tuple(values):

@@ -61,12 +61,9 @@ def make_args(*extra: str) -> RunConfig:
     return RunConfig.from_args(args, vocab_size=128)
 
 
-def recorded_as(config: RunConfig, **flags) -> RunConfig:
-    """`config` whose checkpoints record other values of `flags` (as another run wrote them)."""
-    recorded = {**config.checkpoint.recorded, **flags}
-    return dataclasses.replace(
-        config, checkpoint=dataclasses.replace(config.checkpoint, recorded=recorded)
-    )
+def as_written_by(config: RunConfig, **layout) -> RunConfig:
+    """`config` with another parallel layout: its checkpoints record that layout."""
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, **layout))
 
 
 def make_run(args, width: int = 8):
@@ -216,8 +213,9 @@ def test_flush_checkpoint_resumes_under_paci_and_back(tmp_path, capsys):
 
 def test_changed_layout_is_named_or_resharded(tmp_path, ckpt_format, capsys):
     """A torch file belongs to its model-parallel rank; torch_dist keys are global."""
-    args = recorded_as(make_args(), pipeline_model_parallel_size=4)  # a 4-stage run wrote it
+    args = make_args()
     model, optimizer, scheduler = make_run(args)
+    args = as_written_by(args, pipeline_model_parallel_size=4)  # a 4-stage run
     state = SimpleNamespace(iteration=2, consumed_train_samples=2)
     checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, config=args)
     if ckpt_format == "torch":
@@ -417,8 +415,9 @@ def test_every_optimizers_state_round_trips(tmp_path, flags):
 @pytest.mark.parametrize("ckpt_format", ["torch_dist"], indirect=True)
 def test_state_that_does_not_reshard_refuses_another_layout(tmp_path):
     """SOAP's preconditioners are not parameter-shaped: they load into the saving layout only."""
-    args = recorded_as(make_args("--optimizer", "soap"), tensor_model_parallel_size=2)  # TP=2's
+    args = make_args("--optimizer", "soap")
     model, optimizer, scheduler = make_run(args)
+    args = as_written_by(args, tensor_model_parallel_size=2)  # a TP=2 run
     state = SimpleNamespace(iteration=2, consumed_train_samples=2)
     checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, config=args)
     message = load_error(tmp_path, "--optimizer", "soap")

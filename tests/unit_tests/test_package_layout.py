@@ -83,3 +83,36 @@ def test_each_package_says_what_lives_there():
             if "__init__.py" in files and "__pycache__" not in directory:
                 tree = ast.parse(open(os.path.join(directory, "__init__.py")).read())
                 assert ast.get_docstring(tree), f"{directory}/__init__.py has no docstring"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> our modules it imports (absolute imports, at any depth, packages as their
+    __init__); `from package import module` counts as importing the module."""
+    graph = {}
+    for module in our_modules():
+        name = module[: -len(".__init__")] if module.endswith(".__init__") else module
+        imported = imported_modules(module_path(module))
+        # `from megatron.x import y` names both megatron.x and megatron.x.y: keep the module
+        graph[name] = {m for m in imported if not any(o.startswith(m + ".") for o in imported)}
+        graph[name].discard(name)
+    return graph
+
+
+def test_no_import_circle():
+    """A circle (a imports b, b imports a, even inside a function) means two modules that
+    cannot be read, tested or moved apart."""
+    graph, circles = _import_graph(), []
+
+    def visit(module: str, path: list[str]) -> None:
+        for other in sorted(graph.get(module, ())):
+            if other in path:
+                circles.append(path[path.index(other) :] + [other])
+            elif other not in done:
+                visit(other, path + [other])
+        done.add(module)
+
+    done: set[str] = set()
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert not circles, circles[:3]

@@ -101,11 +101,24 @@ RECORDED_SCHEDULE_ARGS = ("rampup_batch_size", "decoupled_lr", "decoupled_min_lr
 RECORDED_INFO = ("expert_model_parallel_size", "expert_tensor_parallel_size", "data_parallel_size")
 
 
-def recorded_flags(args) -> dict:
-    """The flags a checkpoint records, from the validated namespace (`RunConfig.from_args`)."""
-    names = [name for names in RECORDED_ARGS.values() for name in names]
-    names += list(RECORDED_SCHEDULE_ARGS) + list(RECORDED_INFO)
-    return {name: getattr(args, name, None) for name in names}
+def recorded_flags(config) -> dict:
+    """The flags a checkpoint records, by flag name, read from the run's `RunConfig` (lists
+    where the flags are lists, as checkpoints have always recorded them)."""
+    model, layout, ramp = config.model, config.parallel, config.training.rampup_batch_size
+    sections = {"model shape": model, "layout": layout, "info": layout}
+    recorded = {
+        name: getattr(sections[what], name)
+        for what, names in (*RECORDED_ARGS.items(), ("info", RECORDED_INFO))
+        if what != "schedule"
+        for name in names
+    }
+    return recorded | {
+        "stage_layers": list(layout.stage_layers),
+        "pipeline_schedule": config.pipeline.plan.name,
+        "rampup_batch_size": None if ramp is None else list(ramp),
+        "decoupled_lr": config.optimizer.decoupled_lr,
+        "decoupled_min_lr": config.optimizer.decoupled_min_lr,
+    }
 
 
 def _checkpoint_config(config) -> CheckpointConfig:
@@ -121,9 +134,9 @@ def save(root: str, state, model, optimizer, scheduler, config=None) -> None:
     checkpoint = _checkpoint_config(config)
     try:
         if checkpoint.ckpt_format == torch_dist.FORMAT:
-            _save_dist(root, state, model, optimizer, scheduler, checkpoint)
+            _save_dist(root, state, model, optimizer, scheduler, config)
         else:
-            _save_torch(root, state, model, optimizer, scheduler, checkpoint)
+            _save_torch(root, state, model, optimizer, scheduler, config)
         dist.barrier()  # every rank's part is complete before the tracker names the iteration
     except (RuntimeError, torch_dist.CheckpointException) as error:
         if not faults.timed_out(error):
@@ -135,8 +148,8 @@ def save(root: str, state, model, optimizer, scheduler, config=None) -> None:
         print(f"> saved checkpoint at iteration {state.iteration} to {root}", flush=True)
 
 
-def _save_torch(root: str, state, model, optimizer, scheduler, checkpoint) -> None:
-    path = _rank_file(root, state.iteration)
+def _save_torch(root: str, state, model, optimizer, scheduler, config) -> None:
+    path, checkpoint = _rank_file(root, state.iteration), _checkpoint_config(config)
     save_optim = not checkpoint.no_save_optim
     # On every rank: the distributed optimizer gathers its shards over data parallelism.
     optimizer_state = optimizer.state_dict() if save_optim else None
@@ -145,7 +158,7 @@ def _save_torch(root: str, state, model, optimizer, scheduler, checkpoint) -> No
             "iteration": state.iteration,
             "consumed_train_samples": state.consumed_train_samples,
             "model": model.state_dict(),
-            "args": checkpoint.recorded or None,
+            "args": None if config is None else recorded_flags(config),
             "run_id": checkpoint.run_id,  # which run wrote it (writer_lock.py)
         }
         if save_optim:
@@ -156,14 +169,15 @@ def _save_torch(root: str, state, model, optimizer, scheduler, checkpoint) -> No
         _write_rank_file(root, path, payload)
 
 
-def _save_dist(root: str, state, model, optimizer, scheduler, checkpoint) -> None:
+def _save_dist(root: str, state, model, optimizer, scheduler, config) -> None:
     """The LR schedule goes with the common state (the first stage's, as in Megatron; stages'
     schedules differ only after one of them skipped a step)."""
+    checkpoint = config.checkpoint
     directory = os.path.join(root, f"iter_{state.iteration:07d}")
     common = {
         "iteration": state.iteration,
         "consumed_train_samples": state.consumed_train_samples,
-        "args": checkpoint.recorded,
+        "args": recorded_flags(config),
         "run_id": checkpoint.run_id,  # which run wrote it (writer_lock.py)
     }
     if not checkpoint.no_save_optim:
@@ -387,7 +401,7 @@ def check_recorded_args(payload: dict, config, path: str) -> None:
     recorded = payload.get("args")
     if not recorded or config is None:
         return
-    resharding, now = payload.get("format") == torch_dist.FORMAT, config.checkpoint.recorded
+    resharding, now = payload.get("format") == torch_dist.FORMAT, recorded_flags(config)
     for what, names in RECORDED_ARGS.items():
         differences = _differences(recorded, now, names)
         allowed = (what in RESHARDABLE and resharding) or (
@@ -427,8 +441,8 @@ def check_schedule(payload: dict, scheduler, config, path: str) -> None:
     ramp, like the LR, is a function of the samples consumed, and a new one applied halfway
     changes the run's remaining batches and its length in iterations."""
     checkpoint = config.checkpoint
-    _check_batch_ramp(payload, checkpoint, path)
-    _check_decoupled_groups(payload, checkpoint, path)
+    _check_batch_ramp(payload, config, path)
+    _check_decoupled_groups(payload, config, path)
     if checkpoint.override_opt_param_scheduler:
         scheduler.override_opt_param_scheduler = True
         return
@@ -443,7 +457,8 @@ def check_schedule(payload: dict, scheduler, config, path: str) -> None:
         for field, label in _SCHEDULE_FIELDS.items()
         if field in saved and saved[field] != getattr(scheduler, field)
     ]
-    differences += _differences(payload.get("args") or {}, checkpoint.recorded, _DECOUPLED_LR_ARGS)
+    now = recorded_flags(config)
+    differences += _differences(payload.get("args") or {}, now, _DECOUPLED_LR_ARGS)
     if differences:
         raise UserError(
             f"--load {path}: the learning-rate schedule differs: {', '.join(differences)}; "
@@ -455,14 +470,14 @@ def check_schedule(payload: dict, scheduler, config, path: str) -> None:
 _DECOUPLED_LR_ARGS = ("decoupled_lr", "decoupled_min_lr")
 
 
-def _check_decoupled_groups(payload: dict, checkpoint: CheckpointConfig, path: str) -> None:
+def _check_decoupled_groups(payload: dict, config, path: str) -> None:
     """--decoupled-lr puts the embedding and output layer in optimizer groups of their own:
     turning it on or off changes the optimizer state's groups, which a checkpoint keeps."""
     recorded = payload.get("args") or {}
-    if "decoupled_lr" not in recorded or checkpoint.no_load_optim:
+    if "decoupled_lr" not in recorded or config.checkpoint.no_load_optim:
         return
-    saved, now = recorded["decoupled_lr"], checkpoint.recorded.get("decoupled_lr")
-    if (saved is None) != (now is None) and not checkpoint.finetune:
+    saved, now = recorded["decoupled_lr"], config.optimizer.decoupled_lr
+    if (saved is None) != (now is None) and not config.checkpoint.finetune:
         spell = lambda lr: "not given" if lr is None else f"{lr:g}"  # noqa: E731
         raise UserError(
             f"--load {path}: --decoupled-lr is {spell(now)} here and {spell(saved)} in the "
@@ -476,9 +491,10 @@ def apply_decoupled_lr(optimizer, scheduler, payload: dict, config) -> None:
     --use-checkpoint-opt_param-scheduler, else this run's (`check_schedule` refuses a
     difference without one of Megatron's two flags). A torch checkpoint's optimizer state
     brings the saved bounds and torch_dist's does not, so both are set here."""
-    checkpoint = _checkpoint_config(config)
-    values = {name: checkpoint.recorded.get(name) for name in _DECOUPLED_LR_ARGS}
-    if checkpoint.use_checkpoint_opt_param_scheduler:
+    if config is None:
+        return
+    values = {name: getattr(config.optimizer, name) for name in _DECOUPLED_LR_ARGS}
+    if config.checkpoint.use_checkpoint_opt_param_scheduler:
         values = {name: (payload.get("args") or {}).get(name) for name in _DECOUPLED_LR_ARGS}
     if values["decoupled_lr"] is None:
         return
@@ -494,11 +510,11 @@ def apply_decoupled_lr(optimizer, scheduler, payload: dict, config) -> None:
             group["max_lr"], group["min_lr"] = values["decoupled_lr"] * scale, floor
 
 
-def _check_batch_ramp(payload: dict, checkpoint: CheckpointConfig, path: str) -> None:
+def _check_batch_ramp(payload: dict, config, path: str) -> None:
     recorded = payload.get("args") or {}
-    if "rampup_batch_size" not in recorded or checkpoint.override_opt_param_scheduler:
+    if "rampup_batch_size" not in recorded or config.checkpoint.override_opt_param_scheduler:
         return
-    saved, now = recorded["rampup_batch_size"], checkpoint.recorded.get("rampup_batch_size")
+    saved, now = recorded["rampup_batch_size"], recorded_flags(config)["rampup_batch_size"]
     if saved != now:
         spell = lambda ramp: " ".join(map(str, ramp)) if ramp else "none"  # noqa: E731
         raise UserError(
