@@ -4,114 +4,18 @@
         --pipeline-model-parallel-size 4 --pipeline-schedule paci ...
 
 Megatron's shape: `forward_step` reads a microbatch and runs the model; `loss_func` reduces
-the per-token losses. The schedule (1F1B-flush, PACI, ...) decides when each runs.
+the per-token losses (both in megatron/training/gpt_step.py, which the studies' single-process
+engine runs too). The schedule (1F1B-flush, PACI, ...) decides when each runs.
 """
 
 import sys
-from functools import partial
 
-import torch
-
-from megatron.pipeline.p2p import PeerLost, describe_rank
-from megatron.training.arguments import parse_args
-from megatron.training.errors import RunFailed, UserError
-from megatron.training.faults import (
-    another_rank_reported_an_error,
-    end_stopped_peers,
-    report_error,
-)
-
-
-def get_batch(data_iterator, model):
-    """The first stage needs tokens and positions, the last stage labels and the loss mask,
-    both the attention mask where the data has one (--reset-attention-mask); stages in between
-    read nothing (their input comes from the previous stage)."""
-    first, last = model.pre_process, model.post_process
-    device = next(model.parameters()).device
-    if not (first or last):
-        return None, None, None, None, None
-    batch = _on_this_context_parallel_rank(next(data_iterator))
-    tokens = batch["tokens"].to(device, non_blocking=True)
-    position_ids = batch["position_ids"].to(device, non_blocking=True)
-    labels = batch["labels"].to(device, non_blocking=True) if last else None
-    loss_mask = batch["loss_mask"].to(device, non_blocking=True) if last else None
-    attention_mask = batch.get("attention_mask")
-    if attention_mask is not None:
-        attention_mask = attention_mask.to(device, non_blocking=True)
-    return tokens, position_ids, attention_mask, labels, loss_mask
-
-
-def _on_this_context_parallel_rank(batch: dict) -> dict:
-    """With --context-parallel-size > 1, this rank's 2 of the sequence's 2 x CP chunks
-    (megatron-core's `get_batch_on_this_cp_rank`); else the batch as it is."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    group = _context_parallel_group()
-    return batch if group is None else get_batch_on_this_cp_rank(dict(batch), group)
-
-
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: bool = False):
-    """Mean per-token loss over the unmasked tokens of the microbatch. With
-    --calculate-per-token-loss, Megatron's 3-tuple instead: the loss sum, the number of
-    unmasked tokens, and both for reporting (the schedule divides by the step's count).
-
-    With context parallelism each rank holds part of every sequence: the mean is over the
-    whole sequences (sum and count summed over the context-parallel group), and the loss a
-    rank backpropagates is its part of the sum over the whole count, times CP, since the step
-    averages gradients over the context-parallel ranks too (as Megatron's). With a per-token
-    loss the rank backpropagates its own sum and counts its own tokens; the step divides by
-    the count summed over data x context ranks."""
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    local_sum = torch.sum(losses * mask)
-    totals, cp_group = torch.stack([local_sum.detach(), mask.sum()]), _context_parallel_group()
-    if per_token:  # this rank's sum and count; the step sums counts over data x context ranks
-        reported = totals.clone()
-        if cp_group is not None:
-            torch.distributed.all_reduce(reported, group=cp_group)
-        return local_sum, totals[1], {"lm loss": reported}
-    if cp_group is None:
-        loss = local_sum / totals[1].clamp(min=1.0)
-        return loss, {"lm loss": loss.detach()}
-    torch.distributed.all_reduce(totals, group=cp_group)
-    count = totals[1].clamp(min=1.0)
-    loss = local_sum * torch.distributed.get_world_size(cp_group) / count
-    return loss, {"lm loss": totals[0] / count}
-
-
-def _context_parallel_group():
-    from megatron.training.model import context_parallel_group  # after validation: megatron-core
-
-    return context_parallel_group()
-
-
-def forward_step(data_iterator, model):
-    tokens, position_ids, attention_mask, labels, loss_mask = get_batch(data_iterator, model)
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
-    per_token = getattr(getattr(model, "config", None), "calculate_per_token_loss", False)
-    return output_tensor, partial(loss_func, loss_mask, per_token=per_token)
+from megatron.training.entry import run_pretraining
+from megatron.training.gpt_step import forward_step, get_batch, loss_func  # noqa: F401
 
 
 def main(argv=None) -> int:
-    try:
-        args = parse_args(argv)  # validated before megatron-core is even imported
-        from megatron.training.training import pretrain
-
-        pretrain(args, forward_step)
-    except UserError as error:  # every rank's, once per distinct message
-        report_error(str(error))
-        return 2
-    except RunFailed as failure:  # diverged
-        report_error(str(failure))
-        return failure.exit_code
-    except PeerLost as lost:  # a neighbouring stage is stuck or gone
-        if not lost.timed_out and another_rank_reported_an_error():
-            return 1  # it failed first and said why; "lost" here is only the consequence
-        stopped = end_stopped_peers() if lost.timed_out else []
-        ended = "".join(f"; {describe_rank(rank)} was stopped: ended" for rank in stopped)
-        report_error(f"{lost}{ended}")
-        return 1
-    return 0
+    return run_pretraining(argv, forward_step)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import torch
 
 from .plan import PipelinePlan, resolve_plan
 from .runtime import RankRuntime
-from .schedules import Schedule
+from .schedules import Schedule, flush_1f1b, paci
 
 
 def attach_stage_runtime(
@@ -179,7 +179,7 @@ def _check_exchanged_shape(model, runtime, seq_length: int, micro_batch_size: in
 
 
 def _run_schedule(
-    schedule: Schedule | None,
+    schedule: Schedule,
     *,
     forward_step_func: Callable,
     data_iterator,
@@ -201,15 +201,9 @@ def _run_schedule(
     if collect_non_loss_data or adjust_tensor_shapes_fn is not None:
         raise NotImplementedError("collect_non_loss_data / adjust_tensor_shapes_fn")
     _check_process_groups(p2p_communicator, pg_collection)
-    if schedule is not None:  # before the model is looked at: a misuse is named first
-        _check_step_func(schedule, forward_only, optimizer_step_func)
+    _check_step_func(schedule, forward_only, optimizer_step_func)  # a misuse is named first
     model = _single_chunk(model)
     runtime = stage_runtime_of(model)
-    if schedule is None:  # Megatron's call without a schedule: the plan's
-        if runtime.plan is None:
-            raise RuntimeError("no pipeline plan attached to this model: pass a schedule")
-        schedule = runtime.plan.schedule
-        _check_step_func(schedule, forward_only, optimizer_step_func)
     forward_step_func = _megatron_loss_contract(forward_step_func, runtime.per_token_loss)
     if runtime.per_token_loss and not forward_only:
         if optimizer_step_func is None:
@@ -242,13 +236,46 @@ def _check_step_func(schedule: Schedule, forward_only: bool, optimizer_step_func
 
 
 def forward_backward_pipelining_1f1b(**kwargs) -> list[dict]:
-    """Synchronous 1F1B with a flush (Megatron's default pipeline schedule)."""
-    return _run_schedule(resolve_plan("1f1b", num_stages=1).schedule, **kwargs)
+    """Synchronous 1F1B with a flush (Megatron's default pipeline schedule): the run's
+    1F1B-flush plan attached to the model (interleaved with virtual stages), else plain."""
+    return _run_schedule(_attached_or(flush_1f1b.SCHEDULE, kwargs.get("model")), **kwargs)
 
 
 def forward_backward_pipelining_paci(**kwargs) -> list[dict]:
-    """PACI: asynchronous 1F1B, no flush, each stage steps after `num_microbatches` backwards."""
-    return _run_schedule(resolve_plan("paci", num_stages=1).schedule, **kwargs)
+    """PACI: asynchronous 1F1B, no flush, each stage steps after `num_microbatches` backwards.
+    Runs the run's PACI plan attached to the model (its arrival rule, in-flight limit, virtual
+    stages, weight stashing), else plain PACI."""
+    return _run_schedule(_attached_or(paci.SCHEDULE, kwargs.get("model")), **kwargs)
+
+
+def _attached_or(schedule: Schedule, model) -> Schedule:
+    """The schedule of the plan attached to `model` when it is `schedule` with its options,
+    else `schedule` itself."""
+    try:
+        plan = stage_runtime_of(_single_chunk(model)).plan
+    except (RuntimeError, AttributeError):
+        return schedule
+    return plan.schedule if plan is not None and plan.name == schedule.name else schedule
+
+
+# The named entries: the schedule a plan runs goes through its entry (Megatron's shape: one
+# function per schedule); the others through `forward_backward_func_for`.
+_NAMED_ENTRIES = {
+    flush_1f1b.SCHEDULE.name: forward_backward_pipelining_1f1b,
+    paci.SCHEDULE.name: forward_backward_pipelining_paci,
+}
+
+
+def _plan_of_model(**kwargs) -> list[dict]:
+    """Megatron's call without a schedule: the plan attached to the model, through its named
+    entry where it has one."""
+    runtime = stage_runtime_of(_single_chunk(kwargs["model"]))
+    if runtime.plan is None:
+        raise RuntimeError("no pipeline plan attached to this model: pass a schedule")
+    entry = _NAMED_ENTRIES.get(runtime.plan.name)
+    if entry is not None:
+        return entry(**kwargs)
+    return _run_schedule(runtime.plan.schedule, **kwargs)
 
 
 def forward_backward_func_for(schedule: Schedule) -> Callable[..., list[dict]]:
@@ -270,7 +297,7 @@ def get_forward_backward_func(
     (`resolve_plan`). Called as Megatron calls it (no argument, or `pp_size, vp_size`), it
     returns a function that runs the plan attached to the model it is given."""
     if pipeline_schedule is None or isinstance(pipeline_schedule, int):
-        return functools.partial(_run_schedule, None)
+        return _plan_of_model
     plan = resolve_plan(
         pipeline_schedule,
         num_stages=pp_size or 1,

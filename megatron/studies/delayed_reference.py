@@ -121,7 +121,7 @@ def _build(config):
 
 def _microbatch_losses(model, data_iterator, count: int, *, backward: bool) -> float:
     """Mean lm loss over `count` microbatches; with backward, gradients of the mean."""
-    from pretrain_gpt import forward_step
+    from megatron.training.gpt_step import forward_step
 
     total = 0.0
     for _ in range(count):

@@ -61,9 +61,10 @@ def probe(probe_dir: str, default_malloc: bool, pretrain_argv: list[str]) -> int
     runtime.RankRuntime._execute = _measured(runtime.RankRuntime._execute, records)
     if default_malloc:
         pretrain_argv = [*pretrain_argv, "--cpu-mmap-threshold-kib", "0"]
-    from pretrain_gpt import main
+    from megatron.training.entry import run_pretraining
+    from megatron.training.gpt_step import forward_step
 
-    status = main(pretrain_argv)
+    status = run_pretraining(pretrain_argv, forward_step)
     os.makedirs(probe_dir, exist_ok=True)
     with open(os.path.join(probe_dir, f"rank{os.environ.get('RANK', '0')}.json"), "w") as out:
         json.dump(records, out)

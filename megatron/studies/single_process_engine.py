@@ -185,7 +185,7 @@ class _Stages:
 
     def forward(self, stage: int, data_first, data_last, input_tensor):
         """Stage `stage`'s forward: (output, loss function of the last stage or None)."""
-        from pretrain_gpt import forward_step
+        from megatron.training.gpt_step import forward_step
 
         model = self.models[stage]
         if stage > 0:
@@ -318,7 +318,7 @@ def _segment(config, stages: _Stages, a: int, iterations: int, drift: list[int])
     """`iterations` steps from an empty pipeline to an empty one (1F1B-flush on the one stage,
     or PACI's order on each stage); the per-iteration mean losses. `drift[s]` is raised to the
     most steps a microbatch crossed on stage s."""
-    from pretrain_gpt import forward_step
+    from megatron.training.gpt_step import forward_step
 
     n, losses = stages.count, []
     schedule = config.pipeline.plan.schedule  # the run's, with its options

@@ -992,7 +992,10 @@ def _train_iteration(config, forward_step_func, model, train_iter, step_func, pl
     """One iteration of the schedule (flush during synchronous phases); the last stage's
     loss dicts."""
     pipeline = plan_of_iteration(config.pipeline, config.training.train_iters, iteration)
-    schedule_function = forward_backward_func_for(pipeline.schedule)
+    if pipeline is config.pipeline.plan:  # Megatron's call: the plan attached to the model
+        schedule_function = get_forward_backward_func()
+    else:  # a synchronous phase of an asynchronous run
+        schedule_function = forward_backward_func_for(pipeline.schedule)
     if plan.ramp:  # Megatron's LR schedule of a ramp is in samples
         getattr(step_func, "step_func", step_func).scheduler_increment = plan.batch(iteration)
     return schedule_function(

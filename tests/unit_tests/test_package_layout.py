@@ -1,6 +1,7 @@
 """The package layout: imports only go downward (tools -> studies -> benchmarks -> training ->
-pipeline), what pretrain_gpt.py imports holds no study or measurement module, and the
-pipeline package starts no process and imports no pretrain_gpt."""
+pipeline), what pretrain_gpt.py imports holds no study or measurement module, the pipeline
+package starts no process, no module imports pretrain_gpt, and no two modules import each
+other."""
 
 import ast
 import os
@@ -83,6 +84,23 @@ def test_each_package_says_what_lives_there():
             if "__init__.py" in files and "__pycache__" not in directory:
                 tree = ast.parse(open(os.path.join(directory, "__init__.py")).read())
                 assert ast.get_docstring(tree), f"{directory}/__init__.py has no docstring"
+
+
+@pytest.mark.parametrize("module", our_modules())
+def test_no_module_imports_the_script(module):
+    """pretrain_gpt.py is a command line; the library (studies included) imports its GPT step
+    from megatron.training.gpt_step."""
+    assert "pretrain_gpt" not in _imported_names(module_path(module)), module
+
+
+def _imported_names(path: str) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
 
 
 def _import_graph() -> dict[str, set[str]]:

@@ -30,7 +30,7 @@ def test_selector_resolves_a_schedule_by_name_and_megatrons_call_runs_the_attach
         fb.get_forward_backward_func("2bw", 2)
     # Megatron's calls (no argument; pp_size, vp_size) run the plan attached to the model
     unbound = fb.get_forward_backward_func()
-    assert unbound.args == (None,) and fb.get_forward_backward_func(4, 2).args == (None,)
+    assert unbound is fb.get_forward_backward_func(4, 2)  # resolved when called, on the model
     with pytest.raises(RuntimeError, match="no RankRuntime attached"):
         unbound(forward_step_func=None, data_iterator=None, model=torch.nn.Linear(1, 1),
                 num_microbatches=1, seq_length=1, micro_batch_size=1)  # fmt: skip
@@ -112,3 +112,21 @@ def test_runtime_found_through_a_data_parallel_wrapper():
     assert fb.stage_runtime_of(Wrapper(Wrapper(model))) is runtime
     with pytest.raises(RuntimeError):
         fb.stage_runtime_of(torch.nn.Linear(2, 2))
+
+
+def test_the_named_entries_run_the_plan_attached_to_the_model():
+    """forward_backward_pipelining_paci (and _1f1b) run the run's plan with its options when
+    the model carries one; Megatron's call goes through the entry of the attached plan."""
+    from megatron.pipeline.plan import resolve_plan
+
+    model = torch.nn.Linear(1, 1)
+    runtime = types.SimpleNamespace(plan=None)
+    model.pipeline_runtime = runtime
+    plain_paci, plain_flush = fb.paci.SCHEDULE, fb.flush_1f1b.SCHEDULE
+    assert fb._attached_or(plain_paci, model) is plain_paci  # no plan: plain PACI
+    runtime.plan = resolve_plan("paci", num_stages=4, arrival_rule="fixed", inflight_limit="flush")
+    attached = fb._attached_or(plain_paci, model)
+    assert attached is runtime.plan.schedule and attached is not plain_paci
+    assert attached.inflight_window(0, 4, 2) == 2  # the flush limit: min(N - s, a)
+    assert fb._attached_or(plain_flush, model) is plain_flush  # a PACI plan is no 1F1B plan
+    assert fb._NAMED_ENTRIES[runtime.plan.name] is fb.forward_backward_pipelining_paci

@@ -1,0 +1,35 @@
+"""The command line's run: parse and check the flags, train, and turn every way a run can end
+into an exit status, with one line saying why (`pretrain_gpt.py`, the memory probe)."""
+
+from megatron.pipeline.p2p import PeerLost, describe_rank
+from megatron.training.arguments import parse_args
+from megatron.training.errors import RunFailed, UserError
+from megatron.training.faults import (
+    another_rank_reported_an_error,
+    end_stopped_peers,
+    report_error,
+)
+
+
+def run_pretraining(argv, forward_step_func) -> int:
+    """Train with the flags `argv` (None: the command line's) and `forward_step_func`; the
+    exit status: 0, 2 for a user's mistake, 3 when training diverged, 1 when a peer was lost."""
+    try:
+        args = parse_args(argv)  # validated before megatron-core is even imported
+        from megatron.training.training import pretrain
+
+        pretrain(args, forward_step_func)
+    except UserError as error:  # every rank's, once per distinct message
+        report_error(str(error))
+        return 2
+    except RunFailed as failure:  # diverged
+        report_error(str(failure))
+        return failure.exit_code
+    except PeerLost as lost:  # a neighbouring stage is stuck or gone
+        if not lost.timed_out and another_rank_reported_an_error():
+            return 1  # it failed first and said why; "lost" here is only the consequence
+        stopped = end_stopped_peers() if lost.timed_out else []
+        ended = "".join(f"; {describe_rank(rank)} was stopped: ended" for rank in stopped)
+        report_error(f"{lost}{ended}")
+        return 1
+    return 0
