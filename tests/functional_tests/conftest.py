@@ -1,5 +1,7 @@
 import os
+import tempfile
 
+import background  # beside this file
 import pytest
 import run_cases  # beside this file; pyproject.toml puts this directory on pytest's pythonpath
 
@@ -15,3 +17,12 @@ def case_results(tmp_path_factory):
     output = tmp_path_factory.mktemp("functional")
     only = [name for name in os.environ.get("FUNCTIONAL_CASES", "").split(",") if name]
     return run_cases.run(only or list(run_cases.discover_cases()), str(output))
+
+
+def pytest_collection_finish(session):
+    """Start the waiting scenarios of the collected tests (background.py)."""
+    if any("frozen_runs" in getattr(item, "fixturenames", ()) for item in session.items):
+        from test_faults import start_frozen_runs
+
+        directory = tempfile.mkdtemp(prefix="frozen")
+        background.STARTED["frozen_runs"] = start_frozen_runs(background.POOL, directory)

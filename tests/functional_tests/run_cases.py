@@ -10,6 +10,7 @@ Cases with the same process count and environment run in one torchrun launch.
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -83,6 +84,7 @@ def with_index_cache(args: list[str], output: str) -> list[str]:
 # further case ~2 s. A run leaves no threads behind (pretrain destroys its groups and collects
 # them), so a launch can hold many; a failing case fails the rest of its launch with it.
 CASES_PER_LAUNCH = 40
+CONCURRENT_LAUNCHES = 2
 
 
 def launches(groups: dict[tuple, list[str]]):
@@ -93,7 +95,9 @@ def launches(groups: dict[tuple, list[str]]):
 
 
 def run(case_names: list[str], output: str) -> dict[str, dict]:
-    """Run the cases; return each case's summary.json (plus its log under 'log')."""
+    """Run the cases; return each case's summary.json (plus its log under 'log'). Two launches
+    run at a time: a launch's ranks wait on each other about a quarter of the time on two
+    cores, which the other launch fills."""
     cases = discover_cases()
     os.makedirs(output, exist_ok=True)
     if any("{gpt2}" in str(cases[name]["MODEL_ARGS"]) for name in case_names):
@@ -103,38 +107,47 @@ def run(case_names: list[str], output: str) -> dict[str, dict]:
         case = cases[name]
         key = (case["NPROC"], json.dumps(case.get("ENV_VARS", {}), sort_keys=True))
         groups.setdefault(key, []).append(name)
+    with concurrent.futures.ThreadPoolExecutor(CONCURRENT_LAUNCHES) as pool:
+        launched = [pool.submit(_launch, cases, key, names, output)
+                    for key, names in launches(groups)]  # fmt: skip
+        results = {}
+        for future in launched:
+            results.update(future.result())
+    return results
+
+
+def _launch(cases: dict, key: tuple, names: list[str], output: str) -> dict[str, dict]:
+    """One torchrun launch of the cases `names` (equal NPROC and ENV_VARS): their summaries."""
+    nproc, env_json = key
+    spec = [
+        {
+            "name": name,
+            "args": with_index_cache(flags(cases[name]["MODEL_ARGS"], output), output),
+            "metrics_dir": os.path.join(output, name),
+            "forward_step": cases[name].get("FORWARD_STEP"),
+        }
+        for name in names
+    ]
+    spec_file = os.path.join(output, f"cases_{nproc}_{abs(hash(env_json))}_{names[0]}.json")
+    json.dump(spec, open(spec_file, "w"))
+    env = {**os.environ, **json.loads(env_json), "OMP_NUM_THREADS": "1"}
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "torchrun"),
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        os.path.join(HERE, "multi_run.py"),
+        spec_file,
+    ]
+    completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    log = completed.stdout + completed.stderr
+    if completed.returncode != 0:
+        raise RuntimeError(f"cases {names} failed (exit {completed.returncode}):\n{log[-6000:]}")
     results = {}
-    for (nproc, env_json), names in launches(groups):
-        spec = [
-            {
-                "name": name,
-                "args": with_index_cache(flags(cases[name]["MODEL_ARGS"], output), output),
-                "metrics_dir": os.path.join(output, name),
-                "forward_step": cases[name].get("FORWARD_STEP"),
-            }
-            for name in names
-        ]
-        spec_file = os.path.join(output, f"cases_{nproc}_{abs(hash(env_json))}_{names[0]}.json")
-        json.dump(spec, open(spec_file, "w"))
-        env = {**os.environ, **json.loads(env_json), "OMP_NUM_THREADS": "1"}
-        command = [
-            os.path.join(os.path.dirname(sys.executable), "torchrun"),
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            os.path.join(HERE, "multi_run.py"),
-            spec_file,
-        ]
-        completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-        log = completed.stdout + completed.stderr
-        if completed.returncode != 0:
-            raise RuntimeError(
-                f"cases {names} failed (exit {completed.returncode}):\n{log[-6000:]}"
-            )
-        for name in names:
-            summary = json.load(open(os.path.join(output, name, "summary.json")))
-            summary["log"] = log
-            summary["metrics_dir"] = os.path.join(output, name)
-            results[name] = summary
+    for name in names:
+        summary = json.load(open(os.path.join(output, name, "summary.json")))
+        summary["log"] = log
+        summary["metrics_dir"] = os.path.join(output, name)
+        results[name] = summary
     return results
 
 

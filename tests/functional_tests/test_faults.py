@@ -4,12 +4,14 @@ a dead launcher. Each launch costs ~10 s of imports on a small machine, so there
 import concurrent.futures
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
 import sys
 import time
 
+import background
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -179,14 +181,24 @@ def test_error_of_one_rank_is_printed_with_its_rank(diverged):
 
 
 # ---------------------------------------------------------------------------- hangs
+def start_frozen_runs(pool, directory: str) -> concurrent.futures.Future:
+    """The two hang scenarios below each wait out --distributed-timeout-minutes 1, so they run
+    side by side (they sleep, they do not compute), started by conftest.py when the session
+    is collected: a future of name -> what each measured."""
+    root = pathlib.Path(directory)
+    (root / "stage").mkdir(), (root / "save").mkdir()
+    stage = pool.submit(_freeze_a_stage, root / "stage")
+    save = pool.submit(_freeze_a_rank_in_its_save, root / "save")
+    return pool.submit(lambda: {"stage": stage.result(), "save": save.result()})
+
+
 @pytest.fixture(scope="module")
 def frozen_runs(tmp_path_factory):
-    """The two hang scenarios below each wait out --distributed-timeout-minutes 1, so they run
-    side by side (they sleep, they do not compute): name -> what each measured."""
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        stage = pool.submit(_freeze_a_stage, tmp_path_factory.mktemp("frozen_stage"))
-        save = pool.submit(_freeze_a_rank_in_its_save, tmp_path_factory.mktemp("frozen_save"))
-        return {"stage": stage.result(), "save": save.result()}
+    future = background.STARTED.get("frozen_runs")
+    if future is None:  # not started with the session (the test run on its own)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            return start_frozen_runs(pool, str(tmp_path_factory.mktemp("frozen"))).result()
+    return future.result()
 
 
 def _freeze_a_stage(out) -> dict:
@@ -244,7 +256,7 @@ def test_a_second_job_on_the_same_save_directory_stops_in_one_line(tmp_path):
     save = str(tmp_path / "ckpt")
     log_path = str(tmp_path / "first.log")
     first_args = SMALL + MOCK + ["--train-iters", "100000", "--lr", "1e-4", "--save", save,
-                                 "--save-interval", "20", "--exit-interval", "60"]  # fmt: skip
+                                 "--save-interval", "10", "--exit-interval", "30"]  # fmt: skip
     with open(log_path, "w") as log:
         first = launch(first_args, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -271,9 +283,9 @@ def test_a_second_job_on_the_same_save_directory_stops_in_one_line(tmp_path):
     # "> world size ..." opens the set-up that follows the lock)
     assert "> world size" not in output and "iteration " not in output, output[-3000:]
     assert sorted(d for d in os.listdir(save) if d.startswith("iter_")) == [
-        "iter_0000020", "iter_0000040", "iter_0000060"
+        "iter_0000010", "iter_0000020", "iter_0000030"
     ]  # fmt: skip
-    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "60"
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "30"
     assert not os.path.exists(os.path.join(save, ".writer.json"))
     log = open(log_path).read()
     assert f"saved by run {owner['run_id']}" not in log  # it never loaded anything
