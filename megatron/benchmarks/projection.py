@@ -42,7 +42,6 @@ import sys
 from dataclasses import dataclass
 
 from megatron.pipeline.schedules import SIMULATED_SCHEDULES
-from megatron.pipeline.schedules.paci import drift_bound
 from megatron.pipeline.simulation.costs import StageCosts
 from megatron.pipeline.simulation.engine import simulate
 from megatron.pipeline.simulation.results import steady_state_throughput
@@ -638,7 +637,7 @@ def steady_state(name: str, costs: StageCosts, m: int, mbs: int, flush_sync_s: f
         step_time_s=period,
         bottleneck_busy_fraction=max(per_stage) / period,
         max_drift=max(full.max_drift_per_stage),
-        drift_bound=drift_bound(0, n, m) if name == "paci" else None,
+        drift_bound=schedule.drift_bound(0, n, m) if schedule.drift_bound else None,
         peak_inflight=full.peak_inflight_per_stage,
         held_activations=_held_activations(full, schedule.splits_backward),
         extra_weight_versions=full.measured_extra_weight_versions,

@@ -87,11 +87,41 @@ CASES_PER_LAUNCH = 40
 CONCURRENT_LAUNCHES = 2
 
 
-def launches(groups: dict[tuple, list[str]]):
-    """(key, names) per launch: each group of equal NPROC/ENV_VARS, in chunks."""
+def launches(groups: dict[tuple, list[str]], cases: dict):
+    """(key, names) per launch: each group of equal NPROC/ENV_VARS, in chunks that never split
+    the cases sharing a checkpoint directory (a --load reads what another case's --save wrote,
+    in the order the cases are named), so that launches running at once share nothing."""
     for key, names in groups.items():
-        for start in range(0, len(names), CASES_PER_LAUNCH):
-            yield key, names[start : start + CASES_PER_LAUNCH]
+        chunk: list[str] = []
+        for together in sharing_checkpoints(names, cases):
+            if chunk and len(chunk) + len(together) > CASES_PER_LAUNCH:
+                yield key, chunk
+                chunk = []
+            chunk += together
+        if chunk:
+            yield key, chunk
+
+
+def sharing_checkpoints(names: list[str], cases: dict) -> list[list[str]]:
+    """`names` in runs of cases linked by a --save/--load directory (in their order)."""
+    first_user: dict[str, str] = {}  # directory -> the first case naming it
+    parent = {name: name for name in names}
+
+    def root(name: str) -> str:
+        while parent[name] != name:
+            name = parent[name]
+        return name
+
+    for name in names:
+        arguments = cases[name]["MODEL_ARGS"]
+        for flag in ("--save", "--load"):
+            directory = arguments.get(flag) if isinstance(arguments, dict) else None
+            if directory is not None:
+                parent[root(name)] = root(first_user.setdefault(directory, name))
+    runs: dict[str, list[str]] = {}
+    for name in names:
+        runs.setdefault(root(name), []).append(name)
+    return list(runs.values())
 
 
 def run(case_names: list[str], output: str) -> dict[str, dict]:
@@ -109,7 +139,7 @@ def run(case_names: list[str], output: str) -> dict[str, dict]:
         groups.setdefault(key, []).append(name)
     with concurrent.futures.ThreadPoolExecutor(CONCURRENT_LAUNCHES) as pool:
         launched = [pool.submit(_launch, cases, key, names, output)
-                    for key, names in launches(groups)]  # fmt: skip
+                    for key, names in launches(groups, cases)]  # fmt: skip
         results = {}
         for future in launched:
             results.update(future.result())

@@ -252,6 +252,9 @@ class Schedule:
     # Schedules that admit forwards by a window (PACI's rule 1): microbatches stage s may hold
     # in flight, from (stage, stages, microbatches per step); None: no such window.
     inflight_window: Callable[[int, int, int], int] | None = None
+    # The most optimizer steps a microbatch can cross on stage s, from (stage, stages,
+    # microbatches per step), where the schedule has a closed form (PACI); None: none.
+    drift_bound: Callable[[int, int, int], int] | None = None
 
     @property
     def global_grad_norm(self) -> bool:

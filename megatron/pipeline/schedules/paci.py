@@ -176,11 +176,16 @@ def _paci_schedule(rule: str, limit: str) -> Schedule:
         f"{first}{capped}",
         fixed_order=_fixed_order(limit),
         inflight_window=functools.partial(_window_under, limit),
+        drift_bound=functools.partial(_drift_bound_under, limit),
     )
 
 
 def _window_under(limit: str, stage: int, num_stages: int, accumulation: int) -> int:
     return window(stage, num_stages, accumulation, limit)
+
+
+def _drift_bound_under(limit: str, stage: int, num_stages: int, accumulation: int) -> int:
+    return drift_bound(stage, num_stages, accumulation, limit)
 
 
 ARRIVAL_RULES: dict[str, Schedule] = {rule: paci_schedule(rule) for rule in _RULES}
