@@ -149,7 +149,6 @@ class ParallelConfig(_Section):
     use_tp_pp_dp_mapping: bool = False
     virtual_pipeline_model_parallel_size: int | None = None
     microbatch_group_size_per_virtual_pipeline_stage: int | None = None
-    num_layers: int = 1
     stage_layers: tuple = ()  # layers per pipeline rank (validation resolves the split)
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
