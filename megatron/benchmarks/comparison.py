@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 from megatron.pipeline.schedules import SIMULATED_SCHEDULES
+from megatron.pipeline.schedules.vocab_passes import cannot_take, with_vocab_passes
 from megatron.pipeline.simulation.engine import simulate
 
 from .projection import Shape, layer_flops, output_flops
@@ -38,8 +39,10 @@ class Model:
     micro_batch_size: int
     interleaved_chunks: int  # v of interleaved 1F1B (Megatron's VP)
     note: str = ""
-    # --enable-vocab-parallel: the output layer and loss split evenly over the ranks (each
-    # rank's share spread over its chunks), their passes placed without a bubble
+    # --enable-vocab-parallel: the output layer and loss split evenly over the ranks. Schedules
+    # that place the vocabulary passes (`schedules.vocab_passes`) run them as actions; the
+    # others (virtual stages, weight stashing) get each rank's share added to its chunks, as
+    # if placed without a bubble (an assumption, marked in the table)
     vocab_parallel: bool = False
 
 
@@ -120,8 +123,11 @@ def layers_per_virtual_stage(model: "Model", chunks: int, shape: str) -> list[in
     return layers
 
 
-def virtual_stage_costs(model: Model, chunks: int, shape: str) -> tuple[list, list, list]:
-    """(forward, input-gradient, weight-gradient) cost per virtual stage, relative units."""
+def virtual_stage_costs(
+    model: Model, chunks: int, shape: str, *, vocab_passes: bool = False
+) -> tuple[list, list, list]:
+    """(forward, input-gradient, weight-gradient) cost per virtual stage, relative units. With
+    `vocab_passes` the output layer is in no stage's costs (`vocab_pass_costs` has them)."""
     layers = layers_per_virtual_stage(model, chunks, shape)
     lf, lb, lw = layer_flops(model.shape, model.micro_batch_size)
     of, ob, ow = output_flops(model.shape, model.micro_batch_size)
@@ -129,6 +135,8 @@ def virtual_stage_costs(model: Model, chunks: int, shape: str) -> tuple[list, li
     forward = [n * lf / unit for n in layers]
     backward = [n * lb / unit for n in layers]
     wgrad = [n * lw / unit for n in layers]
+    if vocab_passes:
+        return forward, backward, wgrad
     for costs, extra in ((forward, of), (backward, ob), (wgrad, ow)):
         if model.vocab_parallel:  # every virtual stage its share
             for index in range(len(costs)):
@@ -136,6 +144,14 @@ def virtual_stage_costs(model: Model, chunks: int, shape: str) -> tuple[list, li
         else:
             costs[-1] += extra / unit  # the last virtual stage: output layer and loss
     return forward, backward, wgrad
+
+
+def vocab_pass_costs(model: Model) -> tuple[float, float]:
+    """(VF, VB) of one rank's output shard, relative units: VF scores the shard (the logits'
+    forward and the shard's part of the hidden state's gradient), VB its weight gradient."""
+    lf, _, _ = layer_flops(model.shape, model.micro_batch_size)
+    of, ob, ow = output_flops(model.shape, model.micro_batch_size)
+    return (of + ob) / lf / model.ranks, ow / lf / model.ranks
 
 
 def _steps_for(ranks: int, m: int) -> int:
@@ -147,9 +163,13 @@ def compare(model: Model, schedule: str, chunks: int | None, m: int) -> Row:
     chunks = model.interleaved_chunks if chunks is None else chunks
     placed = definition.placement is not None
     shape = definition.placement(model.ranks, chunks).shape if placed else "interleaved"
-    forward, backward, wgrad = virtual_stage_costs(model, chunks, shape)
+    passes = model.vocab_parallel and cannot_take(definition) is None
+    forward, backward, wgrad = virtual_stage_costs(model, chunks, shape, vocab_passes=passes)
     if not definition.splits_backward:  # one backward pass: input and weight gradients
         backward, wgrad = [b + w for b, w in zip(backward, wgrad)], [0.0] * len(wgrad)
+    vocab = vocab_pass_costs(model) if passes else (0.0, 0.0)
+    if passes:
+        definition = with_vocab_passes(definition)
     k = _steps_for(model.ranks, m)
     runs = []
     try:
@@ -165,12 +185,15 @@ def compare(model: Model, schedule: str, chunks: int | None, m: int) -> Row:
                     weight_grad_cost=wgrad,
                     record_timeline=False,
                     chunks_per_rank=chunks if definition.placement is not None else None,
+                    vocab_forward_cost=vocab[0],
+                    vocab_backward_cost=vocab[1],
                 )
             )
     except ValueError as error:  # the schedule's own rule on m (interleaving, DualPipeV)
         return Row(schedule, chunks, m, None, None, None, None, None, str(error).split(";")[0])
     step_time = (runs[1].makespan - runs[0].makespan) / k
-    limit = m * (sum(forward) + sum(backward) + sum(wgrad)) / model.ranks
+    work = sum(forward) + sum(backward) + sum(wgrad) + model.ranks * sum(vocab)
+    limit = m * work / model.ranks
     result = runs[1]
     peak = max(result.peak_inflight_per_stage) / chunks
     copies = 1 + max(definition.extra_weight_versions(s, model.ranks) for s in range(model.ranks))
@@ -183,6 +206,7 @@ def compare(model: Model, schedule: str, chunks: int | None, m: int) -> Row:
         copies,
         max(result.max_drift_per_stage),
         max(result.max_gradient_delay_per_stage),
+        "" if passes or not model.vocab_parallel else "vocabulary share added to the chunks",
     )
 
 
@@ -213,7 +237,8 @@ def markdown(model: Model, rows: list[Row]) -> str:
             )
             continue
         lines.append(
-            f"| {row.microbatches} | {row.schedule} | {row.chunks_per_rank} | {row.pace:.3f} | "
+            f"| {row.microbatches} | {row.schedule}{' (' + row.note + ')' if row.note else ''} | "
+            f"{row.chunks_per_rank} | {row.pace:.3f} | "
             f"{row.peak_activations:g} | {row.weight_copies} | {row.drift} | {row.staleness} |"
         )
     return "\n".join(lines)

@@ -44,6 +44,17 @@ from .split_backward import PendingWeightGradient, backward_input
 from .stage_state import NO_LIMIT, RankState
 from .trace import TraceEvent
 from .transport import DistributedTransport, LaneEnds, LaneLinks, LaneStreams
+from .vocab_parallel import (
+    HiddenForLoss,
+    OutputShard,
+    combine_shards,
+    hidden_message,
+    per_token_loss,
+    read_hidden,
+    score_shard,
+    shard_weight_gradient,
+    stats_message,
+)
 from .weight_stash import WeightStash
 
 _ACTION_CODES = list(ActionKind)
@@ -92,6 +103,9 @@ class _InFlight:
     saved_bytes: int
     tokens: int = 0  # last stage, per-token loss: the microbatch's loss-mask count
     pending_weight_grad: PendingWeightGradient | None = None  # split backward: after B
+    # last stage with a split vocabulary: the loss is computed at the backward, from the shards
+    loss_func: Callable | None = None
+    for_loss: HiddenForLoss | None = None
 
 
 @dataclass
@@ -156,6 +170,7 @@ class RankRuntime:
         record_trace: bool = False,
         deterministic: bool = False,
         per_token_loss: bool = False,
+        output_shard: OutputShard | None = None,
     ):
         self.context, self.model = context, model
         self.placement = placement
@@ -198,7 +213,21 @@ class RankRuntime:
         self._blocked_s = 0.0  # waiting inside the current action
         self._start_time: float | None = None
         self._arrivals = threading.Condition()
-        self.lanes = self._open_lanes(transport or self._default_transport())
+        transport = transport or self._default_transport()
+        self.lanes = self._open_lanes(transport)
+        # A vocabulary split over the ranks (`schedules.vocab_passes`): this rank's rows of the
+        # output layer, its streams, the microbatches it scored and awaits the statistics of,
+        # and the steps its shard took between scoring a microbatch and its weight gradient.
+        self.output_shard = output_shard
+        self.vocab_streams = None
+        self.shard_scores: collections.deque = collections.deque()
+        self.shard_drift: collections.Counter = collections.Counter()
+        if output_shard is not None:
+            if placement is not None:
+                raise ValueError("a split vocabulary runs with one model chunk per rank")
+            self.vocab_streams = transport.open_vocab(
+                context.stage, context.num_stages, self._arrivals
+            )
 
     # ---------------------------------------------------------------- wiring
     def _default_transport(self) -> DistributedTransport:
@@ -307,6 +336,12 @@ class RankRuntime:
                 f"stage {self.context.stage}: {schedule.name} after a weight-stashing schedule "
                 "(the stashed versions would be lost)"
             )
+        if schedule.vocab_passes != (self.output_shard is not None):
+            raise RuntimeError(
+                f"{schedule.name}: the schedule {'places' if schedule.vocab_passes else 'has no'}"
+                f" vocabulary passes, the rank {'holds no' if self.output_shard is None else 'holds an'}"
+                " output shard"
+            )
         self.schedule = schedule
 
     def _begin_call(self, schedule: Schedule, num_microbatches, microbatches_before_drain) -> None:
@@ -338,17 +373,32 @@ class RankRuntime:
                         ctx.stage, lane.chunk, self.placement, chunk.microbatches_per_step
                     )
                     total = min(total, chunk.backward_target + ahead)
-                elif self.placement is None:
-                    total = min(total, chunk.backward_target + ctx.num_stages - ctx.stage - 1)
+                elif self.placement is None:  # the shards are one stage more (vocab_passes)
+                    depth = ctx.num_stages - ctx.stage - 1 + self.schedule.vocab_passes
+                    total = min(total, chunk.backward_target + depth)
                 streams.activations_in.expect_total(self._forward_only_microbatches + total)
             if streams.gradients_in is not None:
                 streams.gradients_in.expect_total(chunk.backward_target)
+        if self.vocab_streams is not None:
+            self._expect_vocab_inputs(forward_limit)
+
+    def _expect_vocab_inputs(self, forward_limit: int) -> None:
+        """Hidden states as far as this rank may forward (the last stage forwards no further),
+        statistics and shard outputs up to the backward target."""
+        chunk, streams = self.state.chunks[0], self.vocab_streams
+        window = self.context.num_stages - self.context.stage  # one stage deeper (rule 1)
+        streams.hidden_in.expect_total(min(forward_limit, chunk.backward_target + window))
+        streams.stats_in.expect_total(chunk.backward_target)
+        for inbox in streams.shard_in:
+            inbox.expect_total(chunk.backward_target)
 
     def run_forward_only(self, *, forward_step_func, data_iterator, num_microbatches) -> list:
         """Forward `num_microbatches` through every chunk with no graph kept (evaluation):
         microbatch by microbatch, the rank's chunks in the order of their virtual stages (each
         one's input is there or on its way, as every rank runs the same order). The pipeline
         must be empty."""
+        if self.output_shard is not None:
+            raise RuntimeError("a forward-only pass with the vocabulary split is not supported yet")
         if self.inflight_microbatches:
             raise RuntimeError(
                 f"stage {self.context.stage} has {self.inflight_microbatches} microbatches in "
@@ -389,11 +439,23 @@ class RankRuntime:
     # ---------------------------------------------------------------- deciding
     def _view(self, step_enabled: bool) -> StageView:
         inputs = [lane.is_first or lane.streams.activations_in.ready() for lane in self.lanes]
-        grads = [
-            bool(lane.inflight) if lane.is_last else lane.streams.gradients_in.ready()
-            for lane in self.lanes
-        ]
-        return self.state.view(inputs_ready=inputs, grads_ready=grads, step_enabled=step_enabled)
+        grads = [self._gradient_ready(lane) for lane in self.lanes]
+        vocab = self.vocab_streams
+        ready = (
+            (False, False) if vocab is None else (vocab.hidden_in.ready(), vocab.stats_in.ready())
+        )
+        return self.state.view(
+            inputs_ready=inputs, grads_ready=grads, step_enabled=step_enabled, vocab_ready=ready
+        )
+
+    def _gradient_ready(self, lane: _Lane) -> bool:
+        """The next backward's output gradient is there: on the last stage its own loss, or
+        with a split vocabulary every shard's output of the microbatch."""
+        if not lane.is_last:
+            return lane.streams.gradients_in.ready()
+        if self.vocab_streams is not None:
+            return bool(lane.inflight) and all(i.ready() for i in self.vocab_streams.shard_in)
+        return bool(lane.inflight)
 
     def _decide(self, schedule: Schedule, step_enabled: bool) -> Action:
         ctx = self.context
@@ -417,6 +479,9 @@ class RankRuntime:
         return action
 
     def _nothing_to_wait_for(self) -> bool:
+        vocab = self.vocab_streams
+        if vocab is not None and any(inbox.outstanding() for inbox in vocab.inboxes()):
+            return False
         for lane in self.lanes:
             if any(inbox.outstanding() for inbox in lane.streams.inboxes()):
                 return False
@@ -443,7 +508,7 @@ class RankRuntime:
         """Run one slot: the action and the passes run together with it, in order."""
         start, self._blocked_s = time.perf_counter(), 0.0
         if self._is_full_backward(action):
-            self._backward(self._lane_of(action), split=False)
+            self._backward(self._lane_of(action), work, split=False)
         else:
             for part in action.passes:
                 self._run_pass(part, work)
@@ -466,7 +531,7 @@ class RankRuntime:
             work.losses.append(loss)
 
     def _run_backward(self, part: Action, work: "_CallWork") -> None:
-        self._backward(self._lane_of(part), split=self.state.splits_backward)
+        self._backward(self._lane_of(part), work, split=self.state.splits_backward)
 
     def _run_weight_grad(self, part: Action, work: "_CallWork") -> None:
         self._weight_grad(self._lane_of(part))
@@ -474,12 +539,33 @@ class RankRuntime:
     def _run_step(self, part: Action, work: "_CallWork") -> None:
         self._step(work.optimizer_step_func)
 
+    def _run_vocab_forward(self, part: Action, work: "_CallWork") -> None:
+        """VF: score the last stage's hidden state with this rank's output shard."""
+        shard, streams = self.output_shard, self.vocab_streams
+        hidden, labels = read_hidden(self._take(streams.hidden_in), shard.hidden_size)
+        compute_start = time.perf_counter()
+        score, message = score_shard(hidden, labels, shard.weight, shard.start)
+        self.compute_s += time.perf_counter() - compute_start
+        self.state.record_vocab_forward()
+        self.shard_scores.append(score)
+        self._timed_send(streams.shard_out, message)
+
+    def _run_vocab_backward(self, part: Action, work: "_CallWork") -> None:
+        """VB: the shard's weight gradient of its oldest scored microbatch."""
+        stats = self._take(self.vocab_streams.stats_in)
+        compute_start = time.perf_counter()
+        shard_weight_gradient(self.shard_scores.popleft(), stats)
+        self.compute_s += time.perf_counter() - compute_start
+        self.shard_drift[self.state.steps - self.state.record_vocab_backward()] += 1
+
     # One handler per kind that runs (schedules.base.KIND_INFO: `runs`).
     _PASS_HANDLERS = {
         ActionKind.FORWARD: _run_forward,
         ActionKind.BACKWARD: _run_backward,
         ActionKind.WEIGHT_GRAD: _run_weight_grad,
         ActionKind.STEP: _run_step,
+        ActionKind.VOCAB_FORWARD: _run_vocab_forward,
+        ActionKind.VOCAB_BACKWARD: _run_vocab_backward,
     }
 
     def _is_full_backward(self, action: Action) -> bool:
@@ -517,8 +603,11 @@ class RankRuntime:
                 data_iterator=_data_of(work.data_iterator, lane),
                 input_tensor=input_tensor,
             )
-            loss_dict, tokens = None, 0
-            if lane.is_last:
+            loss_dict, tokens, for_loss = None, 0, None
+            if lane.is_last and self.output_shard is not None:  # the loss comes at the backward
+                for_loss = _hidden_for_loss(output)
+                output = for_loss.hidden
+            elif lane.is_last:
                 loss, tokens, loss_dict = _split_loss(loss_func(output))
                 # flush scales by 1/m, PACI by 1/a, PipeDream (a step per microbatch) by 1;
                 # a per-token loss is divided by the step's token count at the step instead
@@ -527,7 +616,13 @@ class RankRuntime:
                 output = loss
         self.compute_s += time.perf_counter() - compute_start
         microbatch = self.state.record_forward(lane.chunk, version)
-        lane.inflight.append(_InFlight(microbatch, input_tensor, output, saved[0], tokens))
+        inflight = _InFlight(microbatch, input_tensor, output, saved[0], tokens)
+        if for_loss is not None:
+            inflight.loss_func, inflight.for_loss = loss_func, for_loss
+            message = hidden_message(for_loss)
+            for outbox in self.vocab_streams.hidden_out:  # every rank's shard scores it
+                self._timed_send(outbox, message)
+        lane.inflight.append(inflight)
         self.stats.add_activation(saved[0], self.inflight_microbatches)
         if not lane.is_last:
             self._send_activation(lane, output)
@@ -568,15 +663,16 @@ class RankRuntime:
             return False
         return version >= pinned(state.forwards, state.microbatches_per_step, state.steps)
 
-    def _backward(self, lane: _Lane, *, split: bool) -> None:
+    def _backward(self, lane: _Lane, work: "_CallWork", *, split: bool) -> None:
         """The backward of the lane's oldest microbatch in flight; with `split`, only its input
         gradient (the weight gradient waits for its WEIGHT_GRAD action)."""
         microbatch = lane.inflight.popleft()
-        grad, tokens = None, microbatch.tokens
+        grad, tokens, output, shards = None, microbatch.tokens, microbatch.output_tensor, None
         if not lane.is_last:
             grad, received = self._receive_gradient(lane)
             tokens = received if self.per_token_loss else tokens
-        output = microbatch.output_tensor
+        elif microbatch.for_loss is not None:
+            output, tokens, shards = self._loss_from_shards(microbatch, work)
         if lane.is_last and self.loss_scaler is not None:
             output = output * self.loss_scaler.scale  # fp16: the rank's scale, now
         version = self.state.chunks[lane.chunk].forward_versions[microbatch.microbatch]
@@ -590,6 +686,11 @@ class RankRuntime:
             else:
                 torch.autograd.backward(output, grad_tensors=grad)
         self.compute_s += time.perf_counter() - compute_start
+        if shards is not None:  # the statistics to every shard, for its weight gradient
+            combined, loss_gradient = shards
+            message = stats_message(combined, loss_gradient[0])
+            for outbox in self.vocab_streams.stats_out:
+                self._timed_send(outbox, message)
         if lane.chunk == 0:  # a microbatch's last backward on the rank: count its tokens once
             self.tokens_since_step += int(tokens)
         if not lane.is_first:
@@ -602,6 +703,24 @@ class RankRuntime:
         if self.state.splits_backward:  # a full backward: the W of the same slot is done too
             forward_version = self.state.record_weight_grad(lane.chunk)
         self._record_gradient_taken(lane, microbatch, forward_version)
+
+    def _loss_from_shards(self, microbatch: _InFlight, work: "_CallWork"):
+        """The last stage, split vocabulary: every shard's output combined into the per-token
+        losses (differentiable in the hidden state), the loss function applied and the loss
+        scaled as at the forward of an unsplit model. Returns (loss, tokens, (combined, where
+        the loss's gradient lands))."""
+        messages = [self._take(inbox) for inbox in self.vocab_streams.shard_in]
+        compute_start = time.perf_counter()
+        combined = combine_shards(messages, self.output_shard.hidden_size)
+        loss_gradient: list = []
+        losses = per_token_loss(microbatch.for_loss, combined, loss_gradient)
+        loss, tokens, loss_dict = _split_loss(microbatch.loss_func(losses))
+        if not self.per_token_loss:
+            loss = loss / self.schedule.microbatches_per_update(work.num_microbatches)
+        self.compute_s += time.perf_counter() - compute_start
+        work.losses.append(loss_dict)
+        microbatch.for_loss = microbatch.loss_func = None
+        return loss, tokens, (combined, loss_gradient)
 
     def _weight_grad(self, lane: _Lane) -> None:
         microbatch = lane.awaiting_weight_grad.popleft()
@@ -722,9 +841,11 @@ class RankRuntime:
         self._timed_send(lane.streams.gradients_out, torch.cat(parts))
 
     def _flush_sends(self) -> None:
-        for lane in self.lanes:
-            for outbox in lane.streams.outboxes():
-                outbox.flush()
+        outboxes = [o for lane in self.lanes for o in lane.streams.outboxes()]
+        if self.vocab_streams is not None:
+            outboxes += self.vocab_streams.outboxes()
+        for outbox in outboxes:
+            outbox.flush()
 
 
 @dataclass
@@ -763,6 +884,15 @@ def _split_loss(result) -> tuple[torch.Tensor, int, dict]:
     if not (isinstance(result, tuple) and len(result) == 2):
         raise TypeError("loss_func must return (loss, {'lm loss': ...})")
     return result[0], 0, result[1]
+
+
+def _hidden_for_loss(output) -> HiddenForLoss:
+    if not isinstance(output, HiddenForLoss):
+        raise TypeError(
+            "with the vocabulary split over the ranks the last stage's forward step must "
+            f"return a HiddenForLoss (hidden state and labels), got {type(output).__name__}"
+        )
+    return output
 
 
 def _loss_dict(result) -> dict:

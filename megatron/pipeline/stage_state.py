@@ -41,6 +41,8 @@ class StageState:
     backwards: int = 0
     weight_grads: int = 0
     steps: int = 0  # optimizer steps taken: the stage's current weight version
+    vocab_forwards: int = 0  # the rank's output-shard passes (a vocabulary split over ranks)
+    vocab_backwards: int = 0
     calls: int = 0
     microbatches_per_step: int = 1
     backward_target: int = 0  # cumulative backwards the current call must reach
@@ -49,6 +51,8 @@ class StageState:
     forward_limit: int = NO_LIMIT  # no forward beyond this count in the current call
     # microbatch -> weight version its forward used, until its weight gradient is accumulated
     forward_versions: dict[int, int] = field(default_factory=dict)
+    # microbatch -> weight version the output shard scored it with, until its VB
+    shard_versions: dict[int, int] = field(default_factory=dict)
     peak_inflight: int = 0
     recent: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=RECENT_ACTIONS)
@@ -69,7 +73,15 @@ class StageState:
         self.backward_target += microbatches_per_step
         self.forward_limit = forward_limit
 
-    def view(self, *, input_ready: bool, grad_ready: bool, step_enabled: bool = True) -> StageView:
+    def view(
+        self,
+        *,
+        input_ready: bool,
+        grad_ready: bool,
+        step_enabled: bool = True,
+        hidden_ready: bool = False,
+        stats_ready: bool = False,
+    ) -> StageView:
         return StageView(
             stage=self.stage,
             num_stages=self.num_stages,
@@ -85,6 +97,10 @@ class StageState:
             weight_grads=self.weight_grads,
             backwards_at_m=self.backwards_at_m,
             steps_at_m=self.steps_at_m,
+            vocab_forwards=self.vocab_forwards,
+            vocab_backwards=self.vocab_backwards,
+            hidden_ready=hidden_ready,
+            stats_ready=stats_ready,
         )
 
     # ------------------------------------------------------------------ validation
@@ -123,12 +139,26 @@ class StageState:
             return "steps the optimizer, but the caller steps it itself"
         return None
 
+    def _vocab_forward_problem(self, microbatch: int, step_enabled: bool) -> str | None:
+        if microbatch != self.vocab_forwards:
+            return f"names microbatch {microbatch}, the shard's next is {self.vocab_forwards}"
+        return None
+
+    def _vocab_backward_problem(self, microbatch: int, step_enabled: bool) -> str | None:
+        if microbatch != self.vocab_backwards:
+            return f"names microbatch {microbatch}, the shard's next is {self.vocab_backwards}"
+        if self.vocab_backwards >= self.vocab_forwards:
+            return "takes a shard's weight gradient before the shard scored the microbatch"
+        return None
+
     # One check per kind a stage runs (schedules.base.KIND_INFO); WAIT and DONE are no work.
     _CHECKS = {
         ActionKind.FORWARD: _forward_problem,
         ActionKind.BACKWARD: _backward_problem,
         ActionKind.WEIGHT_GRAD: _weight_grad_problem,
         ActionKind.STEP: _step_problem,
+        ActionKind.VOCAB_FORWARD: _vocab_forward_problem,
+        ActionKind.VOCAB_BACKWARD: _vocab_backward_problem,
     }
 
     def check(self, action: Action, *, step_enabled: bool = True) -> None:
@@ -143,11 +173,17 @@ class StageState:
 
     def describe(self) -> str:
         limit = "none" if self.forward_limit >= NO_LIMIT else str(self.forward_limit)
+        vocab = self._describe_vocab()
         return (
             f"stage {self.stage} of {self.num_stages}, call {self.calls}: F={self.forwards} "
             f"B={self.backwards} W={self.weight_grads} S={self.steps}, in flight {self.inflight}, "
-            f"backward target {self.backward_target}, forward limit {limit}"
+            f"backward target {self.backward_target}, forward limit {limit}{vocab}"
         )
+
+    def _describe_vocab(self) -> str:
+        if not self.vocab_forwards:
+            return ""
+        return f", VF={self.vocab_forwards} VB={self.vocab_backwards}"
 
     def recent_actions(self) -> str:
         return " ".join(str(action) for action in self.recent) or "(none)"
@@ -184,6 +220,21 @@ class StageState:
     def record_step(self) -> None:
         self.steps += 1
         self.recent.append(Action(ActionKind.STEP))
+
+    def record_vocab_forward(self) -> int:
+        """The rank's output shard scored its next microbatch; returns the microbatch."""
+        microbatch = self.vocab_forwards
+        self.shard_versions[microbatch] = self.steps
+        self.vocab_forwards += 1
+        self.recent.append(Action(ActionKind.VOCAB_FORWARD, microbatch))
+        return microbatch
+
+    def record_vocab_backward(self) -> int:
+        """The shard took a microbatch's weight gradient; returns the version that scored it."""
+        version = self.shard_versions.pop(self.vocab_backwards)
+        self.recent.append(Action(ActionKind.VOCAB_BACKWARD, self.vocab_backwards))
+        self.vocab_backwards += 1
+        return version
 
 
 class RankState:
@@ -254,11 +305,20 @@ class RankState:
         for chunk in self.chunks:
             chunk.begin_call(microbatches_per_step, forward_limit)
 
-    def view(self, *, inputs_ready, grads_ready, step_enabled: bool = True) -> StageView:
-        """The schedule's view; `inputs_ready`/`grads_ready`: one flag per chunk."""
+    def view(
+        self, *, inputs_ready, grads_ready, step_enabled: bool = True, vocab_ready=(False, False)
+    ) -> StageView:
+        """The schedule's view; `inputs_ready`/`grads_ready`: one flag per chunk;
+        `vocab_ready`: whether the output shard's next VF and VB inputs have arrived (a
+        vocabulary split over the ranks; one chunk per rank)."""
         if not self.chunked:
+            hidden_ready, stats_ready = vocab_ready
             return self.chunks[0].view(
-                input_ready=inputs_ready[0], grad_ready=grads_ready[0], step_enabled=step_enabled
+                input_ready=inputs_ready[0],
+                grad_ready=grads_ready[0],
+                step_enabled=step_enabled,
+                hidden_ready=hidden_ready,
+                stats_ready=stats_ready,
             )
         first = self.chunks[0]
         views = tuple(
@@ -362,6 +422,25 @@ class RankState:
         for chunk in self.chunks:
             chunk.record_step()
         self._note(Action(ActionKind.STEP))
+
+    # the output shard is the rank's (one chunk per rank): its counters live in chunk 0's state
+    def record_vocab_forward(self) -> int:
+        microbatch = self.chunks[0].record_vocab_forward()
+        self._note(Action(ActionKind.VOCAB_FORWARD, microbatch))
+        return microbatch
+
+    def record_vocab_backward(self) -> int:
+        version = self.chunks[0].record_vocab_backward()
+        self._note(Action(ActionKind.VOCAB_BACKWARD, self.chunks[0].vocab_backwards - 1))
+        return version
+
+    @property
+    def vocab_forwards(self) -> int:
+        return self.chunks[0].vocab_forwards
+
+    @property
+    def vocab_backwards(self) -> int:
+        return self.chunks[0].vocab_backwards
 
     def _note(self, action: Action) -> None:
         self.recent.append(action)

@@ -20,7 +20,7 @@ arrives, so the runtime can sleep until any stream delivers.
 
 import collections
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -98,6 +98,26 @@ class QueueOutbox:
 
     def flush(self) -> None:
         pass
+
+
+@dataclass
+class VocabStreams:
+    """A rank's streams for its output shard (a vocabulary split over the ranks): the last
+    stage's hidden states and softmax statistics in, the shard's output to the last stage.
+    The last stage also holds one stream per rank the other way (its own through a queue)."""
+
+    hidden_in: object
+    stats_in: object
+    shard_out: object
+    hidden_out: list = field(default_factory=list)  # last stage only, by rank
+    stats_out: list = field(default_factory=list)
+    shard_in: list = field(default_factory=list)
+
+    def inboxes(self) -> tuple:
+        return (self.hidden_in, self.stats_in, *self.shard_in)
+
+    def outboxes(self) -> tuple:
+        return (self.shard_out, *self.hidden_out, *self.stats_out)
 
 
 @dataclass
@@ -214,6 +234,22 @@ class InProcessTransport:
     def queue(self, stream: str, receiving_stage: int) -> QueueInbox:
         return self._queues.setdefault((stream, receiving_stage), QueueInbox())
 
+    def vocab_streams(self, rank: int, num_ranks: int, arrivals) -> VocabStreams:
+        """Rank `rank`'s output-shard streams (shard outputs are queued by sender)."""
+        last = num_ranks - 1
+        streams = VocabStreams(
+            hidden_in=self.queue("hidden", rank),
+            stats_in=self.queue("stats", rank),
+            shard_out=QueueOutbox(self.queue(f"shard from {rank}", last)),
+        )
+        if rank == last:
+            streams.hidden_out = [QueueOutbox(self.queue("hidden", r)) for r in range(num_ranks)]
+            streams.stats_out = [QueueOutbox(self.queue("stats", r)) for r in range(num_ranks)]
+            streams.shard_in = [self.queue(f"shard from {r}", last) for r in range(num_ranks)]
+        for inbox in streams.inboxes():
+            inbox.arrivals = arrivals
+        return streams
+
 
 @dataclass
 class _InProcessRankTransport:
@@ -239,3 +275,6 @@ class _InProcessRankTransport:
             streams.gradients_in.arrivals = arrivals
             streams.activations_out = QueueOutbox(hub.queue("activation", stage + 1))
         return streams
+
+    def open_vocab(self, rank: int, num_ranks: int, arrivals) -> VocabStreams:
+        return self.hub.vocab_streams(rank, num_ranks, arrivals)

@@ -41,6 +41,12 @@ class ActionKind(enum.Enum):
     # Split-backward schedules only (zero-bubble): BACKWARD then computes the input gradient
     # alone, and WEIGHT_GRAD computes the weight gradient of the oldest such microbatch later.
     WEIGHT_GRAD = "W"
+    # A vocabulary split over the pipeline ranks (`vocab_passes`) only: the rank's shard of the
+    # output layer scores a microbatch's last hidden state (VF: the shard's logits, softmax
+    # statistics and input-gradient part), and later takes its weight gradient (VB) once the
+    # statistics over every shard are back.
+    VOCAB_FORWARD = "VF"
+    VOCAB_BACKWARD = "VB"
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,7 @@ class Action:
         return (Action(self.kind, self.microbatch, self.chunk), *self.together)
 
 
+VOCAB_FORWARD, VOCAB_BACKWARD = ActionKind.VOCAB_FORWARD, ActionKind.VOCAB_BACKWARD
 FORWARD, BACKWARD, STEP, WAIT, DONE = (
     ActionKind.FORWARD,
     ActionKind.BACKWARD,
@@ -83,6 +90,12 @@ class Transfer(enum.Enum):
 
     ACTIVATION = "activation"
     GRADIENT = "gradient"
+    # A vocabulary split over the ranks: the last stage's output hidden state goes to every
+    # rank, each shard's part of the loss and of its gradient comes back to the last stage,
+    # and the softmax statistics over all shards go out to every rank again.
+    HIDDEN = "hidden"
+    SHARD_OUTPUT = "shard output"
+    LOGIT_STATS = "logit statistics"
 
 
 @dataclass(frozen=True)
@@ -98,14 +111,24 @@ class KindInfo:
     needs: Transfer | None = None  # waits for it, except at the pipeline's end that makes it
     sends: Transfer | None = None  # sent when its slot ends, except at the pipeline's end
     counter: str | None = None  # the stage counter it advances (its index for costs, noise)
+    # With the vocabulary split over the ranks, at the last stage only: what the pass waits
+    # for from every rank (each shard's output) and what it sends to every rank.
+    output_needs: Transfer | None = None
+    output_sends: Transfer | None = None
 
 
 KIND_INFO: dict[ActionKind, KindInfo] = {
     FORWARD: KindInfo(runs=True, per_chunk=True, needs=Transfer.ACTIVATION,
-                      sends=Transfer.ACTIVATION, counter="forwards"),
+                      sends=Transfer.ACTIVATION, counter="forwards",
+                      output_sends=Transfer.HIDDEN),
     BACKWARD: KindInfo(runs=True, per_chunk=True, needs=Transfer.GRADIENT,
-                       sends=Transfer.GRADIENT, counter="backwards"),
+                       sends=Transfer.GRADIENT, counter="backwards",
+                       output_needs=Transfer.SHARD_OUTPUT, output_sends=Transfer.LOGIT_STATS),
     WEIGHT_GRAD: KindInfo(runs=True, per_chunk=True, counter="weight_grads"),
+    VOCAB_FORWARD: KindInfo(runs=True, per_chunk=False, needs=Transfer.HIDDEN,
+                            sends=Transfer.SHARD_OUTPUT, counter="vocab_forwards"),
+    VOCAB_BACKWARD: KindInfo(runs=True, per_chunk=False, needs=Transfer.LOGIT_STATS,
+                             counter="vocab_backwards"),
     STEP: KindInfo(runs=True, per_chunk=False, counter="steps"),
     WAIT: KindInfo(runs=False, per_chunk=False),
     DONE: KindInfo(runs=False, per_chunk=False),
@@ -173,6 +196,13 @@ class StageView(StagePosition):
     # counters above, the backward target and the forward limit are then totals over the
     # chunks, and `input_ready`/`grad_ready` say whether any chunk has its input/gradient.
     chunks: tuple[ChunkView, ...] = ()
+    # A vocabulary split over the ranks (schedules with `vocab_passes`): the rank's output
+    # shard passes so far, and whether the next one's input has arrived (VF: the last stage's
+    # hidden state of microbatch `vocab_forwards`; VB: the statistics of `vocab_backwards`).
+    vocab_forwards: int = 0
+    vocab_backwards: int = 0
+    hidden_ready: bool = False
+    stats_ready: bool = False
 
     @property
     def inflight(self) -> int:
@@ -255,6 +285,9 @@ class Schedule:
     # The most optimizer steps a microbatch can cross on stage s, from (stage, stages,
     # microbatches per step), where the schedule has a closed form (PACI); None: none.
     drift_bound: Callable[[int, int, int], int] | None = None
+    # The output layer and the loss are split by vocabulary over the ranks, and the schedule
+    # places their passes (VOCAB_FORWARD, VOCAB_BACKWARD; `schedules.vocab_passes`).
+    vocab_passes: bool = False
 
     @property
     def global_grad_norm(self) -> bool:

@@ -36,6 +36,11 @@ Execution model (what the runtime does, minus the tensors):
   another rank and at once when it is on the same rank (the V shape's turn). Forward, backward
   and weight-gradient costs are then per virtual stage (a number: every chunk; a list: S = N * v
   values, by virtual stage), the step cost per rank. The last virtual stage has its own loss.
+* A vocabulary split over the ranks (a schedule with `vocab_passes`): the last stage's forward
+  sends its hidden state to every rank (to itself at once), each rank's VF sends its shard's
+  output to the last stage, whose backward of a microbatch waits for every shard's and then
+  sends the statistics to every rank for their VB; each message after ``p2p_latency``. VF and
+  VB cost ``vocab_forward_cost`` and ``vocab_backward_cost`` per rank.
 * Costs are per stage (a number is used for every stage). With ``noise`` (`costs.CostNoise`) each
   action's cost is its nominal cost times a seeded lognormal factor of mean 1 (per-stage CV). A schedule without a split backward
   pays ``backward_cost + weight_grad_cost`` per backward; a split one (ZB-H1) pays
@@ -53,7 +58,15 @@ from ..trace import TraceEvent
 from .costs import CostNoise
 from .results import SimulationResult, steady_utilization
 
-_FINISH, _ACTIVATION, _GRADIENT = 0, 1, 2
+_FINISH, _ACTIVATION, _GRADIENT, _HIDDEN, _SHARD, _STATS = range(6)
+# the events a transfer becomes at its receiver
+_EVENT_OF = {
+    Transfer.ACTIVATION: _ACTIVATION,
+    Transfer.GRADIENT: _GRADIENT,
+    Transfer.HIDDEN: _HIDDEN,
+    Transfer.SHARD_OUTPUT: _SHARD,
+    Transfer.LOGIT_STATS: _STATS,
+}
 
 
 class SimulationError(RuntimeError):
@@ -102,11 +115,25 @@ class _Stage:
         self.drift_count = 0
         self.max_delay = 0
         self.peak_extra_versions = 0
+        # a vocabulary split over the ranks: arrivals in microbatch order, and on the last
+        # rank the shard outputs from each rank; the shard's drift (steps between VF and VB)
+        self.arrived = {_HIDDEN: 0, _STATS: 0}
+        self.shards_from: list[int] = []
+        self.max_shard_drift = 0
 
 
 class _Simulator:
     def __init__(
-        self, schedule, placement, m, steps, costs, p2p_latency, record_timeline, noise=None
+        self,
+        schedule,
+        placement,
+        m,
+        steps,
+        costs,
+        p2p_latency,
+        record_timeline,
+        noise=None,
+        vocab_costs=None,
     ):
         self.schedule = schedule
         self.noise = noise
@@ -118,6 +145,7 @@ class _Simulator:
         self.forward_cost, self.backward_cost, self.wgrad_cost, self.step_cost = costs
         self.latency = p2p_latency
         self.stages = [_Stage(self._new_state(s)) for s in range(self.n)]
+        self.stages[-1].shards_from = [0] * self.n
         self.events: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -133,6 +161,10 @@ class _Simulator:
             ActionKind.WEIGHT_GRAD: self.wgrad_cost,
             ActionKind.STEP: self.step_cost,
         }
+        if schedule.vocab_passes:
+            vocab_forward, vocab_backward = vocab_costs
+            self.cost_by_kind[ActionKind.VOCAB_FORWARD] = vocab_forward
+            self.cost_by_kind[ActionKind.VOCAB_BACKWARD] = vocab_backward
 
     def _new_state(self, rank: int) -> RankState:
         state = RankState(
@@ -178,10 +210,7 @@ class _Simulator:
         if kind == _FINISH:
             self.finish(st)
             return True
-        if kind == _ACTIVATION:
-            st.activations_arrived[chunk] += 1
-        else:
-            st.gradients_arrived[chunk] += 1
+        self.arrive(st, kind, chunk)
         if st.blocked is not None and self.input_ready(st, st.blocked):
             action, st.blocked = st.blocked, None
             self.start(st, action)
@@ -191,17 +220,41 @@ class _Simulator:
             return True
         return False
 
+    @staticmethod
+    def arrive(st: _Stage, kind: int, chunk: int) -> None:
+        """Count an arrival; `chunk` is the sending rank for a shard's output."""
+        if kind == _ACTIVATION:
+            st.activations_arrived[chunk] += 1
+        elif kind == _GRADIENT:
+            st.gradients_arrived[chunk] += 1
+        elif kind == _SHARD:
+            st.shards_from[chunk] += 1
+        else:
+            st.arrived[kind] += 1
+
     # -- decisions --------------------------------------------------------------------------
 
     def view(self, st: _Stage) -> StageView:
         inputs, grads = [], []
         for c, chunk in enumerate(st.state.chunks):
             inputs.append(chunk.stage == 0 or st.activations_arrived[c] > chunk.forwards)
-            if chunk.stage == self.last_virtual_stage:  # its own loss
-                grads.append(chunk.inflight > 0)
-            else:
-                grads.append(st.gradients_arrived[c] > chunk.backwards)
-        return st.state.view(inputs_ready=inputs, grads_ready=grads)
+            grads.append(self.gradient_ready(st, c))
+        state = st.state
+        vocab = (
+            st.arrived[_HIDDEN] > state.vocab_forwards,
+            st.arrived[_STATS] > state.vocab_backwards,
+        )
+        return state.view(inputs_ready=inputs, grads_ready=grads, vocab_ready=vocab)
+
+    def gradient_ready(self, st: _Stage, c: int) -> bool:
+        """The output gradient of the chunk's next backward is there: on the last virtual
+        stage its own loss (with the vocabulary split, every shard's output of it)."""
+        chunk = st.state.chunks[c]
+        if chunk.stage != self.last_virtual_stage:
+            return st.gradients_arrived[c] > chunk.backwards
+        if self.schedule.vocab_passes:
+            return min(st.shards_from) > chunk.backwards
+        return chunk.inflight > 0
 
     def input_ready(self, st: _Stage, action: Action) -> bool:
         """Whether the inputs of the action, and of the passes run together with it, are there."""
@@ -212,11 +265,15 @@ class _Simulator:
             c = st.state.chunk_of(part)
             chunk = st.state.chunks[c]
             if needs is Transfer.ACTIVATION:
-                if not (chunk.stage == 0 or st.activations_arrived[c] > chunk.forwards):
-                    return False
-            elif chunk.stage != self.last_virtual_stage:
-                if not st.gradients_arrived[c] > chunk.backwards:
-                    return False
+                ready = chunk.stage == 0 or st.activations_arrived[c] > chunk.forwards
+            elif needs is Transfer.GRADIENT:
+                ready = self.gradient_ready(st, c)
+            elif needs is Transfer.HIDDEN:
+                ready = st.arrived[_HIDDEN] > st.state.vocab_forwards
+            else:
+                ready = st.arrived[_STATS] > st.state.vocab_backwards
+            if not ready:
+                return False
         return True
 
     def decide(self, st: _Stage) -> None:
@@ -292,15 +349,21 @@ class _Simulator:
 
     def _sends_of(self, st: _Stage, part: Action) -> list[tuple[int, int]]:
         """(virtual stage, transfer) that `part` sends when its slot ends (KIND_INFO)."""
-        sends = kind_info(part.kind).sends
-        if sends is None:
+        info = kind_info(part.kind)
+        if info.sends is Transfer.SHARD_OUTPUT:  # to the last stage, from this rank
+            return [(self.last_virtual_stage, _SHARD)]
+        if info.sends is None:
             return []
         virtual_stage = st.state.chunks[st.state.chunk_of(part)].stage
-        if sends is Transfer.ACTIVATION and virtual_stage < self.last_virtual_stage:
-            return [(virtual_stage + 1, _ACTIVATION)]
-        if sends is Transfer.GRADIENT and virtual_stage > 0:
-            return [(virtual_stage - 1, _GRADIENT)]
-        return []
+        sends = []
+        if virtual_stage == self.last_virtual_stage and self.schedule.vocab_passes:
+            if info.output_sends is not None:  # to every rank
+                sends = [(-rank - 1, _EVENT_OF[info.output_sends]) for rank in range(self.n)]
+        if info.sends is Transfer.ACTIVATION and virtual_stage < self.last_virtual_stage:
+            sends.append((virtual_stage + 1, _ACTIVATION))
+        if info.sends is Transfer.GRADIENT and virtual_stage > 0:
+            sends.append((virtual_stage - 1, _GRADIENT))
+        return sends
 
     def _finished_forward(self, st: _Stage, part: Action) -> None:
         self.on_forward(st, st.state.chunk_of(part), part.microbatch)
@@ -316,24 +379,37 @@ class _Simulator:
         st.state.record_step()
         self.count_versions(st)
 
+    def _finished_vocab_forward(self, st: _Stage, part: Action) -> None:
+        st.state.record_vocab_forward()
+
+    def _finished_vocab_backward(self, st: _Stage, part: Action) -> None:
+        version = st.state.record_vocab_backward()
+        st.max_shard_drift = max(st.max_shard_drift, st.state.steps - version)
+
     # What the end of each kind that runs does to the state (schedules.base.KIND_INFO).
     _FINISHED = {
         ActionKind.FORWARD: _finished_forward,
         ActionKind.BACKWARD: _finished_backward,
         ActionKind.WEIGHT_GRAD: _finished_weight_grad,
         ActionKind.STEP: _finished_step,
+        ActionKind.VOCAB_FORWARD: _finished_vocab_forward,
+        ActionKind.VOCAB_BACKWARD: _finished_vocab_backward,
     }
 
     def send(self, st: _Stage, virtual_stage: int, kind: int) -> None:
-        """An activation or gradient for `virtual_stage`: after the latency on another rank, at
-        once (no transfer) on this one."""
-        rank, chunk = self.placement.locate(virtual_stage)
+        """A transfer for `virtual_stage` (-1 - r: rank r itself, for the vocabulary's
+        messages to every rank): after the latency on another rank, at once (no transfer) on
+        this one. A shard's output is counted by its sender."""
+        if virtual_stage < 0:
+            rank, chunk = -virtual_stage - 1, 0
+        else:
+            rank, chunk = self.placement.locate(virtual_stage)
+        if kind == _SHARD:
+            chunk = st.index
         if rank != st.index:
             self.push(self.now + self.latency, kind, rank, chunk)
-        elif kind == _ACTIVATION:  # the rank is finishing an action: it will decide anyway
-            st.activations_arrived[chunk] += 1
-        else:
-            st.gradients_arrived[chunk] += 1
+        else:  # the rank is finishing an action: it will decide anyway
+            self.arrive(st, kind, chunk)
 
     # -- versions, drift, delay ---------------------------------------------------------------
 
@@ -423,6 +499,9 @@ class _Simulator:
             chunks_per_rank=self.placement.chunks_per_rank,
             virtual_stages_per_rank=[self.placement.stages_of(s) for s in range(n)],
             peak_held_per_stage=[st.state.peak_held for st in stages],
+            max_shard_drift_per_stage=(
+                [st.max_shard_drift for st in stages] if self.schedule.vocab_passes else None
+            ),
         )
 
 
@@ -463,6 +542,8 @@ def simulate(
     record_timeline: bool = True,
     noise: CostNoise | None = None,
     chunks_per_rank: int | None = None,
+    vocab_forward_cost: float | Sequence[float] = 0.0,
+    vocab_backward_cost: float | Sequence[float] = 0.0,
 ) -> SimulationResult:
     """Run `steps` calls of `schedule` on `num_stages` stages and measure the run.
 
@@ -476,6 +557,10 @@ def simulate(
     each of the `num_stages` ranks (default: the schedule's `default_chunks_per_rank`); their
     forward, backward and weight-gradient costs are per chunk pass, one number or one per
     virtual stage, and the step cost is per rank.
+
+    A schedule with `vocab_passes` (`schedules.vocab_passes`) also runs each rank's output
+    shard: `vocab_forward_cost` and `vocab_backward_cost` per rank (VF, VB); the forward and
+    backward costs of the last stage then leave the output layer and the loss out.
     """
     v = schedule.default_chunks_per_rank if chunks_per_rank is None else chunks_per_rank
     _check_arguments(schedule, num_stages, microbatches_per_step, steps, p2p_latency, v)
@@ -491,6 +576,15 @@ def simulate(
             ("step_cost", step_cost, num_stages),
         )
     )
+    vocab_costs = tuple(
+        _per_stage(name, value, num_stages)
+        for name, value in (
+            ("vocab_forward_cost", vocab_forward_cost),
+            ("vocab_backward_cost", vocab_backward_cost),
+        )
+    )
+    if any(map(any, vocab_costs)) and not schedule.vocab_passes:
+        raise ValueError(f"{schedule.name} places no vocabulary passes: their costs are unused")
     sim = _Simulator(
         schedule,
         placement,
@@ -500,6 +594,7 @@ def simulate(
         float(p2p_latency),
         record_timeline,
         noise,
+        vocab_costs,
     )
     sim.run()
     return sim.result()

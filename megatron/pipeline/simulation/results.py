@@ -87,6 +87,9 @@ class SimulationResult:
     chunks_per_rank: int = 1
     virtual_stages_per_rank: list[list[int]] = field(default_factory=list)
     peak_held_per_stage: list[int] = field(default_factory=list)
+    # a vocabulary split over the ranks: the most steps a rank's output shard took between
+    # scoring a microbatch (VF) and taking its weight gradient (VB); None without the split
+    max_shard_drift_per_stage: list[int] | None = None
 
     @property
     def total_microbatches(self) -> int:
@@ -147,6 +150,11 @@ class SimulationResult:
             "measured_extra_weight_versions": self.measured_extra_weight_versions,
             "optimizer_steps_per_stage": self.optimizer_steps_per_stage,
             **({} if self.placement is None else {"virtual_stages": self.virtual_stage_report()}),
+            **(
+                {}
+                if self.max_shard_drift_per_stage is None
+                else {"max_shard_drift_per_stage": self.max_shard_drift_per_stage}
+            ),
         }
 
     def to_json(self, **kwargs) -> str:

@@ -15,7 +15,8 @@ RUNNING = {kind for kind, info in KIND_INFO.items() if info.runs}
 def test_every_kind_is_described_once():
     assert set(KIND_INFO) == set(ActionKind)
     assert RUNNING == {ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT_GRAD,
-                       ActionKind.STEP}  # fmt: skip
+                       ActionKind.STEP, ActionKind.VOCAB_FORWARD,
+                       ActionKind.VOCAB_BACKWARD}  # fmt: skip
     for kind in RUNNING:  # a kind that runs advances a counter the stage state keeps
         assert hasattr(StageState, "record_" + kind.name.lower())
         assert kind_info(kind).counter is not None
@@ -28,6 +29,14 @@ def test_what_travels_between_stages():
     assert kind_info(ActionKind.BACKWARD).sends is Transfer.GRADIENT
     assert kind_info(ActionKind.WEIGHT_GRAD).needs is kind_info(ActionKind.STEP).sends is None
     assert not kind_info(ActionKind.STEP).per_chunk
+    # the vocabulary split over the ranks: to every rank and back to the last stage
+    assert kind_info(ActionKind.FORWARD).output_sends is Transfer.HIDDEN
+    assert kind_info(ActionKind.VOCAB_FORWARD).needs is Transfer.HIDDEN
+    assert kind_info(ActionKind.VOCAB_FORWARD).sends is Transfer.SHARD_OUTPUT
+    assert kind_info(ActionKind.BACKWARD).output_needs is Transfer.SHARD_OUTPUT
+    assert kind_info(ActionKind.BACKWARD).output_sends is Transfer.LOGIT_STATS
+    assert kind_info(ActionKind.VOCAB_BACKWARD).needs is Transfer.LOGIT_STATS
+    assert not kind_info(ActionKind.VOCAB_FORWARD).per_chunk
 
 
 @pytest.mark.parametrize(

@@ -70,14 +70,17 @@ def test_schedules_outside_their_rules_are_marked_not_defined():
 def test_the_vocabulary_split_lifts_the_whole_layer_cap():
     """GPT-2 Medium on 8 ranks: with the output layer whole on a rank, whole layers cap every
     schedule at 0.868 of the physical limit and PACI sits on it; split by vocabulary (3
-    layers and 1/8 of the output layer per rank) PACI reaches the limit, and interleaved
-    1F1B's chunks balance too."""
+    layers and 1/8 of the output layer per rank, its passes run as actions) PACI reaches the
+    limit, and interleaved 1F1B's chunks balance too (its share added to the chunks)."""
     model = MODELS["gpt2-medium"]
     split = dataclasses.replace(model, vocab_parallel=True)
     assert layers_per_virtual_stage(split, 1, "interleaved") == [3] * 8
     assert compare(model, "paci", 1, 8).pace == pytest.approx(0.868, abs=5e-4)
     assert compare(split, "paci", 1, 8).pace == pytest.approx(1.0, abs=1e-9)
-    assert compare(split, "1f1b", 1, 8).pace == pytest.approx(8 / 15, abs=1e-9)  # m / (m + N - 1)
+    # 1F1B with the shards' passes as actions: its bubble m / (m + N - 1), less the VB passes
+    # that run in the cooldown's idle time
+    flush = compare(split, "1f1b", 1, 8)
+    assert 8 / 15 < flush.pace < 0.6 and flush.note == ""
     assert (
         compare(split, "interleaved-1f1b", None, 16).pace
         > compare(model, "interleaved-1f1b", None, 16).pace

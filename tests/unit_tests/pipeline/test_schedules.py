@@ -68,9 +68,10 @@ def test_registries_keep_runtime_schedules_apart():
         get_schedule("gpipe")
 
 
-def test_action_kinds_only_gained_weight_grad():
-    assert [k.value for k in ActionKind] == ["F", "B", "S", "wait", "done", "W"]
+def test_action_kinds_gained_weight_grad_and_the_vocabulary_passes():
+    assert [k.value for k in ActionKind] == ["F", "B", "S", "wait", "done", "W", "VF", "VB"]
     assert str(Action(W, 3)) == "W3"
+    assert str(Action(ActionKind.VOCAB_FORWARD, 2)) == "VF2"
 
 
 ONE_CHUNK_PER_STAGE = sorted(n for n, s in SIMULATED_SCHEDULES.items() if s.placement is None)

@@ -1,0 +1,188 @@
+"""The cross-entropy of an output layer split by vocabulary over the pipeline ranks.
+
+Rank p holds rows [start_p, start_p + V_p) of the output weight W. For one microbatch of T
+tokens with last hidden state h_t and target y_t, each rank scores its shard on its own
+(`score_shard`, the VF pass):
+
+    logits       l_pv = h_t . W_v                     for the shard's rows v
+    statistics   m_p = max_v l_pv,  s_p = sum_v exp(l_pv - m_p),  t_p = l_py if y in shard
+    gradient     A_p = sum_v exp(l_pv - m_p) W_v,  B_p = W_y if y in shard (else 0)
+
+The last stage combines the shards (`combine_shards`) into the loss and the hidden state's
+gradient, exactly the unsplit softmax's:
+
+    M = max_p m_p,  S = sum_p s_p exp(m_p - M)
+    loss_t = log S + M - sum_p t_p
+    dloss_t / dh_t = sum_p exp(m_p - M) / S * A_p - sum_p B_p
+
+so one message from each shard suffices (the statistics and the gradient part travel
+together). Each shard's weight gradient needs M, S and the loss's gradient g_t, which the last
+stage sends back after its backward (`shard_weight_gradient`, the VB pass):
+
+    dW_v += sum_t g_t (exp(l_pv - m_p) exp(m_p - M) / S - [v = y_t]) h_t
+
+Everything is computed in fp32 whatever the model's dtype. Messages are flat fp32 tensors
+(labels travel as exact fp32 integers, so vocabularies up to 2**24).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_VOCAB = 2**24  # labels travel as fp32 integers
+
+
+def shard_ranges(vocab_size: int, num_shards: int) -> list[tuple[int, int]]:
+    """[start, end) of each shard: equal shares (the padded vocabulary divides evenly)."""
+    if vocab_size % num_shards:
+        raise ValueError(
+            f"a vocabulary of {vocab_size} does not split evenly over {num_shards} ranks"
+        )
+    if vocab_size > MAX_VOCAB:
+        raise ValueError(f"a vocabulary of {vocab_size} is over {MAX_VOCAB} entries")
+    size = vocab_size // num_shards
+    return [(p * size, (p + 1) * size) for p in range(num_shards)]
+
+
+@dataclass(frozen=True)
+class OutputShard:
+    """A rank's rows [start, start + rows) of the output layer (`weight` is one of the
+    rank's parameters, so its optimizer steps it)."""
+
+    weight: torch.Tensor
+    start: int
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weight.shape[1]
+
+
+@dataclass(frozen=True)
+class HiddenForLoss:
+    """What the last stage's forward step returns with a split vocabulary: its last hidden
+    state (`[..., hidden]`, the graph attached) and the targets (`[...]`, the same leading
+    shape). The loss function is then called with the per-token losses, shaped like `labels`,
+    as Megatron's loss functions are."""
+
+    hidden: torch.Tensor
+    labels: torch.Tensor
+
+
+# ------------------------------------------------------------------------------ messages
+def hidden_message(output: HiddenForLoss) -> torch.Tensor:
+    """HIDDEN: the hidden state and the labels, flat fp32."""
+    hidden = output.hidden.detach().float().reshape(-1)
+    return torch.cat([hidden, output.labels.reshape(-1).float()])
+
+
+def read_hidden(message: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = message.numel() // (hidden_size + 1)
+    hidden = message[: tokens * hidden_size].view(tokens, hidden_size)
+    return hidden, message[tokens * hidden_size :].round().long()
+
+
+def _split(message: torch.Tensor, tokens: int, hidden_size: int) -> list[torch.Tensor]:
+    """SHARD_OUTPUT: m_p, s_p, t_p (T each), A_p, B_p (T x hidden each)."""
+    parts = message.split([tokens, tokens, tokens, tokens * hidden_size, tokens * hidden_size])
+    return [*parts[:3], parts[3].view(tokens, hidden_size), parts[4].view(tokens, hidden_size)]
+
+
+# ------------------------------------------------------------------------------ VF
+@dataclass
+class ShardScore:
+    """What a shard keeps of a microbatch between its VF and its VB."""
+
+    logits: torch.Tensor  # [T, V_p], the graph to the shard's weight
+    exp_logits: torch.Tensor  # exp(l - m_p), fp32
+    local_max: torch.Tensor  # m_p
+    local_targets: torch.Tensor  # y - start, clamped into the shard
+    in_shard: torch.Tensor  # whether y is in the shard
+
+
+def score_shard(
+    hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, start: int
+) -> tuple[ShardScore, torch.Tensor]:
+    """VF: the shard's logits of `hidden` ([T, hidden], fp32) and its SHARD_OUTPUT message."""
+    logits = hidden.to(weight.dtype) @ weight.t()
+    with torch.no_grad():
+        values, w = logits.float(), weight.float()
+        local_max = values.max(dim=1).values
+        exp_logits = torch.exp(values - local_max[:, None])
+        local_ids = labels - start
+        in_shard = (local_ids >= 0) & (local_ids < weight.shape[0])
+        local_targets = local_ids.clamp(0, weight.shape[0] - 1)
+        target_logit = values.gather(1, local_targets[:, None])[:, 0] * in_shard
+        softmax_part = exp_logits @ w
+        target_part = w[local_targets] * in_shard[:, None]
+        message = torch.cat(
+            [local_max, exp_logits.sum(dim=1), target_logit,
+             softmax_part.reshape(-1), target_part.reshape(-1)]
+        )  # fmt: skip
+    score = ShardScore(logits, exp_logits, local_max, local_targets, in_shard)
+    return score, message
+
+
+# ------------------------------------------------------------------------------ the loss
+@dataclass
+class Combined:
+    """The shards combined at the last stage, for one microbatch."""
+
+    per_token_loss: torch.Tensor  # [T], fp32
+    direction: torch.Tensor  # dloss_t / dh_t, [T, hidden], fp32
+    global_max: torch.Tensor  # M
+    global_sum: torch.Tensor  # S
+
+
+def combine_shards(messages: list[torch.Tensor], hidden_size: int) -> Combined:
+    tokens = messages[0].numel() // (3 + 2 * hidden_size)
+    parts = [_split(message, tokens, hidden_size) for message in messages]
+    local_max = torch.stack([p[0] for p in parts])  # [shards, T]
+    global_max = local_max.max(dim=0).values
+    scale = torch.exp(local_max - global_max)
+    global_sum = (torch.stack([p[1] for p in parts]) * scale).sum(dim=0)
+    target_logit = torch.stack([p[2] for p in parts]).sum(dim=0)
+    loss = torch.log(global_sum) + global_max - target_logit
+    weights = scale / global_sum  # each shard's share of the softmax, per token
+    direction = sum(w[:, None] * p[3] - p[4] for w, p in zip(weights, parts))
+    return Combined(loss, direction, global_max, global_sum)
+
+
+class _ShardedCrossEntropy(torch.autograd.Function):
+    """The per-token losses as a function of the hidden state, with the gradient the shards
+    computed; the loss's gradient g_t is kept for the shards' weight gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, combined: Combined, loss_gradient: list):
+        ctx.combined, ctx.loss_gradient = combined, loss_gradient
+        return combined.per_token_loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.loss_gradient.append(grad.detach().float())
+        direction = ctx.combined.direction * grad.float()[:, None]
+        return direction, None, None
+
+
+def per_token_loss(output: HiddenForLoss, combined: Combined, loss_gradient: list):
+    """The per-token losses shaped like the labels, differentiable in the hidden state; its
+    backward appends the loss's gradient (fp32, [T]) to `loss_gradient`."""
+    hidden = output.hidden.reshape(-1, output.hidden.shape[-1])
+    losses = _ShardedCrossEntropy.apply(hidden, combined, loss_gradient)
+    return losses.view(output.labels.shape)
+
+
+def stats_message(combined: Combined, loss_gradient: torch.Tensor) -> torch.Tensor:
+    """LOGIT_STATS: M, S and g_t (T each)."""
+    return torch.cat([combined.global_max, combined.global_sum, loss_gradient.reshape(-1)])
+
+
+# ------------------------------------------------------------------------------ VB
+def shard_weight_gradient(score: ShardScore, message: torch.Tensor) -> None:
+    """VB: accumulate the shard's weight gradient (through autograd, so gradient hooks see it)."""
+    global_max, global_sum, loss_gradient = message.view(3, -1)
+    share = torch.exp(score.local_max - global_max) / global_sum
+    grad = score.exp_logits * share[:, None]
+    rows = torch.arange(grad.shape[0])
+    grad[rows, score.local_targets] -= score.in_shard.float()
+    grad *= loss_gradient[:, None]
+    torch.autograd.backward(score.logits, grad_tensors=grad.to(score.logits.dtype))

@@ -1,0 +1,120 @@
+"""The vocabulary split over the pipeline ranks, as schedule actions (schedules.vocab_passes):
+every schedule that takes them runs them without a deadlock under every arrival rule, noise
+and latency; the last stage's backward never starts before every shard has scored the
+microbatch; a shard's drift stays within the stated bound; the projected pace on the PACI
+paper's model reaches its goal."""
+
+import dataclasses
+import itertools
+
+import pytest
+
+from megatron.benchmarks.comparison import MODELS, compare
+from megatron.pipeline.schedules import get_schedule, paci
+from megatron.pipeline.schedules.base import ActionKind
+from megatron.pipeline.schedules.vocab_passes import cannot_take, with_vocab_passes
+from megatron.pipeline.simulation.costs import CostNoise
+from megatron.pipeline.simulation.engine import simulate
+
+TAKING = ["gpipe", "1f1b", "zb-h1", "paci"]
+PACI_VARIANTS = [
+    paci.paci_schedule(rule, limit)
+    for rule, limit in itertools.product(["fixed", "backward-first", "forward-first"],
+                                         ["depth", "flush"])
+]  # fmt: skip
+
+
+def _run(schedule, n=4, m=4, steps=4, latency=0.3, noise=None):
+    return simulate(
+        with_vocab_passes(schedule),
+        num_stages=n,
+        microbatches_per_step=m,
+        steps=steps,
+        forward_cost=1.0,
+        backward_cost=2.0,
+        weight_grad_cost=1.0 if schedule.splits_backward else 0.0,
+        vocab_forward_cost=0.4,
+        vocab_backward_cost=0.2,
+        p2p_latency=latency,
+        noise=noise,
+    )
+
+
+def _events(result, rank, kind):
+    return {e.action.microbatch: e for e in result.timeline if e.stage == rank
+            and any(p.kind is kind for p in e.action.passes)}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", TAKING)
+@pytest.mark.parametrize("n,m", [(2, 1), (4, 4), (4, 7), (8, 16)])
+def test_every_rank_scores_every_microbatch_once(name, n, m):
+    result = _run(get_schedule(name, simulated=True), n=n, m=m, steps=3)
+    for rank in range(n):
+        for kind in (ActionKind.VOCAB_FORWARD, ActionKind.VOCAB_BACKWARD):
+            assert sorted(_events(result, rank, kind)) == list(range(3 * m))
+
+
+@pytest.mark.parametrize("schedule", PACI_VARIANTS, ids=lambda s: s.description[-40:])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_paci_rules_never_deadlock_under_noise(schedule, seed):
+    result = _run(schedule, n=4, m=2, steps=6, noise=CostNoise(0.5, seed=seed))
+    assert result.optimizer_steps_per_stage == [6] * 4
+
+
+@pytest.mark.parametrize("name", TAKING)
+def test_the_last_backward_waits_for_every_shard(name):
+    latency, n = 0.3, 4
+    result = _run(get_schedule(name, simulated=True), n=n, m=4, latency=latency)
+    last_backwards = _events(result, n - 1, ActionKind.BACKWARD)
+    for microbatch, backward in last_backwards.items():
+        for rank in range(n):
+            scored = _events(result, rank, ActionKind.VOCAB_FORWARD)[microbatch]
+            arrival = scored.end_s + (latency if rank != n - 1 else 0.0)
+            assert backward.start_s >= arrival - 1e-9
+
+
+@pytest.mark.parametrize("a", [1, 2, 4])
+def test_shard_drift_within_the_bound(a):
+    n = 4
+    schedule = with_vocab_passes(paci.SCHEDULE)
+    result = _run(paci.SCHEDULE, n=n, m=a, steps=8, noise=CostNoise(0.3, seed=a))
+    bounds = [schedule.drift_bound(s, n, a) for s in range(n)]
+    assert bounds == [-(-(n - s) // a) for s in range(n)]  # ceil((N - s) / a): one stage deeper
+    for drift, shard, bound in zip(result.max_drift_per_stage, result.max_shard_drift_per_stage,
+                                   bounds):  # fmt: skip
+        assert drift <= bound and shard <= bound
+    assert max(result.max_shard_drift_per_stage) >= 1  # the shards do see other versions
+
+
+def test_synchronous_schedules_keep_their_shards_at_one_version():
+    for name in ("1f1b", "zb-h1", "gpipe"):
+        result = _run(get_schedule(name, simulated=True), m=4)
+        assert result.max_shard_drift_per_stage == [0] * 4
+
+
+def test_schedules_that_cannot_take_the_passes_say_why():
+    for name, why in [("interleaved-1f1b", "several model chunks"), ("zb-v", "several model"),
+                      ("2bw", "stashes weight versions"), ("pipedream", "stashes")]:  # fmt: skip
+        schedule = get_schedule(name, simulated=True)
+        assert why in cannot_take(schedule)
+        with pytest.raises(ValueError, match=why):
+            with_vocab_passes(schedule)
+
+
+def test_vocab_costs_need_a_schedule_that_places_them():
+    with pytest.raises(ValueError, match="places no vocabulary passes"):
+        simulate(paci.SCHEDULE, num_stages=2, microbatches_per_step=1, steps=1, forward_cost=1,
+                 backward_cost=1, vocab_forward_cost=1)  # fmt: skip
+
+
+def test_paci_reaches_the_physical_limit_on_gpt2_medium():
+    split = dataclasses.replace(MODELS["gpt2-medium"], vocab_parallel=True)
+    for m in (8, 16, 32):
+        whole, passes = compare(MODELS["gpt2-medium"], "paci", 1, m), compare(split, "paci", 1, m)
+        assert whole.pace < 0.87 and passes.pace >= 0.97
+        assert passes.note == ""  # run as actions, not a share added to the stages
+        assert passes.peak_activations == whole.peak_activations + 1  # rule 1's one more
+        flush, flush_split = compare(MODELS["gpt2-medium"], "1f1b", 1, m), compare(
+            split, "1f1b", 1, m
+        )
+        assert flush_split.pace > flush.pace

@@ -1,0 +1,167 @@
+"""The vocabulary split over the pipeline ranks in the real rank runtime (one thread per rank,
+in-process transport): every rank holds a quarter (a half) of the output layer and runs the
+VF and VB passes its schedule places.
+
+Under the flush schedules the run equals one process with the whole output layer (same
+microbatches, the mean gradient of each step, SGD), loss by loss and parameter by parameter;
+the runtime runs the simulator's order. Under PACI the shards' drift is measured and stays
+within the schedule's bound, and no microbatch is lost."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_rank_runtime import SHAPE, Layer
+from test_runtime_state import in_process_context, run_threads
+
+from megatron.pipeline.plan import resolve_plan
+from megatron.pipeline.runtime import RankRuntime
+from megatron.pipeline.schedules.vocab_passes import with_vocab_passes
+from megatron.pipeline.simulation import simulate
+from megatron.pipeline.trace import action_order
+from megatron.pipeline.transport import InProcessTransport
+from megatron.pipeline.vocab_parallel import HiddenForLoss, OutputShard, shard_ranges
+
+VOCAB, LR = 8, 0.05
+
+
+def output_weight() -> torch.Tensor:
+    torch.manual_seed(5)
+    return torch.randn(VOCAB, SHAPE[-1])
+
+
+def microbatches():
+    """(input, labels) per microbatch; every rank draws the same sequence."""
+    generator = torch.Generator().manual_seed(7)
+    for _ in itertools.count():
+        x = torch.randn(SHAPE, generator=generator)
+        yield x, torch.randint(0, VOCAB, SHAPE[:2], generator=generator)
+
+
+def forward_step(data_iterator, model):
+    x, labels = next(data_iterator)
+    output = model(x if model.is_first else None)
+
+    def loss_func(per_token):  # Megatron's shape: per-token losses, masked mean
+        mask = (labels % 3 != 0).float()
+        loss = (per_token * mask).sum() / mask.sum()
+        return loss, {"lm loss": loss.detach()}
+
+    return (HiddenForLoss(output, labels) if model.is_last else output), loss_func
+
+
+def reference(n: int, m: int, steps: int):
+    """One process, the whole output layer: losses per microbatch, trained layers and weight."""
+    layers = [Layer(k, n) for k in range(n)]
+    weight = output_weight().requires_grad_(True)
+    optimizer = torch.optim.SGD([p for layer in layers for p in layer.parameters()] + [weight],
+                                lr=LR)  # fmt: skip
+    data, losses = microbatches(), []
+    for _ in range(steps):
+        for _ in range(m):
+            x, labels = next(data)
+            for layer in layers:
+                layer.set_input_tensor(x)
+                x = layer(x)
+            per_token = F.cross_entropy((x @ weight.t()).view(-1, VOCAB), labels.view(-1),
+                                        reduction="none").view(labels.shape)  # fmt: skip
+            mask = (labels % 3 != 0).float()
+            loss = (per_token * mask).sum() / mask.sum()
+            losses.append(loss.item())
+            (loss / m).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, layers, weight.detach()
+
+
+def build_ranks(n: int):
+    transport, runtimes = InProcessTransport(), []
+    full = output_weight()
+    for rank, (start, end) in enumerate(shard_ranges(VOCAB, n)):
+        shard = OutputShard(torch.nn.Parameter(full[start:end].clone()), start)
+        runtimes.append(RankRuntime(in_process_context(rank, n), Layer(rank, n), tensor_shape=SHAPE,
+                                    dtype=torch.float32, transport=transport.for_rank([rank]),
+                                    record_trace=True, output_shard=shard))  # fmt: skip
+    return runtimes
+
+
+def train(runtime, schedule, m: int, steps: int, losses: dict):
+    params = [*runtime.model.parameters(), runtime.output_shard.weight]
+    optimizer = torch.optim.SGD(params, lr=LR)
+
+    def step():
+        optimizer.step()
+        optimizer.zero_grad()
+
+    data = microbatches()
+    for k in range(steps):
+        reported = runtime.run_training(schedule, forward_step_func=forward_step,
+                                        data_iterator=data, num_microbatches=m,
+                                        optimizer_step_func=step,
+                                        microbatches_before_drain=(steps - k) * m)  # fmt: skip
+        losses.setdefault(runtime.context.stage, []).extend(float(d["lm loss"]) for d in reported)
+
+
+@pytest.mark.parametrize("name, n, m", [("1f1b", 2, 3), ("1f1b", 4, 4), ("zb-h1", 4, 5)])
+def test_flush_with_the_vocabulary_split_trains_as_one_process(name, n, m):
+    schedule, steps = with_vocab_passes(resolve_plan(name, num_stages=n).schedule), 2
+    runtimes, losses = build_ranks(n), {}
+    run_threads(runtimes, lambda r: train(r, schedule, m, steps, losses))
+    expected_losses, layers, weight = reference(n, m, steps)
+    torch.testing.assert_close(losses[n - 1], expected_losses, rtol=1e-5, atol=1e-6)
+    for runtime, layer in zip(runtimes, layers):
+        for a, b in zip(runtime.model.parameters(), layer.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    shards = torch.cat([r.output_shard.weight.detach() for r in runtimes])
+    torch.testing.assert_close(shards, weight, rtol=1e-5, atol=1e-6)
+    for runtime in runtimes:
+        assert runtime.shard_drift == {0: steps * m} and not runtime.shard_scores
+
+    simulated = simulate(schedule, num_stages=n, microbatches_per_step=m, steps=steps,
+                         forward_cost=1.0, backward_cost=1.0, weight_grad_cost=1.0,
+                         vocab_forward_cost=0.5, vocab_backward_cost=0.5)  # fmt: skip
+    # the schedule's own passes in the simulator's order; the shards' passes go where their
+    # inputs arrive, so only their count is fixed (every rank scores every microbatch once)
+    def own_and_vocab(events):
+        order = action_order(events)
+        own = {s: [a for a in names if not a.startswith("V")] for s, names in order.items()}
+        vocab = {s: sorted(a for a in names if a.startswith("V")) for s, names in order.items()}
+        return own, vocab
+
+    assert own_and_vocab([e for r in runtimes for e in r.trace]) == own_and_vocab(
+        simulated.timeline
+    )
+
+
+@pytest.mark.parametrize("a", [1, 2])
+def test_paci_shards_drift_within_the_bound(a):
+    n, steps = 4, 6
+    schedule = with_vocab_passes(resolve_plan("paci", num_stages=n).schedule)
+    runtimes, losses = build_ranks(n), {}
+    run_threads(runtimes, lambda r: train(r, schedule, a, steps, losses))
+    assert len(losses[n - 1]) == steps * a  # every microbatch's loss, once
+    for runtime in runtimes:
+        s = runtime.context.stage
+        assert sum(runtime.shard_drift.values()) == steps * a and not runtime.shard_scores
+        assert max(runtime.shard_drift) <= schedule.drift_bound(s, n, a)
+        assert runtime.stats.max_drift <= schedule.drift_bound(s, n, a)
+        assert runtime.stats.optimizer_steps == steps
+    assert max(max(r.shard_drift) for r in runtimes) >= 1  # shards do step in between
+
+
+def test_a_last_stage_without_hidden_for_loss_is_refused():
+    schedule = with_vocab_passes(resolve_plan("1f1b", num_stages=1).schedule)
+    runtimes = build_ranks(1)  # one rank: first and last stage
+
+    def plain_step(data_iterator, model):
+        output, loss_func = forward_step(data_iterator, model)
+        return (output.hidden if model.is_last else output), loss_func
+
+    def run(runtime):
+        runtime.run_training(schedule, forward_step_func=plain_step, data_iterator=microbatches(),
+                             num_microbatches=1, optimizer_step_func=lambda: None,
+                             microbatches_before_drain=1)  # fmt: skip
+
+    with pytest.raises(TypeError, match="must return a HiddenForLoss"):
+        run(runtimes[0])
