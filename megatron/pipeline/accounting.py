@@ -60,6 +60,9 @@ class StageStats:
     # Weight stashing: steps between a microbatch's forward and its backward, i.e. how stale
     # its gradient is when applied (the backward itself sees the forward's weights: drift 0).
     delay_histogram: collections.Counter = field(default_factory=collections.Counter)
+    # A vocabulary split over the ranks: steps the rank's output shard took between scoring a
+    # microbatch (VF) and taking its weight gradient (VB).
+    shard_drift_histogram: collections.Counter = field(default_factory=collections.Counter)
     extra_weight_versions: int = 0  # most stashed weight versions held at once
     extra_weight_bytes: int = 0  # their bytes
     peak_inflight_microbatches: int = 0
@@ -119,9 +122,19 @@ class StageStats:
                 str(d): n for d, n in sorted(self.delay_histogram.items())
             },
             "optimizer_steps": self.optimizer_steps,
+            **self._shard_report(),
             "busy_s": self.busy_s,
             "wall_s": self.wall_s,
             **(self.process_memory.report() if self.process_memory is not None else {}),
+        }
+
+    def _shard_report(self) -> dict:
+        if not self.shard_drift_histogram:
+            return {}
+        histogram = self.shard_drift_histogram
+        return {
+            "max_shard_drift": max(histogram),
+            "shard_drift_histogram": {str(d): n for d, n in sorted(histogram.items())},
         }
 
 

@@ -5,7 +5,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from .runtime import PipelineContext
-from .transport import LaneLinks
+from .transport import LaneLinks, VocabLinks
 
 
 def _all_groups(my_ranks: list[int]) -> list[list[int]]:
@@ -113,3 +113,12 @@ def ranks_of_my_stage() -> set[int]:
     dist.all_gather_object(gathered, parallel_state.get_pipeline_model_parallel_rank())
     mine = parallel_state.get_pipeline_model_parallel_rank()
     return {rank for rank, stage in enumerate(gathered) if stage == mine}
+
+
+def build_vocab_links() -> VocabLinks:
+    """Collective over the world: the groups of the vocabulary streams between the last stage
+    and every stage (--enable-vocab-parallel), two communicators over the pipeline's ranks."""
+    pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    hidden_group = _new_groups(pp_ranks, backend=None)
+    stats_group = _new_groups(pp_ranks, backend=None)
+    return VocabLinks(tuple(pp_ranks), hidden_group, stats_group)

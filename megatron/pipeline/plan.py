@@ -6,12 +6,14 @@ handed to the runtime, the training loop and the reports, which ask it instead o
 schedule up again by name.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 from .schedules import flush_1f1b, get_schedule, virtual_schedule
 from .schedules.base import Schedule
 from .schedules.paci import with_paci_options, with_weight_stashing
 from .schedules.placement import Placement
+from .schedules.vocab_passes import with_vocab_passes
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class PipelinePlan:
             num_stages=self.num_stages,
             chunks_per_rank=self.chunks_per_rank,
             microbatch_group_size=self.microbatch_group_size,
+            vocab_passes=self.schedule.vocab_passes,
         )
 
     def microbatches_per_update(self, microbatches: int) -> int:
@@ -66,12 +69,25 @@ def resolve_plan(
     arrival_rule: str | None = None,
     inflight_limit: str | None = None,
     weight_stashing: bool = False,
+    vocab_passes: bool = False,
 ) -> PipelinePlan:
     """The plan for --pipeline-schedule `name`. `chunks_per_rank` (None: the schedule's own,
     two for the V schedules, else one) above one selects the variant with virtual stages
     (1F1B: Megatron's interleaved 1F1B; PACI over virtual stages); `arrival_rule`,
-    `inflight_limit` and `weight_stashing` are PACI's options. ValueError for a combination no
-    schedule defines."""
+    `inflight_limit` and `weight_stashing` are PACI's options; `vocab_passes` places the passes
+    of an output layer split by vocabulary over the ranks (`schedules.vocab_passes`).
+    ValueError for a combination no schedule defines."""
+    plan = _resolve(name, num_stages, chunks_per_rank, microbatch_group_size, arrival_rule,
+                    inflight_limit, weight_stashing)  # fmt: skip
+    if not vocab_passes:
+        return plan
+    return dataclasses.replace(plan, schedule=with_vocab_passes(plan.schedule))
+
+
+def _resolve(
+    name, num_stages, chunks_per_rank, microbatch_group_size, arrival_rule, inflight_limit,
+    weight_stashing,
+) -> PipelinePlan:  # fmt: skip
     base = get_schedule(name)
     # an option of an asynchronous schedule that does not stash already (PACI)
     stashable = not (base.flushes_every_call or base.stashes_weights)

@@ -216,17 +216,19 @@ class RankRuntime:
         transport = transport or self._default_transport()
         self.lanes = self._open_lanes(transport)
         # A vocabulary split over the ranks (`schedules.vocab_passes`): this rank's rows of the
-        # output layer, its streams, the microbatches it scored and awaits the statistics of,
-        # and the steps its shard took between scoring a microbatch and its weight gradient.
+        # output layer, its streams, the microbatches it scored and awaits the statistics of.
         self.output_shard = output_shard
         self.vocab_streams = None
         self.shard_scores: collections.deque = collections.deque()
-        self.shard_drift: collections.Counter = collections.Counter()
         if output_shard is not None:
             if placement is not None:
                 raise ValueError("a split vocabulary runs with one model chunk per rank")
             self.vocab_streams = transport.open_vocab(
-                context.stage, context.num_stages, self._arrivals
+                context.stage,
+                context.num_stages,
+                self._arrivals,
+                tokens=math.prod(self.tensor_shape[:-1]),
+                hidden_size=output_shard.hidden_size,
             )
 
     # ---------------------------------------------------------------- wiring
@@ -387,18 +389,18 @@ class RankRuntime:
         statistics and shard outputs up to the backward target."""
         chunk, streams = self.state.chunks[0], self.vocab_streams
         window = self.context.num_stages - self.context.stage  # one stage deeper (rule 1)
-        streams.hidden_in.expect_total(min(forward_limit, chunk.backward_target + window))
+        evaluated = self._forward_only_microbatches  # they came on the same streams
+        hidden = min(forward_limit, chunk.backward_target + window)
+        streams.hidden_in.expect_total(evaluated + hidden)
         streams.stats_in.expect_total(chunk.backward_target)
         for inbox in streams.shard_in:
-            inbox.expect_total(chunk.backward_target)
+            inbox.expect_total(evaluated + chunk.backward_target)
 
     def run_forward_only(self, *, forward_step_func, data_iterator, num_microbatches) -> list:
         """Forward `num_microbatches` through every chunk with no graph kept (evaluation):
         microbatch by microbatch, the rank's chunks in the order of their virtual stages (each
         one's input is there or on its way, as every rank runs the same order). The pipeline
         must be empty."""
-        if self.output_shard is not None:
-            raise RuntimeError("a forward-only pass with the vocabulary split is not supported yet")
         if self.inflight_microbatches:
             raise RuntimeError(
                 f"stage {self.context.stage} has {self.inflight_microbatches} microbatches in "
@@ -406,8 +408,10 @@ class RankRuntime:
             )
         outputs = []
         self._forward_only_microbatches += num_microbatches
-        for lane in self.lanes:
-            inbox = lane.streams.activations_in
+        inboxes = [lane.streams.activations_in for lane in self.lanes]
+        if self.vocab_streams is not None:  # the shards score every microbatch too
+            inboxes += [self.vocab_streams.hidden_in, *self.vocab_streams.shard_in]
+        for inbox in inboxes:
             if inbox is not None:
                 inbox.expect_total(inbox.expected + num_microbatches)
         in_order = sorted(self.lanes, key=lambda lane: lane.virtual_stage)
@@ -418,12 +422,33 @@ class RankRuntime:
                     output, loss_func = self._call_forward_step(
                         lane, forward_step_func, _data_of(data_iterator, lane), input_tensor
                     )
-                    if lane.is_last:
+                    if not lane.is_last:
+                        self._send_activation(lane, output)
+                    elif self.vocab_streams is None:
                         outputs.append(_loss_dict(loss_func(output)))
                     else:
-                        self._send_activation(lane, output)
+                        for_loss, last_loss_func = _hidden_for_loss(output), loss_func
+                        for outbox in self.vocab_streams.hidden_out:
+                            outbox.send(hidden_message(for_loss))
+                if self.vocab_streams is not None:
+                    self._score_without_gradient()
+                    if self.context.is_last:
+                        outputs.append(
+                            _loss_dict(last_loss_func(self._losses_from_shards(for_loss)))
+                        )
         self._flush_sends()
         return outputs
+
+    def _score_without_gradient(self) -> None:
+        """Evaluation with a split vocabulary: this rank's shard scores the microbatch."""
+        shard, streams = self.output_shard, self.vocab_streams
+        hidden, labels = read_hidden(streams.hidden_in.take(), shard.hidden_size)
+        streams.shard_out.send(score_shard(hidden, labels, shard.weight, shard.start)[1])
+
+    def _losses_from_shards(self, for_loss: HiddenForLoss) -> torch.Tensor:
+        messages = [inbox.take() for inbox in self.vocab_streams.shard_in]
+        combined = combine_shards(messages, self.output_shard.hidden_size)
+        return combined.per_token_loss.view(for_loss.labels.shape)
 
     def overhead_per_action_us(self) -> float:
         """Scheduling and bookkeeping per action: time in training calls that was neither
@@ -557,6 +582,11 @@ class RankRuntime:
         shard_weight_gradient(self.shard_scores.popleft(), stats)
         self.compute_s += time.perf_counter() - compute_start
         self.shard_drift[self.state.steps - self.state.record_vocab_backward()] += 1
+
+    @property
+    def shard_drift(self) -> collections.Counter:
+        """Steps the output shard took between scoring a microbatch and its weight gradient."""
+        return self.stats.shard_drift_histogram
 
     # One handler per kind that runs (schedules.base.KIND_INFO: `runs`).
     _PASS_HANDLERS = {

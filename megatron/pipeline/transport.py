@@ -120,6 +120,26 @@ class VocabStreams:
         return (self.shard_out, *self.hidden_out, *self.stats_out)
 
 
+@dataclass(frozen=True)
+class VocabLinks:
+    """The global ranks of the pipeline (by stage) and the process groups of the vocabulary
+    streams: hidden states out and shard outputs back on one (opposite directions), the
+    statistics on another (same direction as the hidden states)."""
+
+    pipeline_ranks: tuple[int, ...]
+    hidden_group: object = None
+    stats_group: object = None
+
+
+def vocab_message_sizes(tokens: int, hidden_size: int) -> dict[str, int]:
+    """Elements of each vocabulary message (`pipeline.vocab_parallel`), fp32."""
+    return {
+        "hidden": tokens * (hidden_size + 1),
+        "shard": tokens * (3 + 2 * hidden_size),
+        "stats": 3 * tokens,
+    }
+
+
 @dataclass
 class LaneLinks:
     """Global peer ranks and process groups of one lane's streams (peers None where the lane
@@ -140,12 +160,58 @@ class DistributedTransport:
     where a lane's neighbour is on this rank."""
 
     def __init__(
-        self, *, rank: int, links: list[LaneLinks], backend: str, device, dtype, max_pending: int
+        self,
+        *,
+        rank: int,
+        links: list[LaneLinks],
+        backend: str,
+        device,
+        dtype,
+        max_pending: int,
+        vocab_links: VocabLinks | None = None,
     ):
         self.rank, self.links = rank, links
         self.backend, self.device, self.dtype = backend, device, dtype
         self.max_pending = max_pending
+        self.vocab_links = vocab_links
         self._loopbacks: dict[tuple[str, int], QueueInbox] = {}  # (stream, receiving lane)
+
+    def open_vocab(self, stage, num_stages, arrivals, *, tokens, hidden_size) -> VocabStreams:
+        """The output shard's streams of pipeline stage `stage` (fp32; the last stage's own
+        messages to itself through local queues)."""
+        links = self.vocab_links
+        if links is None:
+            raise RuntimeError("a split vocabulary needs the transport's vocab_links")
+        sizes, ranks = vocab_message_sizes(tokens, hidden_size), links.pipeline_ranks
+        last = ranks[num_stages - 1]
+
+        def inbox(stream, peer, group):
+            if peer == self.rank:
+                return self._vocab_loopback(stream, arrivals)
+            return make_inbox(backend=self.backend, peer=peer, group=group,
+                              shape=(sizes[stream],), dtype=torch.float32, device=self.device,
+                              arrivals=arrivals)  # fmt: skip
+
+        def outbox(stream, peer, group):
+            if peer == self.rank:
+                return QueueOutbox(self._vocab_loopback(stream, arrivals))
+            return Outbox(peer=peer, group=group, max_pending=self.max_pending)
+
+        streams = VocabStreams(
+            hidden_in=inbox("hidden", last, links.hidden_group),
+            stats_in=inbox("stats", last, links.stats_group),
+            shard_out=outbox("shard", last, links.hidden_group),
+        )
+        if stage == num_stages - 1:
+            streams.hidden_out = [outbox("hidden", r, links.hidden_group) for r in ranks]
+            streams.stats_out = [outbox("stats", r, links.stats_group) for r in ranks]
+            streams.shard_in = [inbox("shard", r, links.hidden_group) for r in ranks]
+        return streams
+
+    def _vocab_loopback(self, stream: str, arrivals) -> QueueInbox:
+        inbox = self._loopbacks.setdefault((stream, -1), QueueInbox())
+        inbox.arrivals = arrivals
+        return inbox
 
     def open(
         self,
@@ -234,7 +300,7 @@ class InProcessTransport:
     def queue(self, stream: str, receiving_stage: int) -> QueueInbox:
         return self._queues.setdefault((stream, receiving_stage), QueueInbox())
 
-    def vocab_streams(self, rank: int, num_ranks: int, arrivals) -> VocabStreams:
+    def vocab_streams(self, rank: int, num_ranks: int, arrivals, **sizes) -> VocabStreams:
         """Rank `rank`'s output-shard streams (shard outputs are queued by sender)."""
         last = num_ranks - 1
         streams = VocabStreams(
@@ -276,5 +342,5 @@ class _InProcessRankTransport:
             streams.activations_out = QueueOutbox(hub.queue("activation", stage + 1))
         return streams
 
-    def open_vocab(self, rank: int, num_ranks: int, arrivals) -> VocabStreams:
+    def open_vocab(self, rank: int, num_ranks: int, arrivals, **sizes) -> VocabStreams:
         return self.hub.vocab_streams(rank, num_ranks, arrivals)

@@ -20,6 +20,7 @@ from megatron.pipeline.schedules.paci import (
     DEFAULT_INFLIGHT_LIMIT,
     INFLIGHT_LIMITS,
 )
+from megatron.pipeline.schedules.vocab_passes import cannot_take
 from megatron.pipeline.simulation.costs import stage_values
 from megatron.training.batch_schedule import validate_accumulation_schedule, validate_rampup
 from megatron.training.config import pipeline_plan
@@ -174,6 +175,9 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         "1f1b then runs interleaved 1F1B)")  # fmt: skip
     add("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
         help="Megatron's virtual pipeline: model chunks per pipeline rank")  # fmt: skip
+    add("--enable-vocab-parallel", action="store_true",
+        help="split the output layer and the loss by vocabulary over the pipeline ranks, "
+        "their passes placed in the schedule (docs/vocab_parallel.md)")  # fmt: skip
     add("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
         help="interleaved 1F1B: microbatches run through each chunk in a row (default: the "
         "pipeline size)")  # fmt: skip
@@ -429,6 +433,7 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
         raise UserError(f"unknown --pipeline-schedule {args.pipeline_schedule!r} (known: {known})")
     _validate_layer_split(args, pp)
     _validate_virtual_pipeline(args, pp)
+    _validate_vocab_parallel(args)
     tied = not args.untie_embeddings_and_output_weights
     if tied and pp > 1 and not get_schedule(args.pipeline_schedule).flushes_every_call:
         for flag in ("async_sync_warmup_iters", "async_sync_cooldown_iters"):
@@ -482,6 +487,28 @@ def _chunks_from_layers_per_chunk(args: argparse.Namespace, pp: int, per_chunk: 
             f"--num-layers-per-virtual-pipeline-stage {per_chunk}"
         )
     return per_stage // per_chunk
+
+
+def _validate_vocab_parallel(args: argparse.Namespace) -> None:
+    """--enable-vocab-parallel: what the split output layer runs with so far."""
+    if not args.enable_vocab_parallel:
+        return
+    problem = cannot_take(pipeline_plan(args, vocab_passes=False).schedule)
+    unsupported = [
+        (not args.untie_embeddings_and_output_weights, "with tied embeddings (add "
+         "--untie-embeddings-and-output-weights; the input embedding is not split yet)"),
+        (problem is not None, f"with --pipeline-schedule {args.pipeline_schedule}: {problem}"),
+        (args.tensor_model_parallel_size > 1, "with --tensor-model-parallel-size > 1"),
+        (args.context_parallel_size > 1, "with --context-parallel-size > 1"),
+        (bool(getattr(args, "mtp_num_layers", None)), "with --mtp-num-layers"),
+        (args.deterministic_mode and not get_schedule(args.pipeline_schedule).flushes_every_call,
+         "with --deterministic-mode and an asynchronous schedule (a shard's weight version "
+         "depends on when the hidden state arrives)"),
+        (getattr(args, "emulated_forward_ms", None) is not None, "with emulated stages"),
+    ]  # fmt: skip
+    for failed, what in unsupported:
+        if failed:
+            raise UserError(f"--enable-vocab-parallel {what} is not supported yet")
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from megatron.pipeline.plan import PipelinePlan, resolve_plan
+from megatron.training.errors import UserError
 from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
 
 
@@ -176,6 +177,7 @@ class PipelineConfig(_Section):
     """The schedule, resolved once, and the options that shape its runs."""
 
     plan: PipelinePlan = None
+    enable_vocab_parallel: bool = False  # the plan's schedule places the output shards' passes
     paci_arrival_rule: str | None = None
     paci_inflight_limit: str | None = None
     paci_stage_lr_scale: float | None = None
@@ -321,6 +323,8 @@ class RunConfig:
         divisible_by = self.model.make_vocab_size_divisible_by
         multiple = divisible_by * self.parallel.tensor_model_parallel_size
         padded = -(-vocab_size // multiple) * multiple
+        if self.pipeline.enable_vocab_parallel:
+            check_vocabulary_split(padded, self.parallel.pipeline_model_parallel_size)
         return dataclasses.replace(
             self, model=dataclasses.replace(self.model, padded_vocab_size=padded)
         )
@@ -332,10 +336,28 @@ class RunConfig:
         )
 
 
-def pipeline_plan(args) -> PipelinePlan:
+def check_vocabulary_split(padded_vocab_size: int, ranks: int) -> None:
+    """--enable-vocab-parallel: every pipeline rank gets an equal share of the rows."""
+    if padded_vocab_size < ranks:
+        raise UserError(
+            f"--enable-vocab-parallel: a vocabulary of {padded_vocab_size} is smaller than the "
+            f"{ranks} pipeline ranks"
+        )
+    if padded_vocab_size % ranks:
+        raise UserError(
+            f"--enable-vocab-parallel: the padded vocabulary of {padded_vocab_size} does not "
+            f"split evenly over {ranks} pipeline ranks (set --make-vocab-size-divisible-by "
+            "to a multiple of the pipeline size)"
+        )
+
+
+def pipeline_plan(args, *, vocab_passes: bool | None = None) -> PipelinePlan:
     """The pipeline of the flags, resolved (`megatron.pipeline.plan`): once per run by
     `RunConfig.from_args`, and by the flag checks, which refuse a combination no schedule
-    defines. PACI's options reach only PACI (the checks refuse them elsewhere)."""
+    defines. PACI's options reach only PACI (the checks refuse them elsewhere);
+    `vocab_passes` (None: --enable-vocab-parallel) places the output shards' passes."""
+    if vocab_passes is None:
+        vocab_passes = getattr(args, "enable_vocab_parallel", False)
     return resolve_plan(
         args.pipeline_schedule,
         num_stages=args.pipeline_model_parallel_size,
@@ -344,6 +366,7 @@ def pipeline_plan(args) -> PipelinePlan:
         arrival_rule=args.paci_arrival_rule,
         inflight_limit=args.paci_inflight_limit,
         weight_stashing=getattr(args, "paci_weight_stashing", False),
+        vocab_passes=vocab_passes,
     )
 
 

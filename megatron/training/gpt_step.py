@@ -9,6 +9,8 @@ from functools import partial
 
 import torch
 
+from megatron.pipeline.vocab_parallel import HiddenForLoss
+
 
 def get_batch(data_iterator, model):
     """The first stage needs tokens and positions, the last stage labels and the loss mask,
@@ -75,6 +77,12 @@ def _context_parallel_group():
 
 def forward_step(data_iterator, model):
     tokens, position_ids, attention_mask, labels, loss_mask = get_batch(data_iterator, model)
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    if model.post_process and hasattr(model, "output_shard"):  # --enable-vocab-parallel
+        # the hidden state ([b, s, h]) goes to every rank's shard; the runtime hands the
+        # loss function the per-token losses they make
+        hidden = model(tokens, position_ids, attention_mask, labels=None)
+        output_tensor = HiddenForLoss(hidden, labels)
+    else:
+        output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
     per_token = getattr(getattr(model, "config", None), "calculate_per_token_loss", False)
     return output_tensor, partial(loss_func, loss_mask, per_token=per_token)

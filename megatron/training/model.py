@@ -414,6 +414,41 @@ class GPTStageModel(GPTModel):
             weight.shared = True
 
 
+class HiddenStateOutput(torch.nn.Module):
+    """The last stage's output layer with the vocabulary split over the pipeline ranks
+    (--enable-vocab-parallel): the hidden state passes through, and every rank's
+    `OutputShardModule` scores it in its own VF pass."""
+
+    sequence_parallel = False
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return hidden_states, None
+
+
+class OutputShardModule(torch.nn.Module):
+    """This pipeline rank's rows [start, end) of the output layer (--enable-vocab-parallel).
+    Its checkpoint entry is those rows of `output_layer.weight`, so a checkpoint loads split
+    or whole, on any pipeline size."""
+
+    def __init__(self, start: int, end: int, vocab_size: int, hidden_size: int, shard: tuple):
+        super().__init__()
+        self.start, self.end, self.vocab_size = start, end, vocab_size
+        self.shard_index, self.num_shards = shard
+        self.weight = torch.nn.Parameter(torch.empty(end - start, hidden_size))
+        self.weight.vocab_rows = (start, end, vocab_size)  # drawn as those rows of the whole
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing import ShardedTensor
+
+        replica = (0, 0, parallel_state.get_data_parallel_rank(with_context_parallel=True))
+        key = prefix.replace("output_shard.", "output_layer.") + "weight"
+        tensor = ShardedTensor.from_rank_offsets(
+            key, self.weight, (0, self.shard_index, self.num_shards), replica_id=replica
+        )
+        return {f"{prefix}weight": tensor}
+
+
 @dataclass
 class StageLayout:
     """Where this rank's model chunk sits in the whole model.
@@ -598,13 +633,16 @@ def build_gpt_stage(
     seq_len_interpolation_factor: float | None = None,
     xavier_uniform: bool = False,
     built_as_other_rank: bool = False,
+    vocab_parallel: bool = False,
 ) -> GPTModel:
     """Build this rank's GPT stage on `device`, initialized independently of the layout. With
     virtual stages (`layout.chunks` > 1) it is one of the rank's chunks (`chunk_layout`).
     The RoPE variants are megatron-core's (Llama 3.1 frequency scaling, linear position
     interpolation); `xavier_uniform`: Megatron's --init-method-xavier-uniform;
     `built_as_other_rank`: `layout.pipeline_rank` is the rank of the interleaved placement whose
-    chunk is the same virtual stage (`v_chunk_layout`), not this rank's."""
+    chunk is the same virtual stage (`v_chunk_layout`), not this rank's; `vocab_parallel`: the
+    output layer split by vocabulary over the pipeline ranks, this rank's rows in
+    `model.output_shard` (the last stage outputs its hidden state)."""
     vp_stage = layout.chunk if layout.chunks > 1 else None
     _prepare_megatron_core(config)
     # a V chunk is built as the interleaved (vp_stage, rank) of its virtual stage
@@ -632,12 +670,24 @@ def build_gpt_stage(
         vp_stage=vp_stage,
     )
     _finish_megatron_core_model(model, layout, device)
+    if vocab_parallel:
+        _split_output_layer(model, layout, vocab_size, config.hidden_size)
     initialize_layout_independent(model, layout, seed=seed, init_method_std=config.init_method_std,
                                   xavier_uniform=xavier_uniform)  # fmt: skip
     for name, param in model.named_parameters():
         # routed experts: gradients reduced over the expert-data-parallel group (optimizer/)
         param.moe_expert = is_expert_parameter(name)
     return model.to(device)
+
+
+def _split_output_layer(model: GPTModel, layout: StageLayout, vocab_size: int, hidden: int):
+    """--enable-vocab-parallel: no output layer on the last stage, a shard on every stage."""
+    if layout.is_last:
+        model.output_layer = HiddenStateOutput()
+    rows = vocab_size // layout.pipeline_size
+    start = layout.pipeline_rank * rows
+    shard = (layout.pipeline_rank, layout.pipeline_size)
+    model.output_shard = OutputShardModule(start, start + rows, vocab_size, hidden, shard)
 
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -655,6 +705,8 @@ def global_parameter_name(name: str, layout: StageLayout, *, tied: bool = False)
     the input embedding (both copies are drawn alike); other names unchanged."""
     if tied and name == "output_layer.weight":
         return "embedding.word_embeddings.weight"
+    if name == "output_shard.weight":  # rows of the whole output layer
+        return "output_layer.weight"
     match = _LOCAL_LAYER.match(name)
     if match is None:
         return name
@@ -710,6 +762,9 @@ def initialize_layout_independent(
             shards, shard = layout.expert_tensor_size, layout.expert_tensor_rank
         if sharded:
             full_shape[partition_dim] *= shards
+        rows = getattr(param, "vocab_rows", None)  # a shard of the output layer's rows
+        if rows is not None:
+            full_shape[0] = rows[2]
         global_name = global_parameter_name(name, layout, tied=getattr(param, "shared", False))
         generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{global_name}".encode()))
         std = scaled_std if kind == "scaled_normal" else init_method_std
@@ -720,4 +775,6 @@ def initialize_layout_independent(
             full.normal_(0.0, std, generator=generator)
         if sharded:
             full = full.chunk(shards, dim=partition_dim)[shard]
+        if rows is not None:
+            full = full[rows[0] : rows[1]]
         param.copy_(full)

@@ -32,10 +32,12 @@ from megatron.pipeline.forward_backward import (
 from megatron.pipeline.parallel import (
     build_lane_links,
     build_pipeline_context,
+    build_vocab_links,
     ranks_of_my_stage,
 )
-from megatron.pipeline.runtime import RankRuntime
+from megatron.pipeline.runtime import RankRuntime, plain_links
 from megatron.pipeline.transport import DistributedTransport
+from megatron.pipeline.vocab_parallel import OutputShard
 from megatron.training import divergence, faults, launch, run_control
 from megatron.training.batch_schedule import (
     BatchSchedule,
@@ -315,6 +317,7 @@ def build_chunk(config, transformer: TransformerConfig, layout, device: torch.de
         seq_len_interpolation_factor=config.model.rotary_seq_len_interpolation_factor,
         xavier_uniform=config.model.init_method_xavier_uniform,
         built_as_other_rank=built_as_other_rank,
+        vocab_parallel=config.pipeline.enable_vocab_parallel,
     )
     if not config.pipeline.plan.flushes:
         for param in model.parameters():  # the last stage's copy of a tied embedding
@@ -584,7 +587,14 @@ def _build_stage_runtime(config, model, device) -> RankRuntime:
         config.parallel.context_parallel_size > 1 or config.parallel.expert_model_parallel_size > 1
     )
     context = build_pipeline_context(device, decide_per_stage=per_stage)
-    placement, transport = plan.placement, None
+    placement, transport, output_shard = plan.placement, None, None
+    if plan.schedule.vocab_passes:  # the output layer's rows of this rank, and their streams
+        output_shard = OutputShard(model.output_shard.weight, model.output_shard.start)
+        transport = DistributedTransport(
+            rank=dist.get_rank(), links=plain_links(context), backend=context.backend,
+            device=device, dtype=dtype, max_pending=2 * context.num_stages + 2,
+            vocab_links=build_vocab_links(),
+        )  # fmt: skip
     if placement is not None:  # several chunks per rank: a stream per chunk and neighbour
         transport = DistributedTransport(
             rank=dist.get_rank(), links=build_lane_links(placement), backend=context.backend,
@@ -605,6 +615,7 @@ def _build_stage_runtime(config, model, device) -> RankRuntime:
         record_trace=config.logging.timeline_file is not None,
         deterministic=config.parallel.deterministic_mode,
         per_token_loss=config.model.calculate_per_token_loss,
+        output_shard=output_shard,
     )
     if config.moe is not None:  # megatron-core's aux losses: scaled as each backward's loss
         runtime.backward_scale_listeners.append(set_aux_loss_scale)

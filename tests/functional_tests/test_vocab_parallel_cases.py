@@ -1,0 +1,39 @@
+"""--enable-vocab-parallel on real multi-process runs (gloo, torchrun): the output layer split
+by vocabulary over the pipeline ranks, its passes placed in the schedule.
+
+References: the same command line with the output layer whole on the last stage. Under the
+flush schedules the split changes no number beyond float tolerance (PP4 1F1B and ZB-H1, DP2 x
+PP2); under PACI every shard's drift stays within the schedule's bound (one stage deeper)."""
+
+import pytest
+import run_cases
+from test_gpt_cases import drift_bound
+
+FLUSH_EQUALS_WHOLE = [
+    ("gpt_pp4_vocab_1f1b", "gpt_pp4_1f1b"),
+    ("gpt_pp4_vocab_zbh1", "gpt_pp4_zbh1"),
+    ("gpt_dp2pp2_vocab_1f1b", "gpt_dp2pp2_1f1b"),
+]
+
+
+@pytest.mark.parametrize("split, whole", FLUSH_EQUALS_WHOLE)
+def test_flush_with_the_split_vocabulary_equals_the_whole_output_layer(case_results, split, whole):
+    expected = case_results[whole]["loss"]
+    assert len(expected) == 8
+    assert run_cases.relative_difference(case_results[split]["loss"], expected) <= 1e-5
+    validation = [v["lm loss"] for v in case_results[split]["validation"]]
+    expected = [v["lm loss"] for v in case_results[whole]["validation"]]
+    assert validation and run_cases.relative_difference(validation, expected) <= 1e-5
+
+
+def test_paci_with_the_split_vocabulary_keeps_its_bounds(case_results):
+    summary = case_results["gpt_pp4_vocab_paci_a2"]
+    n, a = summary["pipeline_stages"], summary["num_microbatches"]
+    for report in summary["stages"]:
+        bound = drift_bound(report["stage"], n + 1, a)  # the shards are one stage more
+        assert report["max_drift"] <= bound
+        assert report["max_shard_drift"] <= bound
+    assert max(report["max_shard_drift"] for report in summary["stages"]) >= 1
+    shard_counts = {sum(r["shard_drift_histogram"].values()) for r in summary["stages"]}
+    assert shard_counts == {len(summary["loss"]) * a}  # every rank scored every microbatch
+    assert summary["loss"][-1] < summary["loss"][0]
