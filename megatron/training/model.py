@@ -413,6 +413,17 @@ class GPTStageModel(GPTModel):
         if self.post_process and not self.pre_process:
             weight.shared = True
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """megatron-core's, except that with the vocabulary split over the ranks the last stage
+        has no output layer of its own (its rows are `output_shard`'s entry)."""
+        if not isinstance(getattr(self, "output_layer", None), HiddenStateOutput):
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        self.post_process = False
+        try:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        finally:
+            self.post_process = True
+
 
 class HiddenStateOutput(torch.nn.Module):
     """The last stage's output layer with the vocabulary split over the pipeline ranks

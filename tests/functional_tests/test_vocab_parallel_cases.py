@@ -37,3 +37,21 @@ def test_paci_with_the_split_vocabulary_keeps_its_bounds(case_results):
     shard_counts = {sum(r["shard_drift_histogram"].values()) for r in summary["stages"]}
     assert shard_counts == {len(summary["loss"]) * a}  # every rank scored every microbatch
     assert summary["loss"][-1] < summary["loss"][0]
+
+
+# (saving run, run resuming it on another layout): split -> whole and whole -> split, 4 stages -> 2 stages x DP 2
+CHECKPOINTS = [
+    ("gpt_vocab_1_pp4_split_save", "gpt_vocab_2_dp2pp2_whole_load"),
+    ("gpt_vocab_3_pp4_whole_save", "gpt_vocab_4_dp2pp2_split_load"),
+]
+
+
+@pytest.mark.parametrize("saved, resumed", CHECKPOINTS)
+def test_checkpoints_load_split_or_whole_on_another_layout(case_results, saved, resumed):
+    """The rest of the run equals the uninterrupted whole-layer run within 1e-5: the output
+    layer's rows and their Adam moments land on the right ranks either way."""
+    reference = case_results["gpt_pp4_1f1b"]["loss"]
+    assert run_cases.relative_difference(case_results[saved]["loss"], reference[:4]) <= 1e-5
+    summary = case_results[resumed]
+    assert summary["iterations"] == 8 and len(summary["loss"]) == 4
+    assert run_cases.relative_difference(summary["loss"], reference[4:]) <= 1e-5
