@@ -23,7 +23,7 @@ from megatron.pipeline.schedules.paci import (
 from megatron.pipeline.schedules.vocab_passes import cannot_take
 from megatron.pipeline.simulation.costs import stage_values
 from megatron.training.batch_schedule import validate_accumulation_schedule, validate_rampup
-from megatron.training.config import pipeline_plan
+from megatron.training.config import check_vocabulary_split, pipeline_plan
 from megatron.training.data.sources import add_data_source_args, validate_sample_options
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
@@ -495,20 +495,27 @@ def _validate_vocab_parallel(args: argparse.Namespace) -> None:
         return
     problem = cannot_take(pipeline_plan(args, vocab_passes=False).schedule)
     unsupported = [
-        (not args.untie_embeddings_and_output_weights, "with tied embeddings (add "
-         "--untie-embeddings-and-output-weights; the input embedding is not split yet)"),
-        (problem is not None, f"with --pipeline-schedule {args.pipeline_schedule}: {problem}"),
-        (args.tensor_model_parallel_size > 1, "with --tensor-model-parallel-size > 1"),
-        (args.context_parallel_size > 1, "with --context-parallel-size > 1"),
-        (bool(getattr(args, "mtp_num_layers", None)), "with --mtp-num-layers"),
+        (not args.untie_embeddings_and_output_weights, "with tied embeddings",
+         "add --untie-embeddings-and-output-weights; the input embedding is not split yet"),
+        (problem is not None, f"with --pipeline-schedule {args.pipeline_schedule}", problem),
+        (args.tensor_model_parallel_size > 1, "with --tensor-model-parallel-size > 1", None),
+        (args.context_parallel_size > 1, "with --context-parallel-size > 1", None),
+        (bool(getattr(args, "mtp_num_layers", None)), "with --mtp-num-layers", None),
         (args.deterministic_mode and not get_schedule(args.pipeline_schedule).flushes_every_call,
-         "with --deterministic-mode and an asynchronous schedule (a shard's weight version "
-         "depends on when the hidden state arrives)"),
-        (getattr(args, "emulated_forward_ms", None) is not None, "with emulated stages"),
+         "with --deterministic-mode and an asynchronous schedule",
+         "a shard's weight version depends on when the hidden state arrives"),
+        (getattr(args, "emulated_forward_ms", None) is not None, "with emulated stages", None),
     ]  # fmt: skip
-    for failed, what in unsupported:
+    for failed, what, why in unsupported:
         if failed:
-            raise UserError(f"--enable-vocab-parallel {what} is not supported yet")
+            raise UserError(
+                f"--enable-vocab-parallel {what} is not supported yet"
+                + (f" ({why})" if why else "")
+            )
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size:  # known before any process
+        vocab = args.vocab_size + 1  # and the end-of-document id
+        multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+        check_vocabulary_split(-(-vocab // multiple) * multiple, args.pipeline_model_parallel_size)
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:

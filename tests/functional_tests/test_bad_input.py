@@ -78,6 +78,27 @@ CASES = {
     # numeric ranges (most are checked in process: tests/unit_tests/test_validation.py)
     "heads_zero": (with_flag(GOOD, "--num-attention-heads", "0"), 4, "--num-attention-heads"),
     "lr_nan": (with_flag(GOOD, "--lr", "nan"), 4, "--lr must be a number >= 0, got nan"),
+    # --enable-vocab-parallel: what it cannot take yet, and a vocabulary it cannot split
+    "vocab_split_tied": (GOOD + ["--enable-vocab-parallel"], 4, "with tied embeddings is not"),
+    "vocab_split_schedule": (
+        GOOD + ["--untie-embeddings-and-output-weights", "--enable-vocab-parallel",
+                "--pipeline-schedule", "2bw"],
+        4,
+        "--enable-vocab-parallel with --pipeline-schedule 2bw is not supported yet",
+    ),  # fmt: skip
+    "vocab_split_uneven": (
+        GOOD + ["--untie-embeddings-and-output-weights", "--enable-vocab-parallel",
+                "--make-vocab-size-divisible-by", "3"],
+        4,
+        "the padded vocabulary of 1002 does not split evenly over 4 pipeline ranks",
+    ),  # fmt: skip
+    "vocab_split_too_small": (
+        with_flag(GOOD, "--vocab-size", "1")
+        + ["--untie-embeddings-and-output-weights", "--enable-vocab-parallel",
+           "--make-vocab-size-divisible-by", "1"],
+        4,
+        "a vocabulary of 2 is smaller than the 4 pipeline ranks",
+    ),  # fmt: skip
     "uneven_split": (
         with_flag(GOOD, "--num-layers", "8") + ["--decoder-first-pipeline-num-layers", "3"],
         4,

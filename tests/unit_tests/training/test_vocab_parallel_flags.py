@@ -1,0 +1,71 @@
+"""--enable-vocab-parallel's flag checks, in process: what the split runs with (one chunk per
+rank, no stashing: 1F1B, ZB-H1, PACI), one line for what it cannot take yet, and the plan it
+gives (the schedule places the vocabulary passes, its synchronous phase too)."""
+
+import pytest
+
+from megatron.training.arguments import build_parser, validate_args
+from megatron.training.config import RunConfig
+from megatron.training.errors import UserError
+
+SPLIT = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--train-iters", "20", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "1000", "--pipeline-model-parallel-size", "4",
+    "--untie-embeddings-and-output-weights", "--enable-vocab-parallel",
+]  # fmt: skip
+
+
+def validated(extra: list[str], world_size: int = 4):
+    args = build_parser().parse_args(SPLIT + extra)
+    validate_args(args, world_size=world_size)
+    return args
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "paci"])
+def test_one_chunk_schedules_take_the_split(schedule):
+    args = validated(["--pipeline-schedule", schedule])
+    plan = RunConfig.from_args(args, vocab_size=1001).pipeline.plan
+    assert plan.schedule.vocab_passes and plan.synchronous.schedule.vocab_passes
+    assert plan.name == schedule
+
+
+@pytest.mark.parametrize(
+    "extra, world_size, message",
+    [
+        (["--pipeline-schedule", "2bw"], 4, "with --pipeline-schedule 2bw is not supported yet"),
+        (["--pipeline-schedule", "pipedream"], 4, "pipedream stashes weight versions"),
+        (["--pipeline-schedule", "zb-v", "--num-layers", "8"], 4,
+         "zb-v runs several model chunks per rank"),
+        (["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1"], 4,
+         "interleaved-1f1b runs several model chunks per rank"),
+        (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4,
+         "with --tensor-model-parallel-size > 1 is not supported yet"),
+        (["--pipeline-schedule", "paci", "--deterministic-mode"], 4,
+         "with --deterministic-mode and an asynchronous schedule is not supported yet"),
+    ],
+)  # fmt: skip
+def test_what_the_split_cannot_take_yet_is_one_line(extra, world_size, message):
+    args = build_parser().parse_args(SPLIT + extra)
+    with pytest.raises(UserError, match=message) as caught:
+        validate_args(args, world_size=world_size)
+    assert "\n" not in str(caught.value)
+
+
+def test_tied_embeddings_need_untying_first():
+    args = build_parser().parse_args(
+        [a for a in SPLIT if a != "--untie-embeddings-and-output-weights"]
+    )
+    with pytest.raises(UserError, match="add --untie-embeddings-and-output-weights"):
+        validate_args(args, world_size=4)
+
+
+def test_flush_with_deterministic_mode_is_fine():
+    validated(["--deterministic-mode"])  # a flush keeps every shard at the step's version
+
+
+def test_a_tokenizer_vocabulary_that_does_not_split_is_refused_at_configuration():
+    args = validated(["--make-vocab-size-divisible-by", "1", "--vocab-size", "1003"])
+    with pytest.raises(UserError, match="the padded vocabulary of 50257 does not split evenly"):
+        RunConfig.from_args(args, vocab_size=50257)  # GPT-2's, unpadded
