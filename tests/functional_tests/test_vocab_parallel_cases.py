@@ -3,7 +3,7 @@ by vocabulary over the pipeline ranks, its passes placed in the schedule.
 
 References: the same command line with the output layer whole on the last stage. Under the
 flush schedules the split changes no number beyond float tolerance (PP4 1F1B and ZB-H1, DP2 x
-PP2); under PACI every shard's drift stays within the schedule's bound (one stage deeper)."""
+PP2, MoE EP2 x PP2); under PACI every shard's drift stays within the schedule's bound (one stage deeper)."""
 
 import pytest
 import run_cases
@@ -13,13 +13,14 @@ FLUSH_EQUALS_WHOLE = [
     ("gpt_pp4_vocab_1f1b", "gpt_pp4_1f1b"),
     ("gpt_pp4_vocab_zbh1", "gpt_pp4_zbh1"),
     ("gpt_dp2pp2_vocab_1f1b", "gpt_dp2pp2_1f1b"),
+    ("moe_ep2pp2_vocab_1f1b", "moe_ep2pp2_1f1b"),  # MoE, experts over 2 ranks: aux loss too
 ]
 
 
 @pytest.mark.parametrize("split, whole", FLUSH_EQUALS_WHOLE)
 def test_flush_with_the_split_vocabulary_equals_the_whole_output_layer(case_results, split, whole):
     expected = case_results[whole]["loss"]
-    assert len(expected) == 8
+    assert len(expected) >= 6
     assert run_cases.relative_difference(case_results[split]["loss"], expected) <= 1e-5
     validation = [v["lm loss"] for v in case_results[split]["validation"]]
     expected = [v["lm loss"] for v in case_results[whole]["validation"]]
