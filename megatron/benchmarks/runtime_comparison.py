@@ -24,6 +24,7 @@ Per schedule it reports:
   microbatches (a chunk holds 1/v), against the projection's.
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -31,10 +32,11 @@ import tempfile
 
 from megatron.pipeline.schedules import VIRTUAL_STAGE_SCHEDULES
 from megatron.pipeline.schedules.base import ActionKind
+from megatron.pipeline.schedules.vocab_passes import with_vocab_passes
 from megatron.pipeline.simulation.engine import simulate
 from megatron.pipeline.trace import read_chrome_trace
 
-from .comparison import MODELS, compare, virtual_stage_costs
+from .comparison import MODELS, compare, virtual_stage_costs, vocab_pass_costs
 from .emulated_benchmark import (
     PRETRAIN_SCRIPT,
     emulated_run_args,
@@ -55,24 +57,60 @@ RUNTIME_NAMES = {
     "pipedream": ("pipedream", 1),
     "paci": ("paci", 1),
     "paci-interleaved": ("paci", None),
+    # the output layer split by vocabulary over the ranks (--enable-vocab-parallel)
+    "1f1b+vocab": ("1f1b", 1),
+    "zb-h1+vocab": ("zb-h1", 1),
+    "paci+vocab": ("paci", 1),
 }
+VOCAB_SUFFIX = "+vocab"
+
+
+def splits_vocabulary(schedule: str) -> bool:
+    return schedule.endswith(VOCAB_SUFFIX)
+
+
+def base_schedule(schedule: str) -> str:
+    """The comparison's schedule name of a compared entry ("paci+vocab" -> "paci")."""
+    return schedule.removesuffix(VOCAB_SUFFIX)
+
+
+def model_for(model, schedule: str):
+    """The model as the entry runs it: with the vocabulary split for a "+vocab" entry."""
+    return dataclasses.replace(model, vocab_parallel=splits_vocabulary(schedule))
+
+
+def definition_of(schedule: str):
+    """The simulator's definition of a compared entry (with the vocabulary passes for a
+    "+vocab" one)."""
+    from megatron.pipeline.schedules import SIMULATED_SCHEDULES
+
+    definition = SIMULATED_SCHEDULES[base_schedule(schedule)]
+    return with_vocab_passes(definition) if splits_vocabulary(schedule) else definition
 
 
 def schedule_costs_ms(model, schedule: str, chunks: int, ms_per_layer: float) -> dict:
     """Per virtual stage forward, full backward and weight-gradient milliseconds of `schedule`
-    (its placement) on `model`."""
-    from megatron.pipeline.schedules import SIMULATED_SCHEDULES
-
-    definition = SIMULATED_SCHEDULES[schedule]
+    (its placement) on `model`; per rank VF and VB of a "+vocab" entry (else 0)."""
+    definition, split = definition_of(schedule), splits_vocabulary(schedule)
     placed = definition.placement is not None
     shape = definition.placement(model.ranks, chunks).shape if placed else "interleaved"
-    forward, backward, wgrad = virtual_stage_costs(model, chunks, shape)
+    model = model_for(model, schedule)
+    forward, backward, wgrad = virtual_stage_costs(model, chunks, shape, vocab_passes=split)
+    vocab_forward, vocab_backward = vocab_pass_costs(model) if split else (0.0, 0.0)
     scale = lambda values: [round(ms_per_layer * v, 4) for v in values]  # noqa: E731
     return {
         "forward": scale(forward),
         "backward": scale([b + w for b, w in zip(backward, wgrad)]),  # B + W: the full pass
         "weight_grad": scale(wgrad),
+        "vocab_forward": round(ms_per_layer * vocab_forward, 4),
+        "vocab_backward": round(ms_per_layer * vocab_backward, 4),
     }
+
+
+def microbatch_ms(costs_ms: dict, ranks: int) -> float:
+    """The whole work of one microbatch, every rank's share: the physical limit's unit."""
+    passes = sum(costs_ms["forward"]) + sum(costs_ms["backward"])
+    return passes + ranks * (costs_ms["vocab_forward"] + costs_ms["vocab_backward"])
 
 
 def step_completions(events, microbatches: int) -> dict[int, dict[int, float]]:
@@ -116,31 +154,42 @@ def measured_pass_costs(events, placement, num_virtual: int, nominal: dict) -> d
             for k, f in zip(range(num_virtual), fallback)
         ]
 
-    return {
+    costs = {
         "forward_cost": means(ActionKind.FORWARD, nominal["forward_cost"]),
         "backward_cost": means(ActionKind.BACKWARD, nominal["backward_cost"]),
         "weight_grad_cost": means(ActionKind.WEIGHT_GRAD, nominal["weight_grad_cost"]),
     }
+    if "vocab_forward_cost" in nominal:  # per rank: the rank is the stage of a one-chunk plan
+        costs["vocab_forward_cost"] = means(ActionKind.VOCAB_FORWARD, nominal["vocab_forward_cost"])
+        costs["vocab_backward_cost"] = means(
+            ActionKind.VOCAB_BACKWARD, nominal["vocab_backward_cost"]
+        )
+    return costs
 
 
-def _nominal_seconds(costs_ms: dict, splits: bool) -> dict:
+def _nominal_seconds(costs_ms: dict, splits: bool, ranks: int = 0) -> dict:
+    """The simulator's costs in seconds; with `ranks`, also every rank's VF and VB."""
     forward = [f / 1000 for f in costs_ms["forward"]]
     if splits:
         backward = [(b - w) / 1000 for b, w in zip(costs_ms["backward"], costs_ms["weight_grad"])]
         wgrad = [w / 1000 for w in costs_ms["weight_grad"]]
     else:
         backward, wgrad = [b / 1000 for b in costs_ms["backward"]], [0.0] * len(forward)
-    return {"forward_cost": forward, "backward_cost": backward, "weight_grad_cost": wgrad}
+    costs = {"forward_cost": forward, "backward_cost": backward, "weight_grad_cost": wgrad}
+    if ranks:
+        costs["vocab_forward_cost"] = [costs_ms["vocab_forward"] / 1000] * ranks
+        costs["vocab_backward_cost"] = [costs_ms["vocab_backward"] / 1000] * ranks
+    return costs
 
 
 def _replay(schedule: str, name: str, chunks: int, events, costs_ms, n: int, m: int, steps: int):
     """The simulator on the costs and the p2p latency a run's trace measured."""
     from megatron.pipeline.plan import resolve_plan
-    from megatron.pipeline.schedules import SIMULATED_SCHEDULES
 
-    definition = SIMULATED_SCHEDULES[schedule]
+    definition = definition_of(schedule)
     plan = resolve_plan(name, num_stages=n, chunks_per_rank=chunks if chunks > 1 else None)
-    nominal = _nominal_seconds(costs_ms, definition.splits_backward)
+    ranks = n if definition.vocab_passes else 0
+    nominal = _nominal_seconds(costs_ms, definition.splits_backward, ranks)
     replay_costs = measured_pass_costs(events, plan.placement, n * chunks, nominal)
     return simulate(
         definition,
@@ -163,6 +212,10 @@ def run_one(model, schedule: str, options, run_dir: str) -> dict:
     timeline = os.path.join(run_dir, "timeline.json")
     n, m, steps = model.ranks, options.microbatches, options.steps
     extra = ["--emulated-weight-grad-ms", ",".join(map(str, costs_ms["weight_grad"]))]
+    if splits_vocabulary(schedule):
+        extra += ["--enable-vocab-parallel",
+                  "--emulated-vocab-forward-ms", str(costs_ms["vocab_forward"]),
+                  "--emulated-vocab-backward-ms", str(costs_ms["vocab_backward"])]  # fmt: skip
     args = emulated_run_args(
         schedule=name,
         stages=n,
@@ -186,10 +239,10 @@ def run_one(model, schedule: str, options, run_dir: str) -> dict:
         summary = json.load(f)
     events = read_chrome_trace(timeline)
     replay = _replay(schedule, name, chunks, events, costs_ms, n, m, steps)
-    limit = n / sum(f + b for f, b in zip(costs_ms["forward"], costs_ms["backward"])) * 1000
+    limit = n / microbatch_ms(costs_ms, n) * 1000
     measured = steady_pace(events, m, steps)
     replayed = steady_pace(replay.timeline, m, steps)
-    projected = compare(model, schedule, chunks, m)
+    projected = compare(model_for(model, schedule), base_schedule(schedule), chunks, m)
     peaks = [stage["peak_inflight_microbatches"] / chunks for stage in summary["stages"]]
     return {
         "schedule": schedule,

@@ -51,8 +51,6 @@ from .vocab_parallel import (
     hidden_message,
     per_token_loss,
     read_hidden,
-    score_shard,
-    shard_weight_gradient,
     stats_message,
 )
 from .weight_stash import WeightStash
@@ -443,7 +441,7 @@ class RankRuntime:
         """Evaluation with a split vocabulary: this rank's shard scores the microbatch."""
         shard, streams = self.output_shard, self.vocab_streams
         hidden, labels = read_hidden(streams.hidden_in.take(), shard.hidden_size)
-        streams.shard_out.send(score_shard(hidden, labels, shard.weight, shard.start)[1])
+        streams.shard_out.send(shard.score(hidden, labels)[1])
 
     def _losses_from_shards(self, for_loss: HiddenForLoss) -> torch.Tensor:
         messages = [inbox.take() for inbox in self.vocab_streams.shard_in]
@@ -569,7 +567,7 @@ class RankRuntime:
         shard, streams = self.output_shard, self.vocab_streams
         hidden, labels = read_hidden(self._take(streams.hidden_in), shard.hidden_size)
         compute_start = time.perf_counter()
-        score, message = score_shard(hidden, labels, shard.weight, shard.start)
+        score, message = shard.score(hidden, labels)
         self.compute_s += time.perf_counter() - compute_start
         self.state.record_vocab_forward()
         self.shard_scores.append(score)
@@ -579,7 +577,7 @@ class RankRuntime:
         """VB: the shard's weight gradient of its oldest scored microbatch."""
         stats = self._take(self.vocab_streams.stats_in)
         compute_start = time.perf_counter()
-        shard_weight_gradient(self.shard_scores.popleft(), stats)
+        self.output_shard.weight_gradient(self.shard_scores.popleft(), stats)
         self.compute_s += time.perf_counter() - compute_start
         self.shard_drift[self.state.steps - self.state.record_vocab_backward()] += 1
 

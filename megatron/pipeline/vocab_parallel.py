@@ -56,6 +56,14 @@ class OutputShard:
     def hidden_size(self) -> int:
         return self.weight.shape[1]
 
+    def score(self, hidden: torch.Tensor, labels: torch.Tensor):
+        """VF (`score_shard`); an emulated shard adds its wait here."""
+        return score_shard(hidden, labels, self.weight, self.start)
+
+    def weight_gradient(self, score: "ShardScore", stats: torch.Tensor) -> None:
+        """VB (`shard_weight_gradient`)."""
+        shard_weight_gradient(score, stats)
+
 
 @dataclass(frozen=True)
 class HiddenForLoss:

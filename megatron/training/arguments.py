@@ -343,6 +343,12 @@ def _add_benchmark_args(parser: argparse.ArgumentParser) -> None:
     add("--emulated-weight-grad-ms", type=stage_values, default=None,
         help="the part of each emulated backward that computes the weight gradient, which a "
         "split-backward schedule (zb-h1, zb-v, dualpipe-v) runs apart; ms, or one per stage")  # fmt: skip
+    add("--emulated-vocab-forward-ms", type=stage_values, default=0.0,
+        help="with --enable-vocab-parallel: each rank's emulated VF pass (its output shard's "
+        "logits), ms, or one per pipeline rank")  # fmt: skip
+    add("--emulated-vocab-backward-ms", type=stage_values, default=0.0,
+        help="with --enable-vocab-parallel: each rank's emulated VB pass (its shard's weight "
+        "gradient), ms, or one per pipeline rank")  # fmt: skip
     add("--emulated-noise-cv", type=stage_values, default=0.0,
         help="lognormal noise on each emulated action: CV, or one per stage (seeded by --seed)")  # fmt: skip
 
@@ -504,7 +510,6 @@ def _validate_vocab_parallel(args: argparse.Namespace) -> None:
         (args.deterministic_mode and not get_schedule(args.pipeline_schedule).flushes_every_call,
          "with --deterministic-mode and an asynchronous schedule",
          "a shard's weight version depends on when the hidden state arrives"),
-        (getattr(args, "emulated_forward_ms", None) is not None, "with emulated stages", None),
     ]  # fmt: skip
     for failed, what, why in unsupported:
         if failed:
@@ -836,7 +841,8 @@ def _validate_emulation_and_rule(args: argparse.Namespace) -> None:
     _validate_stage_lr_scale(args)
     chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     for flag in ("emulated_forward_ms", "emulated_backward_ms", "emulated_weight_grad_ms",
-                 "emulated_noise_cv"):  # fmt: skip
+                 "emulated_noise_cv", "emulated_vocab_forward_ms",
+                 "emulated_vocab_backward_ms"):  # fmt: skip
         if isinstance(getattr(args, flag), list) and len(getattr(args, flag)) != pp * chunks:
             each = f"virtual stage ({pp * chunks})" if chunks > 1 else f"pipeline stage ({pp})"
             raise UserError(f"--{flag.replace('_', '-')}: one value, or one per {each}")

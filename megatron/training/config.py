@@ -190,6 +190,8 @@ class PipelineConfig(_Section):
     emulated_backward_ms: object = None
     emulated_weight_grad_ms: object = None
     emulated_noise_cv: object = 0.0
+    emulated_vocab_forward_ms: object = 0.0
+    emulated_vocab_backward_ms: object = 0.0
 
     @property
     def emulated(self) -> bool:

@@ -5,6 +5,10 @@ measuring CPU contention instead of the schedule. This stage sleeps instead of c
 the measured throughput reflects the schedule and its communication only. It keeps the GPT
 stage's interface (input tensor from the previous stage, per-token loss on the last stage).
 
+With the vocabulary split over the ranks (--enable-vocab-parallel) every rank also holds a small
+output shard whose VF and VB passes wait `--emulated-vocab-forward-ms` and
+`--emulated-vocab-backward-ms` (per rank) on top of their real (tiny) arithmetic.
+
 Times may differ per stage (`--emulated-forward-ms 20,40,20,20`), and each action's time may
 be drawn around them (`--emulated-noise-cv`): the k-th forward (backward) of stage s takes its
 nominal time times `CostNoise(cv, seed).factor(s, "F" ("B"), k)`, the very draws the simulator
@@ -12,11 +16,13 @@ makes for the same seed, so a prediction can replay them.
 """
 
 import time
+from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state
 
 from megatron.pipeline.simulation.costs import CostNoise, value_of_stage
+from megatron.pipeline.vocab_parallel import OutputShard
 
 
 class _Sleep(torch.autograd.Function):
@@ -50,6 +56,35 @@ class _WeightGradSleep(torch.autograd.Function):
         return None, torch.zeros(grad.shape[-1], dtype=grad.dtype, device=grad.device), None
 
 
+@dataclass(frozen=True)
+class EmulatedOutputShard(OutputShard):
+    """An output shard whose VF and VB passes also wait the given seconds."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+
+    def score(self, hidden, labels):
+        time.sleep(self.forward_s)
+        return super().score(hidden, labels)
+
+    def weight_gradient(self, score, stats) -> None:
+        time.sleep(self.backward_s)
+        super().weight_gradient(score, stats)
+
+
+class EmulatedShardModule(torch.nn.Module):
+    """The rank's rows [start, start + rows) of a small output layer, for emulated runs."""
+
+    def __init__(self, start: int, rows: int, hidden_size: int, forward_s: float, backward_s):
+        super().__init__()
+        self.start, self.forward_s, self.backward_s = start, forward_s, backward_s
+        generator = torch.Generator().manual_seed(start)
+        self.weight = torch.nn.Parameter(0.02 * torch.randn(rows, hidden_size, generator=generator))
+
+    def runtime_shard(self) -> EmulatedOutputShard:
+        return EmulatedOutputShard(self.weight, self.start, self.forward_s, self.backward_s)
+
+
 class EmulatedStage(torch.nn.Module):
     """One per model chunk, as virtual stage `virtual_stage` of `num_virtual_stages` (default:
     the rank's stage); the times (and noise) are given per virtual stage, as the simulator
@@ -80,6 +115,18 @@ class EmulatedStage(torch.nn.Module):
         self.hidden_size = hidden_size
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
         self.input_tensor = None
+        self.splits_vocabulary = False
+
+    def split_vocabulary(self, start: int, rows: int, forward_ms, backward_ms) -> None:
+        """--enable-vocab-parallel: this rank's output shard (`output_shard`), its passes'
+        times per rank, and on the last stage the hidden state as the output."""
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        ranks = parallel_state.get_pipeline_model_parallel_world_size()
+        forward_s = value_of_stage(forward_ms, rank, ranks, "vocabulary forward ms") / 1000.0
+        backward_s = value_of_stage(backward_ms, rank, ranks, "vocabulary backward ms") / 1000.0
+        self.output_shard = EmulatedShardModule(start, rows, self.hidden_size, forward_s,
+                                                backward_s)  # fmt: skip
+        self.splits_vocabulary = True
 
     def next_forward_s(self) -> float:
         self.forwards += 1
@@ -113,6 +160,8 @@ class EmulatedStage(torch.nn.Module):
             hidden = _Sleep.apply(hidden, self) + weight_part
         else:
             hidden = _Sleep.apply(hidden * self.weight, self)
+        if self.post_process and self.splits_vocabulary:  # [b, s, h], as GPTModel's then
+            return hidden.transpose(0, 1)
         if self.post_process and labels is not None:
             # [b, s] "per-token loss", contiguous like GPTModel's (loss functions .view it)
             return (hidden.mean(dim=-1).transpose(0, 1) + 1.0).contiguous()

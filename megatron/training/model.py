@@ -41,6 +41,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.pipeline.vocab_parallel import OutputShard
 from megatron.training.recompute import use_host_rng_states
 from megatron.training.ring_attention import ring_attention
 
@@ -458,6 +459,10 @@ class OutputShardModule(torch.nn.Module):
             key, self.weight, (0, self.shard_index, self.num_shards), replica_id=replica
         )
         return {f"{prefix}weight": tensor}
+
+    def runtime_shard(self) -> OutputShard:
+        """What the rank runtime runs the VF and VB passes with."""
+        return OutputShard(self.weight, self.start)
 
 
 @dataclass

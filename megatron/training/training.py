@@ -37,7 +37,6 @@ from megatron.pipeline.parallel import (
 )
 from megatron.pipeline.runtime import RankRuntime, plain_links
 from megatron.pipeline.transport import DistributedTransport
-from megatron.pipeline.vocab_parallel import OutputShard
 from megatron.training import divergence, faults, launch, run_control
 from megatron.training.batch_schedule import (
     BatchSchedule,
@@ -278,6 +277,10 @@ def build_stage_model(config, device: torch.device) -> torch.nn.Module:
             )
             for c in range(chunks_per_rank)
         ]  # fmt: skip
+        if pipeline.enable_vocab_parallel:
+            rows = config.model.padded_vocab_size // config.parallel.pipeline_model_parallel_size
+            chunks[0].split_vocabulary(rank * rows, rows, pipeline.emulated_vocab_forward_ms,
+                                       pipeline.emulated_vocab_backward_ms)  # fmt: skip
         return chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
     transformer = transformer_config(config, device)
     layout = stage_layout(config)
@@ -589,7 +592,7 @@ def _build_stage_runtime(config, model, device) -> RankRuntime:
     context = build_pipeline_context(device, decide_per_stage=per_stage)
     placement, transport, output_shard = plan.placement, None, None
     if plan.schedule.vocab_passes:  # the output layer's rows of this rank, and their streams
-        output_shard = OutputShard(model.output_shard.weight, model.output_shard.start)
+        output_shard = model.output_shard.runtime_shard()
         transport = DistributedTransport(
             rank=dist.get_rank(), links=plain_links(context), backend=context.backend,
             device=device, dtype=dtype, max_pending=2 * context.num_stages + 2,

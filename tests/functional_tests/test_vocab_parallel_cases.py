@@ -3,7 +3,8 @@ by vocabulary over the pipeline ranks, its passes placed in the schedule.
 
 References: the same command line with the output layer whole on the last stage. Under the
 flush schedules the split changes no number beyond float tolerance (PP4 1F1B and ZB-H1, DP2 x
-PP2, MoE EP2 x PP2); under PACI every shard's drift stays within the schedule's bound (one stage deeper)."""
+PP2, MoE EP2 x PP2); under PACI every shard's drift stays within the schedule's bound (one stage deeper).
+"""
 
 import pytest
 import run_cases
