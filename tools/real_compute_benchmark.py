@@ -7,6 +7,11 @@ the PACI runs' per-stage costs) and repeats with it. Prints one JSON object (als
 ``OUTPUT/report.json``), with the 1-minute load average before and after each launch.
 
     python tools/real_compute_benchmark.py --microbatches 2,4,8 --pairs 3
+
+With ``--vocab-split`` the pairs are PACI with the output layer whole on the last stage and PACI
+with it split over the two ranks (--enable-vocab-parallel), on the even layer split:
+
+    python tools/real_compute_benchmark.py --vocab-split --num-layers 4 --microbatches 4,8
 """
 
 import argparse
@@ -35,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--data-path", default="data/stdlib_text_document")
     add("--tokenizer-model", default="data/tokenizer/stdlib.model")
     add("--no-balanced", action="store_true", help="skip the balanced-split repeat")
+    add("--vocab-split", action="store_true",
+        help="pairs of PACI with the output layer whole and split over the ranks (no "
+        "balanced repeat)")  # fmt: skip
     add("--no-pin", action="store_true", help="do not pin local rank r to core r")
     add("--output", default=None)
     add("--timeout", type=float, default=1200.0, help="per launch, seconds")
@@ -48,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return options
 
 
-def measure(cases, output: str, label: str, options) -> dict:
+def measure(cases, output: str, label: str, options, pair=("1f1b", "paci")) -> dict:
     load_before = os.getloadavg()
     started = time.perf_counter()
     rc.run_cases(cases, output, label, options.timeout, pin=not options.no_pin)
@@ -56,8 +64,20 @@ def measure(cases, output: str, label: str, options) -> dict:
         "launch_s": round(time.perf_counter() - started, 1),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "ratios": rc.ratios(cases, options.microbatches),
+        "ratios": rc.ratios(cases, options.microbatches, pair),
     }
+
+
+def vocab_split_report(options, output: str) -> dict:
+    """PACI whole against PACI split, and each rank's peak memory and parameters."""
+    pair = ("paci", "paci" + rc.VOCAB_SPLIT)
+    cases = rc.benchmark_cases(options, output, pair=pair)
+    report = {"vocab_split": measure(cases, output, "vocab", options, pair)}
+    report["vocab_split"]["per_rank"] = {
+        schedule: rc.per_rank_memory(next(c for c in cases if c["schedule"] == schedule))
+        for schedule in pair
+    }
+    return report
 
 
 def proposal(cases, options) -> dict:
@@ -71,8 +91,11 @@ def main(argv=None) -> int:
     options = parse_args(argv)
     output = options.output or tempfile.mkdtemp(prefix="real_compute_")
     os.makedirs(output, exist_ok=True)
-    even_cases = rc.benchmark_cases(options, output)
     report = {"options": {k: v for k, v in vars(options).items()}, "output_dir": output}
+    if options.vocab_split:
+        report.update(vocab_split_report(options, output))
+        return _write(report, output)
+    even_cases = rc.benchmark_cases(options, output)
     report["even_split"] = measure(even_cases, output, "even", options)
     report["balancing"] = proposal(even_cases, options)
     last = report["balancing"]["proposed_last_layers"]
@@ -87,6 +110,10 @@ def main(argv=None) -> int:
                                             if c["schedule"] == "paci"), 3)
             for s in range(rc.NUM_STAGES)
         ]  # fmt: skip
+    return _write(report, output)
+
+
+def _write(report: dict, output: str) -> int:
     text = json.dumps(report, indent=2)
     with open(os.path.join(output, "report.json"), "w") as f:
         f.write(text + "\n")

@@ -69,22 +69,31 @@ def model_args(options) -> list[str]:
     ]
 
 
+VOCAB_SPLIT = "+vocab"  # a case name's schedule with the output layer split over the ranks
+
+
 def case(name: str, schedule: str, m: int, options, output: str, last_layers=None) -> dict:
-    """One run: `steps` iterations of m microbatches, its trace and summary under `output`."""
+    """One run: `steps` iterations of m microbatches, its trace and summary under `output`;
+    `schedule` "paci+vocab" runs PACI with --enable-vocab-parallel."""
     steps = max(options.microbatches_per_run // m, 4)
     run_dir = os.path.join(output, name)
-    args = model_args(options) + [
-        "--pipeline-schedule",
-        schedule,
-        "--global-batch-size",
-        str(m * options.micro_batch_size),
-        "--train-iters",
-        str(steps),
-        "--log-interval",
-        str(steps),
-        "--timeline-file",
-        os.path.join(run_dir, "timeline.json"),
-    ]
+    split = schedule.endswith(VOCAB_SPLIT)
+    args = (
+        model_args(options)
+        + (["--enable-vocab-parallel"] if split else [])
+        + [
+            "--pipeline-schedule",
+            schedule.removesuffix(VOCAB_SPLIT),
+            "--global-batch-size",
+            str(m * options.micro_batch_size),
+            "--train-iters",
+            str(steps),
+            "--log-interval",
+            str(steps),
+            "--timeline-file",
+            os.path.join(run_dir, "timeline.json"),
+        ]
+    )
     if last_layers is not None:
         args += ["--decoder-last-pipeline-num-layers", str(last_layers)]
     return {
@@ -97,15 +106,16 @@ def case(name: str, schedule: str, m: int, options, output: str, last_layers=Non
     }
 
 
-def benchmark_cases(options, output: str, last_layers=None) -> list[dict]:
-    """Flush and PACI per pair and m, the order alternating between pairs."""
+def benchmark_cases(options, output: str, last_layers=None, pair=("1f1b", "paci")) -> list[dict]:
+    """The `pair` of schedules (flush and PACI; or PACI whole and split) per pair and m, the
+    order alternating between pairs."""
     cases = []
     tag = "even" if last_layers is None else f"last{last_layers}"
     for m in options.microbatches:
-        for pair in range(options.pairs):
-            order = ("1f1b", "paci") if pair % 2 == 0 else ("paci", "1f1b")
+        for index in range(options.pairs):
+            order = pair if index % 2 == 0 else pair[::-1]
             for schedule in order:
-                name = f"{tag}-m{m}-pair{pair}-{schedule}"
+                name = f"{tag}-m{m}-pair{index}-{schedule}"
                 cases.append(case(name, schedule, m, options, output, last_layers))
     return cases
 
@@ -162,26 +172,45 @@ def balanced_last_layers(costs: list[float], first_layers: int, last_layers: int
     }
 
 
-def ratios(cases: list[dict], microbatches) -> dict:
-    """Per m: every pair's PACI/flush throughput ratio, its min/median/max, the closed form."""
+def ratios(cases: list[dict], microbatches, pair=("1f1b", "paci")) -> dict:
+    """Per m: every pair's throughput ratio (second over first schedule of `pair`), its
+    min/median/max; for flush and PACI also the closed form."""
     by_key = {(c["m"], c["name"].rsplit("-", 1)[0], c["schedule"]): throughput(c) for c in cases}
+    first, second = pair
     report = {}
     for m in microbatches:
         pairs = sorted({key for (mm, key, _) in by_key if mm == m})
-        values = [by_key[(m, p, "paci")] / by_key[(m, p, "1f1b")] for p in pairs]
-        closed = (m + NUM_STAGES - 1) / m
+        values = [by_key[(m, p, second)] / by_key[(m, p, first)] for p in pairs]
         report[m] = {
             "ratios": values,
             "min": min(values),
             "median": statistics.median(values),
             "max": max(values),
-            "closed_form": closed,
-            "median_over_closed_form": statistics.median(values) / closed,
-            "flush_throughput_median": statistics.median(by_key[(m, p, "1f1b")] for p in pairs),
-            "paci_throughput_median": statistics.median(by_key[(m, p, "paci")] for p in pairs),
+            f"{first}_throughput_median": statistics.median(by_key[(m, p, first)] for p in pairs),
+            f"{second}_throughput_median": statistics.median(by_key[(m, p, second)] for p in pairs),
         }
+        if pair == ("1f1b", "paci"):
+            closed = (m + NUM_STAGES - 1) / m
+            report[m]["closed_form"] = closed
+            report[m]["median_over_closed_form"] = statistics.median(values) / closed
     return report
 
 
 def even_split(num_layers: int) -> tuple[int, int]:
     return math.ceil(num_layers / 2), num_layers // 2
+
+
+def per_rank_memory(case_: dict) -> list[dict]:
+    """Per rank of a case: parameter bytes and the peak resident set during training
+    (summary.json's stage reports)."""
+    with open(os.path.join(case_["metrics_dir"], "summary.json")) as f:
+        stages = json.load(f)["stages"]
+    return [
+        {
+            "stage": stage["stage"],
+            "param_bytes": stage["param_bytes"],
+            "peak_rss_bytes": stage.get("peak_rss_bytes"),
+            "peak_activation_bytes": stage["peak_activation_bytes"],
+        }
+        for stage in stages
+    ]

@@ -225,7 +225,7 @@ class RankRuntime:
                 context.stage,
                 context.num_stages,
                 self._arrivals,
-                tokens=math.prod(self.tensor_shape[:-1]),
+                tokens=output_shard.tokens or math.prod(self.tensor_shape[:-1]),
                 hidden_size=output_shard.hidden_size,
             )
 
@@ -445,7 +445,8 @@ class RankRuntime:
 
     def _losses_from_shards(self, for_loss: HiddenForLoss) -> torch.Tensor:
         messages = [inbox.take() for inbox in self.vocab_streams.shard_in]
-        combined = combine_shards(messages, self.output_shard.hidden_size)
+        shard = self.output_shard
+        combined = combine_shards(messages, shard.hidden_size, shard.group)
         return combined.per_token_loss.view(for_loss.labels.shape)
 
     def overhead_per_action_us(self) -> float:
@@ -739,7 +740,8 @@ class RankRuntime:
         the loss's gradient lands))."""
         messages = [self._take(inbox) for inbox in self.vocab_streams.shard_in]
         compute_start = time.perf_counter()
-        combined = combine_shards(messages, self.output_shard.hidden_size)
+        shard = self.output_shard
+        combined = combine_shards(messages, shard.hidden_size, shard.group)
         loss_gradient: list = []
         losses = per_token_loss(microbatch.for_loss, combined, loss_gradient)
         loss, tokens, loss_dict = _split_loss(microbatch.loss_func(losses))

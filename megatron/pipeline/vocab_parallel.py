@@ -8,8 +8,9 @@ tokens with last hidden state h_t and target y_t, each rank scores its shard on 
     statistics   m_p = max_v l_pv,  s_p = sum_v exp(l_pv - m_p),  t_p = l_py if y in shard
     gradient     A_p = sum_v exp(l_pv - m_p) W_v,  B_p = W_y if y in shard (else 0)
 
-The last stage combines the shards (`combine_shards`) into the loss and the hidden state's
-gradient, exactly the unsplit softmax's:
+The last stage combines the shards (`combine_shards`; with tensor parallelism each tensor-
+parallel rank its own column of shards, completed by two all-reduces over the stage's group)
+into the loss and the hidden state's gradient, exactly the unsplit softmax's:
 
     M = max_p m_p,  S = sum_p s_p exp(m_p - M)
     loss_t = log S + M - sum_p t_p
@@ -51,6 +52,12 @@ class OutputShard:
 
     weight: torch.Tensor
     start: int
+    # tensor parallelism: the stage's tensor-parallel group, whose ranks hold the columns of
+    # shards the last stage combines (None: no tensor parallelism)
+    group: object = None
+    # tokens of a microbatch's hidden state (None: those of a boundary tensor; with sequence
+    # parallelism a boundary holds 1/TP of the sequence, the gathered hidden state all of it)
+    tokens: int | None = None
 
     @property
     def hidden_size(self) -> int:
@@ -141,17 +148,31 @@ class Combined:
     global_sum: torch.Tensor  # S
 
 
-def combine_shards(messages: list[torch.Tensor], hidden_size: int) -> Combined:
+def combine_shards(messages: list[torch.Tensor], hidden_size: int, group=None) -> Combined:
+    """The shards' messages combined. With tensor parallelism (`group`: the last stage's
+    tensor-parallel group) each rank of the group holds the messages of its own column of
+    shards; two all-reduces over the group (the max, then the rescaled sums) complete them."""
     tokens = messages[0].numel() // (3 + 2 * hidden_size)
     parts = [_split(message, tokens, hidden_size) for message in messages]
     local_max = torch.stack([p[0] for p in parts])  # [shards, T]
     global_max = local_max.max(dim=0).values
-    scale = torch.exp(local_max - global_max)
-    global_sum = (torch.stack([p[1] for p in parts]) * scale).sum(dim=0)
-    target_logit = torch.stack([p[2] for p in parts]).sum(dim=0)
+    if group is not None:
+        torch.distributed.all_reduce(global_max, torch.distributed.ReduceOp.MAX, group=group)
+    scale = torch.exp(local_max - global_max)  # each shard's statistics brought to M
+    sums = torch.cat([
+        (torch.stack([p[1] for p in parts]) * scale).sum(dim=0),  # S
+        torch.stack([p[2] for p in parts]).sum(dim=0),  # the target's logit
+        sum(w[:, None] * p[3] for w, p in zip(scale, parts)).reshape(-1),  # S x softmax . W
+        sum(p[4] for p in parts).reshape(-1),  # the target's row of W
+    ])  # fmt: skip
+    if group is not None:
+        torch.distributed.all_reduce(sums, group=group)
+    global_sum, target_logit, softmax_part, target_part = sums.split(
+        [tokens, tokens, tokens * hidden_size, tokens * hidden_size]
+    )
     loss = torch.log(global_sum) + global_max - target_logit
-    weights = scale / global_sum  # each shard's share of the softmax, per token
-    direction = sum(w[:, None] * p[3] - p[4] for w, p in zip(weights, parts))
+    direction = softmax_part.view(tokens, hidden_size) / global_sum[:, None]
+    direction = direction - target_part.view(tokens, hidden_size)
     return Combined(loss, direction, global_max, global_sum)
 
 

@@ -504,7 +504,6 @@ def _validate_vocab_parallel(args: argparse.Namespace) -> None:
         (not args.untie_embeddings_and_output_weights, "with tied embeddings",
          "add --untie-embeddings-and-output-weights; the input embedding is not split yet"),
         (problem is not None, f"with --pipeline-schedule {args.pipeline_schedule}", problem),
-        (args.tensor_model_parallel_size > 1, "with --tensor-model-parallel-size > 1", None),
         (args.context_parallel_size > 1, "with --context-parallel-size > 1", None),
         (bool(getattr(args, "mtp_num_layers", None)), "with --mtp-num-layers", None),
         (args.deterministic_mode and not get_schedule(args.pipeline_schedule).flushes_every_call,
@@ -520,7 +519,8 @@ def _validate_vocab_parallel(args: argparse.Namespace) -> None:
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size:  # known before any process
         vocab = args.vocab_size + 1  # and the end-of-document id
         multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-        check_vocabulary_split(-(-vocab // multiple) * multiple, args.pipeline_model_parallel_size)
+        shards = args.pipeline_model_parallel_size * args.tensor_model_parallel_size
+        check_vocabulary_split(-(-vocab // multiple) * multiple, shards)
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:

@@ -325,8 +325,9 @@ class RunConfig:
         divisible_by = self.model.make_vocab_size_divisible_by
         multiple = divisible_by * self.parallel.tensor_model_parallel_size
         padded = -(-vocab_size // multiple) * multiple
-        if self.pipeline.enable_vocab_parallel:
-            check_vocabulary_split(padded, self.parallel.pipeline_model_parallel_size)
+        if self.pipeline.enable_vocab_parallel:  # a shard per pipeline x tensor rank
+            check_vocabulary_split(padded, self.parallel.pipeline_model_parallel_size
+                                   * self.parallel.tensor_model_parallel_size)  # fmt: skip
         return dataclasses.replace(
             self, model=dataclasses.replace(self.model, padded_vocab_size=padded)
         )
@@ -339,17 +340,17 @@ class RunConfig:
 
 
 def check_vocabulary_split(padded_vocab_size: int, ranks: int) -> None:
-    """--enable-vocab-parallel: every pipeline rank gets an equal share of the rows."""
+    """--enable-vocab-parallel: every pipeline x tensor rank gets an equal share of the rows."""
     if padded_vocab_size < ranks:
         raise UserError(
             f"--enable-vocab-parallel: a vocabulary of {padded_vocab_size} is smaller than the "
-            f"{ranks} pipeline ranks"
+            f"{ranks} pipeline x tensor ranks"
         )
     if padded_vocab_size % ranks:
         raise UserError(
             f"--enable-vocab-parallel: the padded vocabulary of {padded_vocab_size} does not "
-            f"split evenly over {ranks} pipeline ranks (set --make-vocab-size-divisible-by "
-            "to a multiple of the pipeline size)"
+            f"split evenly over {ranks} pipeline x tensor ranks (set "
+            "--make-vocab-size-divisible-by to a multiple of the pipeline size)"
         )
 
 

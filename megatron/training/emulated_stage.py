@@ -81,8 +81,11 @@ class EmulatedShardModule(torch.nn.Module):
         generator = torch.Generator().manual_seed(start)
         self.weight = torch.nn.Parameter(0.02 * torch.randn(rows, hidden_size, generator=generator))
 
-    def runtime_shard(self) -> EmulatedOutputShard:
-        return EmulatedOutputShard(self.weight, self.start, self.forward_s, self.backward_s)
+    def runtime_shard(self, tokens: int) -> EmulatedOutputShard:
+        return EmulatedOutputShard(
+            self.weight, self.start, tokens=tokens, forward_s=self.forward_s,
+            backward_s=self.backward_s,
+        )  # fmt: skip
 
 
 class EmulatedStage(torch.nn.Module):

@@ -429,11 +429,21 @@ class GPTStageModel(GPTModel):
 class HiddenStateOutput(torch.nn.Module):
     """The last stage's output layer with the vocabulary split over the pipeline ranks
     (--enable-vocab-parallel): the hidden state passes through, and every rank's
-    `OutputShardModule` scores it in its own VF pass."""
+    `OutputShardModule` scores it in its own VF pass. With sequence parallelism it is gathered
+    first; every tensor-parallel rank then gets the whole hidden state's gradient (the shards'
+    combination is the same on each), so the backward keeps this rank's part of it."""
 
-    sequence_parallel = False
+    def __init__(self, sequence_parallel: bool = False):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False
+            )
         return hidden_states, None
 
 
@@ -448,6 +458,9 @@ class OutputShardModule(torch.nn.Module):
         self.shard_index, self.num_shards = shard
         self.weight = torch.nn.Parameter(torch.empty(end - start, hidden_size))
         self.weight.vocab_rows = (start, end, vocab_size)  # drawn as those rows of the whole
+        # distinct on every tensor-parallel rank: counted by each in the gradient norm
+        self.weight.tensor_model_parallel = True
+        self.weight.partition_dim, self.weight.partition_stride = 0, 1
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         from megatron.core import parallel_state
@@ -460,9 +473,13 @@ class OutputShardModule(torch.nn.Module):
         )
         return {f"{prefix}weight": tensor}
 
-    def runtime_shard(self) -> OutputShard:
-        """What the rank runtime runs the VF and VB passes with."""
-        return OutputShard(self.weight, self.start)
+    def runtime_shard(self, tokens: int) -> OutputShard:
+        """What the rank runtime runs the VF and VB passes with, for microbatches of `tokens`."""
+        from megatron.core import parallel_state
+
+        tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+        group = parallel_state.get_tensor_model_parallel_group() if tensor_parallel else None
+        return OutputShard(self.weight, self.start, group, tokens)
 
 
 @dataclass
@@ -687,7 +704,7 @@ def build_gpt_stage(
     )
     _finish_megatron_core_model(model, layout, device)
     if vocab_parallel:
-        _split_output_layer(model, layout, vocab_size, config.hidden_size)
+        _split_output_layer(model, layout, vocab_size, config)
     initialize_layout_independent(model, layout, seed=seed, init_method_std=config.init_method_std,
                                   xavier_uniform=xavier_uniform)  # fmt: skip
     for name, param in model.named_parameters():
@@ -696,14 +713,17 @@ def build_gpt_stage(
     return model.to(device)
 
 
-def _split_output_layer(model: GPTModel, layout: StageLayout, vocab_size: int, hidden: int):
-    """--enable-vocab-parallel: no output layer on the last stage, a shard on every stage."""
+def _split_output_layer(model: GPTModel, layout: StageLayout, vocab_size: int, config):
+    """--enable-vocab-parallel: no output layer on the last stage, a shard on every rank of
+    every stage: shard p * TP + t on pipeline rank p, tensor rank t."""
     if layout.is_last:
-        model.output_layer = HiddenStateOutput()
-    rows = vocab_size // layout.pipeline_size
-    start = layout.pipeline_rank * rows
-    shard = (layout.pipeline_rank, layout.pipeline_size)
-    model.output_shard = OutputShardModule(start, start + rows, vocab_size, hidden, shard)
+        model.output_layer = HiddenStateOutput(config.sequence_parallel)
+    shards = layout.pipeline_size * layout.tensor_size
+    index = layout.pipeline_rank * layout.tensor_size + layout.tensor_rank
+    rows = vocab_size // shards
+    model.output_shard = OutputShardModule(
+        index * rows, (index + 1) * rows, vocab_size, config.hidden_size, (index, shards)
+    )
 
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -772,13 +792,14 @@ def initialize_layout_independent(
             continue
         full_shape = list(param.shape)
         partition_dim = getattr(param, "partition_dim", -1)
+        rows = getattr(param, "vocab_rows", None)  # a shard of the output layer's rows
         sharded = getattr(param, "tensor_model_parallel", False) and partition_dim >= 0
+        sharded = sharded and rows is None
         shards, shard = layout.tensor_size, layout.tensor_rank
         if is_expert_parameter(name):  # sharded over the expert tensor-parallel ranks
             shards, shard = layout.expert_tensor_size, layout.expert_tensor_rank
         if sharded:
             full_shape[partition_dim] *= shards
-        rows = getattr(param, "vocab_rows", None)  # a shard of the output layer's rows
         if rows is not None:
             full_shape[0] = rows[2]
         global_name = global_parameter_name(name, layout, tied=getattr(param, "shared", False))

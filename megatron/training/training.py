@@ -592,7 +592,8 @@ def _build_stage_runtime(config, model, device) -> RankRuntime:
     context = build_pipeline_context(device, decide_per_stage=per_stage)
     placement, transport, output_shard = plan.placement, None, None
     if plan.schedule.vocab_passes:  # the output layer's rows of this rank, and their streams
-        output_shard = model.output_shard.runtime_shard()
+        tokens = config.model.seq_length * config.training.micro_batch_size
+        output_shard = model.output_shard.runtime_shard(tokens)
         transport = DistributedTransport(
             rank=dist.get_rank(), links=plain_links(context), backend=context.backend,
             device=device, dtype=dtype, max_pending=2 * context.num_stages + 2,

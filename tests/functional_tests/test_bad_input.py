@@ -90,14 +90,14 @@ CASES = {
         GOOD + ["--untie-embeddings-and-output-weights", "--enable-vocab-parallel",
                 "--make-vocab-size-divisible-by", "3"],
         4,
-        "the padded vocabulary of 1002 does not split evenly over 4 pipeline ranks",
+        "the padded vocabulary of 1002 does not split evenly over 4 pipeline x tensor ranks",
     ),  # fmt: skip
     "vocab_split_too_small": (
         with_flag(GOOD, "--vocab-size", "1")
         + ["--untie-embeddings-and-output-weights", "--enable-vocab-parallel",
            "--make-vocab-size-divisible-by", "1"],
         4,
-        "a vocabulary of 2 is smaller than the 4 pipeline ranks",
+        "a vocabulary of 2 is smaller than the 4 pipeline x tensor ranks",
     ),  # fmt: skip
     "uneven_split": (
         with_flag(GOOD, "--num-layers", "8") + ["--decoder-first-pipeline-num-layers", "3"],

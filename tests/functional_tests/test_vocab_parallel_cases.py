@@ -3,7 +3,7 @@ by vocabulary over the pipeline ranks, its passes placed in the schedule.
 
 References: the same command line with the output layer whole on the last stage. Under the
 flush schedules the split changes no number beyond float tolerance (PP4 1F1B and ZB-H1, DP2 x
-PP2, MoE EP2 x PP2); under PACI every shard's drift stays within the schedule's bound (one stage deeper).
+PP2, TP2 x PP2 with and without sequence parallelism, MoE EP2 x PP2); under PACI every shard's drift stays within the schedule's bound (one stage deeper).
 """
 
 import pytest
@@ -14,6 +14,8 @@ FLUSH_EQUALS_WHOLE = [
     ("gpt_pp4_vocab_1f1b", "gpt_pp4_1f1b"),
     ("gpt_pp4_vocab_zbh1", "gpt_pp4_zbh1"),
     ("gpt_dp2pp2_vocab_1f1b", "gpt_dp2pp2_1f1b"),
+    ("gpt_tp2pp2_vocab_1f1b", "gpt_tp2pp2_1f1b"),  # a shard per pipeline x tensor rank
+    ("gpt_tp2pp2_vocab_1f1b_sp", "gpt_tp2pp2_1f1b_sp"),  # sequence parallel: gathered first
     ("moe_ep2pp2_vocab_1f1b", "moe_ep2pp2_1f1b"),  # MoE, experts over 2 ranks: aux loss too
 ]
 
@@ -28,8 +30,9 @@ def test_flush_with_the_split_vocabulary_equals_the_whole_output_layer(case_resu
     assert validation and run_cases.relative_difference(validation, expected) <= 1e-5
 
 
-def test_paci_with_the_split_vocabulary_keeps_its_bounds(case_results):
-    summary = case_results["gpt_pp4_vocab_paci_a2"]
+@pytest.mark.parametrize("name", ["gpt_pp4_vocab_paci_a2", "gpt_tp2pp2_vocab_paci"])
+def test_paci_with_the_split_vocabulary_keeps_its_bounds(case_results, name):
+    summary = case_results[name]
     n, a = summary["pipeline_stages"], summary["num_microbatches"]
     for report in summary["stages"]:
         bound = drift_bound(report["stage"], n + 1, a)  # the shards are one stage more

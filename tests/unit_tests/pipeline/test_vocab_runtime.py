@@ -134,12 +134,39 @@ def test_flush_with_the_vocabulary_split_trains_as_one_process(name, n, m):
     )
 
 
+class RecordingShard(OutputShard):
+    """An output shard that notes the rank's weight version at each VF (microbatch order)."""
+
+    def score(self, hidden, labels):
+        self.versions.append(self.runtime.state.steps)
+        return super().score(hidden, labels)
+
+
+def record_versions(runtimes) -> list[list[int]]:
+    versions = []
+    for runtime in runtimes:
+        shard = RecordingShard(runtime.output_shard.weight, runtime.output_shard.start)
+        object.__setattr__(shard, "versions", [])
+        object.__setattr__(shard, "runtime", runtime)
+        runtime.output_shard = shard
+        versions.append(shard.versions)
+    return versions
+
+
 @pytest.mark.parametrize("a", [1, 2])
 def test_paci_shards_drift_within_the_bound(a):
+    """Per shard: steps between scoring a microbatch and its weight gradient, within the
+    stage's own bound one stage deeper. Across shards: the versions that scored one
+    microbatch differ by at most ceil(N / a) + 1 (rank r has backwarded between i - N + r and
+    i microbatches when it scores microbatch i, and one due step may still be pending)."""
     n, steps = 4, 6
     schedule = with_vocab_passes(resolve_plan("paci", num_stages=n).schedule)
     runtimes, losses = build_ranks(n), {}
+    versions = record_versions(runtimes)
     run_threads(runtimes, lambda r: train(r, schedule, a, steps, losses))
+    spreads = [max(v) - min(v) for v in zip(*versions)]
+    assert len(spreads) == steps * a and max(spreads) <= -(-n // a) + 1
+    assert max(spreads) >= 1  # the shards that score one microbatch are not all alike
     assert len(losses[n - 1]) == steps * a  # every microbatch's loss, once
     for runtime in runtimes:
         s = runtime.context.stage
