@@ -211,23 +211,11 @@ class RankRuntime:
         self._blocked_s = 0.0  # waiting inside the current action
         self._start_time: float | None = None
         self._arrivals = threading.Condition()
-        transport = transport or self._default_transport()
-        self.lanes = self._open_lanes(transport)
-        # A vocabulary split over the ranks (`schedules.vocab_passes`): this rank's rows of the
-        # output layer, its streams, the microbatches it scored and awaits the statistics of.
+        self.lanes = self._open_lanes(transport := transport or self._default_transport())
+        # a split vocabulary: the rank's output rows, what they scored (until VB), the streams
         self.output_shard = output_shard
-        self.vocab_streams = None
         self.shard_scores: collections.deque = collections.deque()
-        if output_shard is not None:
-            if placement is not None:
-                raise ValueError("a split vocabulary runs with one model chunk per rank")
-            self.vocab_streams = transport.open_vocab(
-                context.stage,
-                context.num_stages,
-                self._arrivals,
-                tokens=output_shard.tokens or math.prod(self.tensor_shape[:-1]),
-                hidden_size=output_shard.hidden_size,
-            )
+        self.vocab_streams = None if output_shard is None else self._open_vocab(transport)
 
     # ---------------------------------------------------------------- wiring
     def _default_transport(self) -> DistributedTransport:
@@ -263,6 +251,19 @@ class RankRuntime:
                 _Lane(chunk, state.stage, module, not ends.has_input, not ends.has_output, streams)
             )
         return lanes
+
+    def _open_vocab(self, transport):
+        """The output shard's streams (a vocabulary split over the ranks)."""
+        if self.placement is not None:
+            raise ValueError("a split vocabulary runs with one model chunk per rank")
+        shard, context = self.output_shard, self.context
+        return transport.open_vocab(
+            context.stage,
+            context.num_stages,
+            self._arrivals,
+            tokens=shard.tokens or math.prod(self.tensor_shape[:-1]),
+            hidden_size=shard.hidden_size,
+        )
 
     @property
     def inflight_microbatches(self) -> int:
@@ -329,7 +330,7 @@ class RankRuntime:
         if schedule.stashes_weights and self.stash is None:
             if len(self.lanes) > 1:
                 raise RuntimeError(f"{schedule.name} stashes weights: one model chunk per rank")
-            self.stash = WeightStash(self.model.parameters(), self.versioned_buffers)
+            self.stash = WeightStash(self._stage_parameters(), self.versioned_buffers)
             self.stash.live_version = self.state.steps
         elif not schedule.stashes_weights and self.stash is not None:
             raise RuntimeError(
@@ -343,6 +344,14 @@ class RankRuntime:
                 " output shard"
             )
         self.schedule = schedule
+
+    def _stage_parameters(self) -> list:
+        """The rank's parameters, its output shard's included (stashed with them)."""
+        params = list(self.model.parameters())
+        shard = self.output_shard
+        if shard is not None and not any(p is shard.weight for p in params):
+            params.append(shard.weight)
+        return params
 
     def _begin_call(self, schedule: Schedule, num_microbatches, microbatches_before_drain) -> None:
         """Set the call's backward target and forward limit (per chunk), and post receives."""
@@ -564,13 +573,16 @@ class RankRuntime:
         self._step(work.optimizer_step_func)
 
     def _run_vocab_forward(self, part: Action, work: "_CallWork") -> None:
-        """VF: score the last stage's hidden state with this rank's output shard."""
+        """VF: score the last stage's hidden state with this rank's output shard; with weight
+        stashing on the version the rank forwarded the microbatch on."""
         shard, streams = self.output_shard, self.vocab_streams
         hidden, labels = read_hidden(self._take(streams.hidden_in), shard.hidden_size)
+        version = self.state.chunks[0].forward_versions[self.state.vocab_forwards]
         compute_start = time.perf_counter()
-        score, message = shard.score(hidden, labels)
+        with self._on_weights(version) as redirection, self.meter.measure(redirection):
+            score, message = shard.score(hidden, labels)
         self.compute_s += time.perf_counter() - compute_start
-        self.state.record_vocab_forward()
+        self.state.record_vocab_forward(version)
         self.shard_scores.append(score)
         self._timed_send(streams.shard_out, message)
 

@@ -221,10 +221,11 @@ class StageState:
         self.steps += 1
         self.recent.append(Action(ActionKind.STEP))
 
-    def record_vocab_forward(self) -> int:
-        """The rank's output shard scored its next microbatch; returns the microbatch."""
+    def record_vocab_forward(self, version: int | None = None) -> int:
+        """The rank's output shard scored its next microbatch on weight `version` (default:
+        the current one); returns the microbatch."""
         microbatch = self.vocab_forwards
-        self.shard_versions[microbatch] = self.steps
+        self.shard_versions[microbatch] = self.steps if version is None else version
         self.vocab_forwards += 1
         self.recent.append(Action(ActionKind.VOCAB_FORWARD, microbatch))
         return microbatch
@@ -424,8 +425,8 @@ class RankState:
         self._note(Action(ActionKind.STEP))
 
     # the output shard is the rank's (one chunk per rank): its counters live in chunk 0's state
-    def record_vocab_forward(self) -> int:
-        microbatch = self.chunks[0].record_vocab_forward()
+    def record_vocab_forward(self, version: int | None = None) -> int:
+        microbatch = self.chunks[0].record_vocab_forward(version)
         self._note(Action(ActionKind.VOCAB_FORWARD, microbatch))
         return microbatch
 

@@ -665,13 +665,14 @@ def _validate_weight_stashing(args: argparse.Namespace) -> None:
     """2bw, pipedream and PACI with stashing: what stashed weight versions do not support yet."""
     if not _stashes_weights(args):
         return
-    schedule = get_schedule(args.pipeline_schedule)
+    schedule = pipeline_plan(args).schedule
     name, pp = args.pipeline_schedule, args.pipeline_model_parallel_size
     least = schedule.min_microbatches_per_step(pp)
     if args.num_microbatches < least:
+        deeper = ", one more with --enable-vocab-parallel" if schedule.vocab_passes else ""
         raise UserError(
             f"--pipeline-schedule {name} on {pp} stages needs at least {least} microbatches per "
-            f"step (pipeline size - 1, so that two weight versions suffice), got "
+            f"step (pipeline size - 1{deeper}, so that two weight versions suffice), got "
             f"{args.num_microbatches}"
         )
     unsupported = {

@@ -673,9 +673,8 @@ def build_gpt_stage(
     The RoPE variants are megatron-core's (Llama 3.1 frequency scaling, linear position
     interpolation); `xavier_uniform`: Megatron's --init-method-xavier-uniform;
     `built_as_other_rank`: `layout.pipeline_rank` is the rank of the interleaved placement whose
-    chunk is the same virtual stage (`v_chunk_layout`), not this rank's; `vocab_parallel`: the
-    output layer split by vocabulary over the pipeline ranks, this rank's rows in
-    `model.output_shard` (the last stage outputs its hidden state)."""
+    chunk is the same virtual stage (`v_chunk_layout`), not this rank's; `vocab_parallel`: this
+    rank's rows of the output layer in `model.output_shard` (`_split_output_layer`)."""
     vp_stage = layout.chunk if layout.chunks > 1 else None
     _prepare_megatron_core(config)
     # a V chunk is built as the interleaved (vp_stage, rank) of its virtual stage
@@ -707,10 +706,14 @@ def build_gpt_stage(
         _split_output_layer(model, layout, vocab_size, config)
     initialize_layout_independent(model, layout, seed=seed, init_method_std=config.init_method_std,
                                   xavier_uniform=xavier_uniform)  # fmt: skip
-    for name, param in model.named_parameters():
-        # routed experts: gradients reduced over the expert-data-parallel group (optimizer/)
-        param.moe_expert = is_expert_parameter(name)
+    _mark_expert_parameters(model)
     return model.to(device)
+
+
+def _mark_expert_parameters(model: torch.nn.Module) -> None:
+    """Routed experts: gradients reduced over the expert-data-parallel group (optimizer/)."""
+    for name, param in model.named_parameters():
+        param.moe_expert = is_expert_parameter(name)
 
 
 def _split_output_layer(model: GPTModel, layout: StageLayout, vocab_size: int, config):

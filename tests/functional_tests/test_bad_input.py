@@ -81,10 +81,11 @@ CASES = {
     # --enable-vocab-parallel: what it cannot take yet, and a vocabulary it cannot split
     "vocab_split_tied": (GOOD + ["--enable-vocab-parallel"], 4, "with tied embeddings is not"),
     "vocab_split_schedule": (
-        GOOD + ["--untie-embeddings-and-output-weights", "--enable-vocab-parallel",
-                "--pipeline-schedule", "2bw"],
+        with_flag(GOOD, "--num-layers", "8")
+        + ["--untie-embeddings-and-output-weights", "--enable-vocab-parallel",
+           "--pipeline-schedule", "zb-v"],
         4,
-        "--enable-vocab-parallel with --pipeline-schedule 2bw is not supported yet",
+        "--enable-vocab-parallel with --pipeline-schedule zb-v is not supported yet",
     ),  # fmt: skip
     "vocab_split_uneven": (
         GOOD + ["--untie-embeddings-and-output-weights", "--enable-vocab-parallel",

@@ -10,24 +10,30 @@ import pytest
 import run_cases
 from test_gpt_cases import drift_bound
 
+# (split, whole): each split case runs the first iterations of its reference, on its schedule
 FLUSH_EQUALS_WHOLE = [
-    ("gpt_pp4_vocab_1f1b", "gpt_pp4_1f1b"),
+    ("gpt_vocab_1_pp4_split_save", "gpt_pp4_1f1b"),
     ("gpt_pp4_vocab_zbh1", "gpt_pp4_zbh1"),
     ("gpt_dp2pp2_vocab_1f1b", "gpt_dp2pp2_1f1b"),
     ("gpt_tp2pp2_vocab_1f1b", "gpt_tp2pp2_1f1b"),  # a shard per pipeline x tensor rank
     ("gpt_tp2pp2_vocab_1f1b_sp", "gpt_tp2pp2_1f1b_sp"),  # sequence parallel: gathered first
     ("moe_ep2pp2_vocab_1f1b", "moe_ep2pp2_1f1b"),  # MoE, experts over 2 ranks: aux loss too
+    # 2BW pins batch b to W(b - 1) on every rank: the shards score it on that version too
+    ("gpt_pp4_vocab_2bw", "gpt_pp4_2bw_opt_adam"),
 ]
 
 
 @pytest.mark.parametrize("split, whole", FLUSH_EQUALS_WHOLE)
 def test_flush_with_the_split_vocabulary_equals_the_whole_output_layer(case_results, split, whole):
-    expected = case_results[whole]["loss"]
-    assert len(expected) >= 6
-    assert run_cases.relative_difference(case_results[split]["loss"], expected) <= 1e-5
+    losses = case_results[split]["loss"]
+    assert len(losses) >= 3
+    expected = case_results[whole]["loss"][: len(losses)]
+    assert run_cases.relative_difference(losses, expected) <= 1e-5
     validation = [v["lm loss"] for v in case_results[split]["validation"]]
-    expected = [v["lm loss"] for v in case_results[whole]["validation"]]
-    assert validation and run_cases.relative_difference(validation, expected) <= 1e-5
+    expected = [v["lm loss"] for v in case_results[whole]["validation"]][: len(validation)]
+    if expected:  # the runs that evaluate
+        assert len(validation) == len(expected)
+        assert run_cases.relative_difference(validation, expected) <= 1e-5
 
 
 @pytest.mark.parametrize("name", ["gpt_pp4_vocab_paci_a2", "gpt_tp2pp2_vocab_paci"])
@@ -41,6 +47,19 @@ def test_paci_with_the_split_vocabulary_keeps_its_bounds(case_results, name):
     assert max(report["max_shard_drift"] for report in summary["stages"]) >= 1
     shard_counts = {sum(r["shard_drift_histogram"].values()) for r in summary["stages"]}
     assert shard_counts == {len(summary["loss"]) * a}  # every rank scored every microbatch
+    assert summary["loss"][-1] < summary["loss"][0]
+
+
+def test_pipedream_stashes_the_shards_with_the_stage(case_results):
+    """PipeDream scores each microbatch on the version its rank forwarded it on, so a shard's
+    gradient is as stale as its stage's: at most N - s steps (N - 1 - s, one stage deeper)."""
+    summary = case_results["gpt_pp4_vocab_pipedream"]
+    n = summary["pipeline_stages"]
+    for report in summary["stages"]:
+        s = report["stage"]
+        assert report["max_drift"] == 0  # backwards on their forwards' weights
+        assert report["max_gradient_delay"] <= n - s and report["max_shard_drift"] <= n - s
+    assert max(r["max_shard_drift"] for r in summary["stages"]) >= 1
     assert summary["loss"][-1] < summary["loss"][0]
 
 

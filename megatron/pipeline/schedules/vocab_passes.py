@@ -100,15 +100,15 @@ def cannot_take(schedule: Schedule) -> str | None:
     """Why `schedule` cannot place the vocabulary passes yet (None: it can)."""
     if schedule.placement is not None:
         return f"{schedule.name} runs several model chunks per rank"
-    if schedule.stashes_weights:
-        return f"{schedule.name} stashes weight versions, and the shards' are not stashed yet"
     return None
 
 
 @functools.cache
 def with_vocab_passes(schedule: Schedule) -> Schedule:
     """`schedule` with the output layer's shards placed by the rules above. ValueError for a
-    schedule that cannot take them yet (virtual stages, weight stashing)."""
+    schedule that cannot take them yet (virtual stages). A weight-stashing schedule (2BW,
+    PipeDream) scores each microbatch on the weight version its rank forwarded it on: the shard
+    is stashed with the rank's weights."""
     problem = cannot_take(schedule)
     if problem:
         raise ValueError(f"the vocabulary split over the pipeline ranks: {problem}")
@@ -121,5 +121,7 @@ def with_vocab_passes(schedule: Schedule) -> Schedule:
         fixed_order=None if fixed is None else with_vocab_passes(fixed),
         inflight_window=_deeper(schedule.inflight_window),
         drift_bound=_deeper(schedule.drift_bound),
+        # 2BW's m >= N - 1 (a batch covers the window) becomes m >= N
+        min_microbatches_per_step=lambda stages: schedule.min_microbatches_per_step(stages + 1),
         vocab_passes=True,
     )

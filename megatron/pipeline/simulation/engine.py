@@ -528,6 +528,17 @@ def _check_arguments(
         raise ValueError(f"p2p_latency must be finite and >= 0, got {p2p_latency}")
 
 
+def _vocab_costs(schedule: Schedule, num_stages: int, forward, backward) -> tuple[list, list]:
+    """VF and VB costs per rank; only a schedule that places them may have any."""
+    costs = (
+        _per_stage("vocab_forward_cost", forward, num_stages),
+        _per_stage("vocab_backward_cost", backward, num_stages),
+    )
+    if any(map(any, costs)) and not schedule.vocab_passes:
+        raise ValueError(f"{schedule.name} places no vocabulary passes: their costs are unused")
+    return costs
+
+
 def simulate(
     schedule: Schedule,
     *,
@@ -558,9 +569,8 @@ def simulate(
     forward, backward and weight-gradient costs are per chunk pass, one number or one per
     virtual stage, and the step cost is per rank.
 
-    A schedule with `vocab_passes` (`schedules.vocab_passes`) also runs each rank's output
-    shard: `vocab_forward_cost` and `vocab_backward_cost` per rank (VF, VB); the forward and
-    backward costs of the last stage then leave the output layer and the loss out.
+    A schedule with `vocab_passes` also runs each rank's output shard: `vocab_forward_cost`
+    and `vocab_backward_cost` per rank (VF, VB; the last stage's costs leave the output out).
     """
     v = schedule.default_chunks_per_rank if chunks_per_rank is None else chunks_per_rank
     _check_arguments(schedule, num_stages, microbatches_per_step, steps, p2p_latency, v)
@@ -576,25 +586,8 @@ def simulate(
             ("step_cost", step_cost, num_stages),
         )
     )
-    vocab_costs = tuple(
-        _per_stage(name, value, num_stages)
-        for name, value in (
-            ("vocab_forward_cost", vocab_forward_cost),
-            ("vocab_backward_cost", vocab_backward_cost),
-        )
-    )
-    if any(map(any, vocab_costs)) and not schedule.vocab_passes:
-        raise ValueError(f"{schedule.name} places no vocabulary passes: their costs are unused")
-    sim = _Simulator(
-        schedule,
-        placement,
-        microbatches_per_step,
-        steps,
-        costs,
-        float(p2p_latency),
-        record_timeline,
-        noise,
-        vocab_costs,
-    )
+    vocab_costs = _vocab_costs(schedule, num_stages, vocab_forward_cost, vocab_backward_cost)
+    sim = _Simulator(schedule, placement, microbatches_per_step, steps, costs,
+                     float(p2p_latency), record_timeline, noise, vocab_costs)  # fmt: skip
     sim.run()
     return sim.result()

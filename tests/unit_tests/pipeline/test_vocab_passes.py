@@ -16,7 +16,7 @@ from megatron.pipeline.schedules.vocab_passes import cannot_take, with_vocab_pas
 from megatron.pipeline.simulation.costs import CostNoise
 from megatron.pipeline.simulation.engine import simulate
 
-TAKING = ["gpipe", "1f1b", "zb-h1", "paci"]
+TAKING = ["gpipe", "1f1b", "zb-h1", "paci", "2bw", "pipedream"]
 PACI_VARIANTS = [
     paci.paci_schedule(rule, limit)
     for rule, limit in itertools.product(["fixed", "backward-first", "forward-first"],
@@ -46,7 +46,7 @@ def _events(result, rank, kind):
 
 
 @pytest.mark.parametrize("name", TAKING)
-@pytest.mark.parametrize("n,m", [(2, 1), (4, 4), (4, 7), (8, 16)])
+@pytest.mark.parametrize("n,m", [(2, 2), (4, 4), (4, 7), (8, 16)])
 def test_every_rank_scores_every_microbatch_once(name, n, m):
     result = _run(get_schedule(name, simulated=True), n=n, m=m, steps=3)
     for rank in range(n):
@@ -94,7 +94,8 @@ def test_synchronous_schedules_keep_their_shards_at_one_version():
 
 def test_schedules_that_cannot_take_the_passes_say_why():
     for name, why in [("interleaved-1f1b", "several model chunks"), ("zb-v", "several model"),
-                      ("2bw", "stashes weight versions"), ("pipedream", "stashes")]:  # fmt: skip
+                      ("dualpipe-v", "several model chunks"),
+                      ("paci-interleaved", "several model chunks")]:  # fmt: skip
         schedule = get_schedule(name, simulated=True)
         assert why in cannot_take(schedule)
         with pytest.raises(ValueError, match=why):
@@ -118,3 +119,10 @@ def test_paci_reaches_the_physical_limit_on_gpt2_medium():
             split, "1f1b", 1, m
         )
         assert flush_split.pace > flush.pace
+
+
+def test_2bw_needs_a_batch_per_window_one_stage_deeper():
+    schedule = with_vocab_passes(get_schedule("2bw"))
+    assert schedule.min_microbatches_per_step(4) == 4  # N - 1 on N + 1 stages
+    with pytest.raises(ValueError, match="needs at least 4 microbatches"):
+        _run(get_schedule("2bw"), n=4, m=3)

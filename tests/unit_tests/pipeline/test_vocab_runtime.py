@@ -177,6 +177,69 @@ def test_paci_shards_drift_within_the_bound(a):
     assert max(max(r.shard_drift) for r in runtimes) >= 1  # shards do step in between
 
 
+@pytest.mark.parametrize("rule", ["backward-first", "forward-first"])
+def test_every_paci_arrival_rule_runs_the_split_to_the_end(rule):
+    """The reactive rules (the fixed one is above) on the real runtime: no deadlock, every
+    microbatch's loss once, the drift bounds kept."""
+    n, a, steps = 4, 2, 5
+    plan = resolve_plan("paci", num_stages=n, arrival_rule=rule, vocab_passes=True)
+    runtimes, losses = build_ranks(n), {}
+    run_threads(runtimes, lambda r: train(r, plan.schedule, a, steps, losses))
+    assert len(losses[n - 1]) == steps * a
+    for runtime in runtimes:
+        bound = plan.schedule.drift_bound(runtime.context.stage, n, a)
+        assert max(runtime.shard_drift) <= bound and runtime.stats.max_drift <= bound
+
+
+def test_2bw_with_the_split_equals_2bw_with_the_layer_whole():
+    """2BW pins batch b to W(b - 1) on every rank, the shards included (stashed with their
+    rank's weights): the split run's losses and weights equal one process doing 2BW's
+    one-step-delayed update with the whole output layer."""
+    n, m, steps = 4, 4, 3  # 2BW: m >= N - 1, one more with the split
+    plan = resolve_plan("2bw", num_stages=n, vocab_passes=True)
+    runtimes, losses = build_ranks(n), {}
+    run_threads(runtimes, lambda r: train(r, plan.schedule, m, steps, losses))
+    expected_losses, layers, weight = delayed_reference(n, m, steps)
+    torch.testing.assert_close(losses[n - 1], expected_losses, rtol=1e-5, atol=1e-6)
+    shards = torch.cat([r.output_shard.weight.detach() for r in runtimes])
+    torch.testing.assert_close(shards, weight, rtol=1e-5, atol=1e-6)
+    for runtime, layer in zip(runtimes, layers):
+        for a, b in zip(runtime.model.parameters(), layer.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def delayed_reference(n: int, m: int, steps: int):
+    """One process, the whole output layer, 2BW's update: batch b's gradient (taken on W(b-1))
+    applied to W(b): w(b+1) = w(b) - lr g(w(b-1))."""
+    layers = [Layer(k, n) for k in range(n)]
+    weight = output_weight().requires_grad_(True)
+    params = [p for layer in layers for p in layer.parameters()] + [weight]
+    previous = [p.detach().clone() for p in params]  # W(b - 1)
+    data, losses = microbatches(), []
+    for _ in range(steps):
+        current = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, old in zip(params, previous):
+                p.copy_(old)
+        for _ in range(m):
+            x, labels = next(data)
+            for layer in layers:
+                layer.set_input_tensor(x)
+                x = layer(x)
+            per_token = F.cross_entropy((x @ weight.t()).view(-1, VOCAB), labels.view(-1),
+                                        reduction="none").view(labels.shape)  # fmt: skip
+            mask = (labels % 3 != 0).float()
+            loss = (per_token * mask).sum() / mask.sum()
+            losses.append(loss.item())
+            (loss / m).backward()
+        with torch.no_grad():
+            for p, now in zip(params, current):
+                p.copy_(now - LR * p.grad)
+                p.grad = None
+        previous = current
+    return losses, layers, weight.detach()
+
+
 def test_a_last_stage_without_hidden_for_loss_is_refused():
     schedule = with_vocab_passes(resolve_plan("1f1b", num_stages=1).schedule)
     runtimes = build_ranks(1)  # one rank: first and last stage

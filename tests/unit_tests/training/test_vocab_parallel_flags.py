@@ -1,5 +1,5 @@
 """--enable-vocab-parallel's flag checks, in process: what the split runs with (one chunk per
-rank, no stashing: 1F1B, ZB-H1, PACI), one line for what it cannot take yet, and the plan it
+rank: 1F1B, ZB-H1, PACI, 2BW, PipeDream), one line for what it cannot take yet, and the plan it
 gives (the schedule places the vocabulary passes, its synchronous phase too)."""
 
 import pytest
@@ -23,7 +23,7 @@ def validated(extra: list[str], world_size: int = 4):
     return args
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "paci"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "paci", "2bw", "pipedream"])
 def test_one_chunk_schedules_take_the_split(schedule):
     args = validated(["--pipeline-schedule", schedule])
     plan = RunConfig.from_args(args, vocab_size=1001).pipeline.plan
@@ -34,8 +34,8 @@ def test_one_chunk_schedules_take_the_split(schedule):
 @pytest.mark.parametrize(
     "extra, world_size, message",
     [
-        (["--pipeline-schedule", "2bw"], 4, "with --pipeline-schedule 2bw is not supported yet"),
-        (["--pipeline-schedule", "pipedream"], 4, "pipedream stashes weight versions"),
+        (["--pipeline-schedule", "dualpipe-v", "--num-layers", "8"], 4,
+         "with --pipeline-schedule dualpipe-v is not supported yet"),
         (["--pipeline-schedule", "zb-v", "--num-layers", "8"], 4,
          "zb-v runs several model chunks per rank"),
         (["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1"], 4,
@@ -69,3 +69,11 @@ def test_a_tokenizer_vocabulary_that_does_not_split_is_refused_at_configuration(
     args = validated(["--make-vocab-size-divisible-by", "1", "--vocab-size", "1003"])
     with pytest.raises(UserError, match="the padded vocabulary of 50257 does not split evenly"):
         RunConfig.from_args(args, vocab_size=50257)  # GPT-2's, unpadded
+
+
+def test_2bw_with_the_split_needs_one_more_microbatch_per_step():
+    args = build_parser().parse_args(SPLIT + ["--pipeline-schedule", "2bw",
+                                              "--global-batch-size", "6"])  # fmt: skip
+    with pytest.raises(UserError, match="needs at least 4 microbatches per step .pipeline size "
+                                        "- 1, one more with --enable-vocab-parallel"):  # fmt: skip
+        validate_args(args, world_size=4)
