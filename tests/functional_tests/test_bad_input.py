@@ -78,8 +78,8 @@ CASES = {
     # numeric ranges (most are checked in process: tests/unit_tests/test_validation.py)
     "heads_zero": (with_flag(GOOD, "--num-attention-heads", "0"), 4, "--num-attention-heads"),
     "lr_nan": (with_flag(GOOD, "--lr", "nan"), 4, "--lr must be a number >= 0, got nan"),
-    # --enable-vocab-parallel: what it cannot take yet, and a vocabulary it cannot split
-    "vocab_split_tied": (GOOD + ["--enable-vocab-parallel"], 4, "with tied embeddings is not"),
+    # --enable-vocab-parallel: what it cannot take yet, and a vocabulary it cannot split (the
+    # other refusals are checked in process: tests/unit_tests/training/test_vocab_parallel_flags.py)
     "vocab_split_schedule": (
         with_flag(GOOD, "--num-layers", "8")
         + ["--untie-embeddings-and-output-weights", "--enable-vocab-parallel",
@@ -92,13 +92,6 @@ CASES = {
                 "--make-vocab-size-divisible-by", "3"],
         4,
         "the padded vocabulary of 1002 does not split evenly over 4 pipeline x tensor ranks",
-    ),  # fmt: skip
-    "vocab_split_too_small": (
-        with_flag(GOOD, "--vocab-size", "1")
-        + ["--untie-embeddings-and-output-weights", "--enable-vocab-parallel",
-           "--make-vocab-size-divisible-by", "1"],
-        4,
-        "a vocabulary of 2 is smaller than the 4 pipeline x tensor ranks",
     ),  # fmt: skip
     "uneven_split": (
         with_flag(GOOD, "--num-layers", "8") + ["--decoder-first-pipeline-num-layers", "3"],

@@ -77,3 +77,11 @@ def test_2bw_with_the_split_needs_one_more_microbatch_per_step():
     with pytest.raises(UserError, match="needs at least 4 microbatches per step .pipeline size "
                                         "- 1, one more with --enable-vocab-parallel"):  # fmt: skip
         validate_args(args, world_size=4)
+
+
+def test_a_vocabulary_smaller_than_the_ranks_is_refused_before_any_process():
+    args = build_parser().parse_args(
+        SPLIT + ["--vocab-size", "1", "--make-vocab-size-divisible-by", "1"]
+    )
+    with pytest.raises(UserError, match="a vocabulary of 2 is smaller than the 4 pipeline x "):
+        validate_args(args, world_size=4)
