@@ -51,6 +51,21 @@ def forward_step(data_iterator, model):
     return (HiddenForLoss(output, labels) if model.is_last else output), loss_func
 
 
+def accumulate_whole(layers, weight, batch, m: int) -> float:
+    """One microbatch through the layers and the whole output layer: its gradient over m
+    accumulated, its loss returned (the masked mean of `forward_step`'s loss function)."""
+    x, labels = batch
+    for layer in layers:
+        layer.set_input_tensor(x)
+        x = layer(x)
+    per_token = F.cross_entropy((x @ weight.t()).view(-1, VOCAB), labels.view(-1),
+                                reduction="none").view(labels.shape)  # fmt: skip
+    mask = (labels % 3 != 0).float()
+    loss = (per_token * mask).sum() / mask.sum()
+    (loss / m).backward()
+    return loss.item()
+
+
 def reference(n: int, m: int, steps: int):
     """One process, the whole output layer: losses per microbatch, trained layers and weight."""
     layers = [Layer(k, n) for k in range(n)]
@@ -60,16 +75,7 @@ def reference(n: int, m: int, steps: int):
     data, losses = microbatches(), []
     for _ in range(steps):
         for _ in range(m):
-            x, labels = next(data)
-            for layer in layers:
-                layer.set_input_tensor(x)
-                x = layer(x)
-            per_token = F.cross_entropy((x @ weight.t()).view(-1, VOCAB), labels.view(-1),
-                                        reduction="none").view(labels.shape)  # fmt: skip
-            mask = (labels % 3 != 0).float()
-            loss = (per_token * mask).sum() / mask.sum()
-            losses.append(loss.item())
-            (loss / m).backward()
+            losses.append(accumulate_whole(layers, weight, next(data), m))
         optimizer.step()
         optimizer.zero_grad()
     return losses, layers, weight.detach()
@@ -222,16 +228,7 @@ def delayed_reference(n: int, m: int, steps: int):
             for p, old in zip(params, previous):
                 p.copy_(old)
         for _ in range(m):
-            x, labels = next(data)
-            for layer in layers:
-                layer.set_input_tensor(x)
-                x = layer(x)
-            per_token = F.cross_entropy((x @ weight.t()).view(-1, VOCAB), labels.view(-1),
-                                        reduction="none").view(labels.shape)  # fmt: skip
-            mask = (labels % 3 != 0).float()
-            loss = (per_token * mask).sum() / mask.sum()
-            losses.append(loss.item())
-            (loss / m).backward()
+            losses.append(accumulate_whole(layers, weight, next(data), m))
         with torch.no_grad():
             for p, now in zip(params, current):
                 p.copy_(now - LR * p.grad)
