@@ -75,14 +75,19 @@ def _context_parallel_group():
     return context_parallel_group()
 
 
+def run_model(model, tokens, position_ids, attention_mask, labels):
+    """The stage's output: on the last stage the per-token losses, or with the vocabulary split
+    over the ranks (--enable-vocab-parallel) its hidden state ([b, s, h]) and the labels, which
+    go to every rank's output shard (the runtime hands the loss function the per-token losses
+    the shards make)."""
+    if model.post_process and hasattr(model, "output_shard"):
+        hidden = model(tokens, position_ids, attention_mask, labels=None)
+        return HiddenForLoss(hidden, labels)
+    return model(tokens, position_ids, attention_mask, labels=labels)
+
+
 def forward_step(data_iterator, model):
     tokens, position_ids, attention_mask, labels, loss_mask = get_batch(data_iterator, model)
-    if model.post_process and hasattr(model, "output_shard"):  # --enable-vocab-parallel
-        # the hidden state ([b, s, h]) goes to every rank's shard; the runtime hands the
-        # loss function the per-token losses they make
-        hidden = model(tokens, position_ids, attention_mask, labels=None)
-        output_tensor = HiddenForLoss(hidden, labels)
-    else:
-        output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    output_tensor = run_model(model, tokens, position_ids, attention_mask, labels)
     per_token = getattr(getattr(model, "config", None), "calculate_per_token_loss", False)
     return output_tensor, partial(loss_func, loss_mask, per_token=per_token)

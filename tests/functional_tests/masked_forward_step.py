@@ -6,12 +6,13 @@ chunks included)."""
 
 from functools import partial
 
+from megatron.training.gpt_step import run_model
 from pretrain_gpt import get_batch, loss_func
 
 
 def forward_step(data_iterator, model):
     tokens, position_ids, attention_mask, labels, loss_mask = get_batch(data_iterator, model)
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    output_tensor = run_model(model, tokens, position_ids, attention_mask, labels)
     if loss_mask is not None:
         threshold = 1 + (labels // 8) % 8
         loss_mask = loss_mask * (labels % 8 < threshold).to(loss_mask.dtype)

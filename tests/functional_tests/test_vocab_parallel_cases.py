@@ -22,6 +22,8 @@ FLUSH_EQUALS_WHOLE = [
     ("moe_ep2pp2_vocab_1f1b", "moe_ep2pp2_1f1b"),  # MoE, experts over 2 ranks: aux loss too
     # 2BW pins batch b to W(b - 1) on every rank: the shards score it on that version too
     ("gpt_pp4_vocab_2bw", "gpt_pp4_2bw_opt_adam"),
+    # --calculate-per-token-loss with a mask that differs per microbatch (its own forward step)
+    ("gpt_pp4_vocab_pertoken_1f1b", "gpt_pp4_pertoken_1f1b"),
 ]
 
 
