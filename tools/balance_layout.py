@@ -30,8 +30,8 @@ def rows(options: projection.ProjectionOptions) -> list[dict]:
             layers = balance.layer_costs_from_model(options, shape, mbs, curve[mbs])
             p2p = projection.p2p_model(options, mbs)
         if options.enable_vocab_parallel:
-            reductions = projection.vocab_reductions_s(options, mbs)
-            layers = balance.partition_vocabulary(layers, options.stages, reductions)
+            messages = projection.vocab_messages_s(options, mbs)
+            layers = balance.partition_vocabulary(layers, options.stages, messages)
         even = list(options.stage_layers)
         throughput = {}
 

@@ -8,9 +8,9 @@ and the loss; layers are contiguous. `balanced_split` finds the best split exact
 programming over (stage, layers placed so far).
 
 With the vocabulary partitioned over the pipeline ranks (`--enable-vocab-parallel`,
-`partition_vocabulary`), the embedding, the output layer and the loss are no stage's own: each
-rank runs 1/N of them, plus its part in the per-microbatch reductions, so every stage carries
-the same extra (`LayerCosts.every_stage`) and only the transformer layers are left to split.
+`partition_vocabulary`), the output layer and the loss are no stage's own: each rank runs 1/N
+of them plus its messages (`LayerCosts.every_stage`), the last rank also the exchange with every
+other rank, and the input embedding stays on the first stage.
 """
 
 import math
@@ -103,21 +103,19 @@ def balanced_split(
 
 
 def partition_vocabulary(
-    costs: LayerCosts, num_stages: int, reductions: tuple[float, float] = (0.0, 0.0)
+    costs: LayerCosts, num_stages: int, messages: tuple = ((0.0, 0.0), (0.0, 0.0))
 ) -> LayerCosts:
-    """`costs` with the embedding, the output layer and the loss split evenly over the
-    `num_stages` ranks by vocabulary: each stage runs 1/N of their forward, backward, weight
-    gradient and step, plus `reductions` (forward, backward seconds per microbatch: the
-    embedding's and the softmax statistics' reductions, the last hidden state to every rank
-    and its gradient back), which every rank takes part in."""
-    share = [
-        (e + o) / num_stages + x
-        for e, o, x in zip(costs.embedding, costs.output, costs.every_stage)
-    ]
-    share[0] += reductions[0]
-    share[1] += reductions[1]
-    zero = (0.0, 0.0, 0.0, 0.0)
-    return LayerCosts(costs.layers, zero, zero, tuple(share))
+    """`costs` with the output layer and the loss split evenly over the `num_stages` ranks by
+    vocabulary, as the runtime's --enable-vocab-parallel: each stage runs 1/N of their forward,
+    backward, weight gradient and step, plus the messages (`projection.vocab_messages_s`:
+    (forward, backward) seconds per microbatch on every rank, and the last rank's extra for
+    exchanging with every other one). The input embedding stays on the first stage."""
+    every, last = messages
+    share = [o / num_stages for o in costs.output]
+    share[0] += every[0]
+    share[1] += every[1]
+    last_extra = (last[0], last[1], 0.0, 0.0)
+    return LayerCosts(costs.layers, costs.embedding, last_extra, tuple(share))
 
 
 def arrangements(split: list[int]) -> list[list[int]]:

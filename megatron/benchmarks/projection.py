@@ -167,7 +167,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g(
         "--enable-vocab-parallel",
         action="store_true",
-        help="the embedding, output layer and loss split by vocabulary over the pipeline ranks",
+        help="the output layer and loss split by vocabulary over the pipeline ranks, as the "
+        "runtime's --enable-vocab-parallel (the input embedding stays on the first stage)",
     )
     g("--global-batch-sizes", type=_positive_ints, help="m = global batch / micro-batch size")
     g(
@@ -260,7 +261,7 @@ class ProjectionOptions:
     uniform_stages: bool
     """Every stage at the mean stage cost (a perfectly balanced pipeline)."""
     enable_vocab_parallel: bool
-    """The embedding, output layer and loss split by vocabulary over the pipeline ranks."""
+    """The output layer and loss split by vocabulary over the pipeline ranks (the runtime's)."""
     global_batch_sizes: tuple[int, ...] | None
     """Rows (global batch, b, global batch / b); None: `microbatches` gives m directly."""
     microbatches: tuple[int, ...] | None
@@ -486,23 +487,24 @@ def p2p_model(options: ProjectionOptions, mbs: int) -> float:
     return options.p2p_latency_us * 1e-6 + num_bytes / (options.p2p_bandwidth_gbs * 1e9)
 
 
-def vocab_reductions_s(options: ProjectionOptions, mbs: int) -> tuple[float, float]:
-    """(forward, backward) seconds per microbatch a rank spends in the collectives of a
-    vocabulary split over N pipeline ranks. Forward: the last hidden state broadcast to every
-    rank, the softmax statistics all-reduced (max, sum, target logit: 3 fp32 per token), the
-    embedding's output summed onto the first stage; backward: the hidden state's gradient
-    summed onto the last stage, the embedding output's gradient broadcast. A pipelined
-    broadcast or reduce moves its bytes once over the p2p bandwidth, an all-reduce 2 (N - 1) / N
-    times; each adds N - 1 latencies. Counted as the rank's busy time: no overlap with compute
-    is assumed."""
-    n, tokens = options.stages, mbs * options.seq_length
+def vocab_messages_s(options: ProjectionOptions, mbs: int) -> tuple[tuple, tuple]:
+    """((forward, backward) of every rank, (forward, backward) extra on the last rank): seconds
+    per microbatch of the messages of the output layer split over the N pipeline ranks, as the
+    runtime sends them (`pipeline.vocab_parallel`, fp32, point to point): the last stage's hidden
+    state and labels to each other rank (T (h + 1) values) and each shard's output back
+    (T (3 + 2h)) in the forward, the softmax statistics out (3 T) in the backward. A rank
+    receives and sends one of each; the last rank N - 1 of each through its link. Counted as
+    busy time, each with one hop latency: no overlap with compute is assumed."""
+    n, tokens, hidden = options.stages, mbs * options.seq_length, options.hidden_size
     if n == 1:
-        return 0.0, 0.0
-    bandwidth = options.p2p_bandwidth_gbs * 1e9
-    latency = (n - 1) * options.p2p_latency_us * 1e-6
-    hidden = latency + tokens * options.hidden_size * 2 / bandwidth  # bf16, broadcast or reduce
-    statistics = latency + 2 * (n - 1) / n * tokens * 3 * 4 / bandwidth
-    return 2 * hidden + statistics, 2 * hidden
+        return (0.0, 0.0), (0.0, 0.0)
+    bandwidth, latency = options.p2p_bandwidth_gbs * 1e9, options.p2p_latency_us * 1e-6
+    forward_bytes = tokens * (hidden + 1) * 4 + tokens * (3 + 2 * hidden) * 4
+    backward_bytes = 3 * tokens * 4
+    every = (2 * latency + forward_bytes / bandwidth, latency + backward_bytes / bandwidth)
+    fan = n - 2  # the last rank's messages beyond one rank's own
+    last = (fan * forward_bytes / bandwidth, fan * backward_bytes / bandwidth)
+    return every, last
 
 
 def modelled_costs(
@@ -523,9 +525,11 @@ def modelled_costs(
         wgrad.append(w + share * ow)
         step.append(params * per_param)
     if options.enable_vocab_parallel:
-        reductions = vocab_reductions_s(options, mbs)
-        forward = [f + reductions[0] for f in forward]
-        backward = [b + reductions[1] for b in backward]
+        every, last = vocab_messages_s(options, mbs)
+        forward = [f + every[0] for f in forward]
+        backward = [b + every[1] for b in backward]
+        forward[-1] += last[0]
+        backward[-1] += last[1]
     return StageCosts(forward, backward, wgrad, step, p2p_model(options, mbs), "cost model")
 
 
@@ -538,10 +542,11 @@ def _output_share(options: ProjectionOptions, stage: int) -> float:
 
 
 def vocab_params(options: ProjectionOptions, shape: Shape, stage: int) -> float:
-    """Parameters of the embedding and output layer (with the final norm) on `stage`."""
-    if options.enable_vocab_parallel:
-        return (shape.embedding_params() + shape.output_params()) / options.stages
+    """Parameters of the embedding (the first stage's) and the output layer (with the final
+    norm; the last stage's, or 1/N on every stage with the vocabulary split)."""
     on_first = shape.embedding_params() if stage == 0 else 0
+    if options.enable_vocab_parallel:
+        return on_first + shape.output_params() / options.stages
     return on_first + (shape.output_params() if stage == options.stages - 1 else 0)
 
 
