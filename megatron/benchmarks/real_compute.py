@@ -26,6 +26,7 @@ from megatron.pipeline.simulation.results import by_stage, steady_state_throughp
 from megatron.pipeline.trace import read_chrome_trace
 
 from .emulated_benchmark import PRETRAIN_SCRIPT, launch, torchrun_command
+from .runtime_comparison import VOCAB_SUFFIX
 
 NUM_STAGES = 2
 
@@ -69,7 +70,7 @@ def model_args(options) -> list[str]:
     ]
 
 
-VOCAB_SPLIT = "+vocab"  # a case name's schedule with the output layer split over the ranks
+VOCAB_SPLIT = VOCAB_SUFFIX  # a case's schedule with the output layer split over the ranks
 
 
 def case(name: str, schedule: str, m: int, options, output: str, last_layers=None) -> dict:

@@ -453,10 +453,14 @@ class RankRuntime:
         streams.shard_out.send(shard.score(hidden, labels)[1])
 
     def _losses_from_shards(self, for_loss: HiddenForLoss) -> torch.Tensor:
-        messages = [inbox.take() for inbox in self.vocab_streams.shard_in]
-        shard = self.output_shard
-        combined = combine_shards(messages, shard.hidden_size, shard.group)
+        combined = self._combined_shards(lambda inbox: inbox.take())
         return combined.per_token_loss.view(for_loss.labels.shape)
+
+    def _combined_shards(self, take):
+        """Every shard's output of the next microbatch, taken with `take`, combined."""
+        messages = [take(inbox) for inbox in self.vocab_streams.shard_in]
+        shard = self.output_shard
+        return combine_shards(messages, shard.hidden_size, shard.group)
 
     def overhead_per_action_us(self) -> float:
         """Scheduling and bookkeeping per action: time in training calls that was neither
@@ -750,10 +754,10 @@ class RankRuntime:
         losses (differentiable in the hidden state), the loss function applied and the loss
         scaled as at the forward of an unsplit model. Returns (loss, tokens, (combined, where
         the loss's gradient lands))."""
-        messages = [self._take(inbox) for inbox in self.vocab_streams.shard_in]
         compute_start = time.perf_counter()
-        shard = self.output_shard
-        combined = combine_shards(messages, shard.hidden_size, shard.group)
+        blocked = self._blocked_s
+        combined = self._combined_shards(self._take)
+        compute_start += self._blocked_s - blocked  # waiting for a shard is not compute
         loss_gradient: list = []
         losses = per_token_loss(microbatch.for_loss, combined, loss_gradient)
         loss, tokens, loss_dict = _split_loss(microbatch.loss_func(losses))
