@@ -63,6 +63,9 @@ class StageStats:
     # A vocabulary split over the ranks: steps the rank's output shard took between scoring a
     # microbatch (VF) and taking its weight gradient (VB).
     shard_drift_histogram: collections.Counter = field(default_factory=collections.Counter)
+    # ... and with the input embedding split too: steps between looking a microbatch up in
+    # the rank's embedding rows (EF) and taking their gradient (EB).
+    embed_drift_histogram: collections.Counter = field(default_factory=collections.Counter)
     extra_weight_versions: int = 0  # most stashed weight versions held at once
     extra_weight_bytes: int = 0  # their bytes
     peak_inflight_microbatches: int = 0
@@ -129,13 +132,15 @@ class StageStats:
         }
 
     def _shard_report(self) -> dict:
-        if not self.shard_drift_histogram:
-            return {}
-        histogram = self.shard_drift_histogram
-        return {
-            "max_shard_drift": max(histogram),
-            "shard_drift_histogram": {str(d): n for d, n in sorted(histogram.items())},
-        }
+        report = {}
+        for name, histogram in (("shard", self.shard_drift_histogram),
+                                ("embed", self.embed_drift_histogram)):  # fmt: skip
+            if histogram:
+                report[f"max_{name}_drift"] = max(histogram)
+                report[f"{name}_drift_histogram"] = {
+                    str(d): n for d, n in sorted(histogram.items())
+                }
+        return report
 
 
 @contextlib.contextmanager

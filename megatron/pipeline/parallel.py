@@ -117,8 +117,9 @@ def ranks_of_my_stage() -> set[int]:
 
 def build_vocab_links() -> VocabLinks:
     """Collective over the world: the groups of the vocabulary streams between the last stage
-    and every stage (--enable-vocab-parallel), two communicators over the pipeline's ranks."""
+    and every stage (--enable-vocab-parallel), three communicators over the pipeline's ranks."""
     pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     hidden_group = _new_groups(pp_ranks, backend=None)
     stats_group = _new_groups(pp_ranks, backend=None)
-    return VocabLinks(tuple(pp_ranks), hidden_group, stats_group)
+    embed_group = _new_groups(pp_ranks, backend=None)
+    return VocabLinks(tuple(pp_ranks), hidden_group, stats_group, embed_group)

@@ -46,6 +46,7 @@ from .trace import TraceEvent
 from .transport import DistributedTransport, LaneEnds, LaneLinks, LaneStreams
 from .vocab_parallel import (
     HiddenForLoss,
+    InputShard,
     OutputShard,
     combine_shards,
     hidden_message,
@@ -169,6 +170,7 @@ class RankRuntime:
         deterministic: bool = False,
         per_token_loss: bool = False,
         output_shard: OutputShard | None = None,
+        input_shard: InputShard | None = None,
     ):
         self.context, self.model = context, model
         self.placement = placement
@@ -215,6 +217,11 @@ class RankRuntime:
         # a split vocabulary: the rank's output rows, what they scored (until VB), the streams
         self.output_shard = output_shard
         self.shard_scores: collections.deque = collections.deque()
+        # the input embedding split too: the rank's rows, their lookups (until EB), the
+        # batches EF read ahead of this rank's own forwards (a rank that reads the data)
+        self.input_shard = input_shard
+        self.embed_lookups: collections.deque = collections.deque()
+        self.read_ahead: _ReadAhead | None = None
         self.vocab_streams = None if output_shard is None else self._open_vocab(transport)
 
     # ---------------------------------------------------------------- wiring
@@ -256,13 +263,14 @@ class RankRuntime:
         """The output shard's streams (a vocabulary split over the ranks)."""
         if self.placement is not None:
             raise ValueError("a split vocabulary runs with one model chunk per rank")
-        shard, context = self.output_shard, self.context
+        shard, context, rows = self.output_shard, self.context, self.input_shard
         return transport.open_vocab(
             context.stage,
             context.num_stages,
             self._arrivals,
             tokens=shard.tokens or math.prod(self.tensor_shape[:-1]),
             hidden_size=shard.hidden_size,
+            embed_elements=None if rows is None else rows.message_elements + self._scale_size,
         )
 
     @property
@@ -337,6 +345,12 @@ class RankRuntime:
                 f"stage {self.context.stage}: {schedule.name} after a weight-stashing schedule "
                 "(the stashed versions would be lost)"
             )
+        if schedule.embedding_passes != (self.input_shard is not None):
+            raise RuntimeError(
+                f"{schedule.name}: the schedule {'places' if schedule.embedding_passes else 'has no'}"
+                f" embedding passes, the rank {'holds no' if self.input_shard is None else 'holds'}"
+                " input embedding rows"
+            )
         if schedule.vocab_passes != (self.output_shard is not None):
             raise RuntimeError(
                 f"{schedule.name}: the schedule {'places' if schedule.vocab_passes else 'has no'}"
@@ -402,6 +416,11 @@ class RankRuntime:
         streams.stats_in.expect_total(chunk.backward_target)
         for inbox in streams.shard_in:
             inbox.expect_total(evaluated + chunk.backward_target)
+        if streams.embed_out is not None:  # parts as far as the first stage forwards
+            streams.embed_grad_in.expect_total(chunk.backward_target)
+            first = min(forward_limit, chunk.backward_target + self.context.num_stages)
+            for inbox in streams.embed_in:
+                inbox.expect_total(evaluated + first)
 
     def run_forward_only(self, *, forward_step_func, data_iterator, num_microbatches) -> list:
         """Forward `num_microbatches` through every chunk with no graph kept (evaluation):
@@ -418,16 +437,23 @@ class RankRuntime:
         inboxes = [lane.streams.activations_in for lane in self.lanes]
         if self.vocab_streams is not None:  # the shards score every microbatch too
             inboxes += [self.vocab_streams.hidden_in, *self.vocab_streams.shard_in]
+            inboxes += self.vocab_streams.embed_in
         for inbox in inboxes:
             if inbox is not None:
                 inbox.expect_total(inbox.expected + num_microbatches)
         in_order = sorted(self.lanes, key=lambda lane: lane.virtual_stage)
         with torch.no_grad():
             for _ in range(num_microbatches):
+                data = data_iterator
+                if self.input_shard is not None:  # every rank's part of the first input
+                    data = _ReadAhead(data_iterator, keep=self._reads_data)
+                    self._look_up(data)
                 for lane in in_order:
                     input_tensor = None if lane.is_first else self._receive_activation(lane)
+                    if lane.is_first and self.input_shard is not None:
+                        self._set_input_embedding(lane, self._embedding_input())
                     output, loss_func = self._call_forward_step(
-                        lane, forward_step_func, _data_of(data_iterator, lane), input_tensor
+                        lane, forward_step_func, _data_of(data, lane), input_tensor
                     )
                     if not lane.is_last:
                         self._send_activation(lane, output)
@@ -477,10 +503,12 @@ class RankRuntime:
     def _view(self, step_enabled: bool) -> StageView:
         inputs = [lane.is_first or lane.streams.activations_in.ready() for lane in self.lanes]
         grads = [self._gradient_ready(lane) for lane in self.lanes]
-        vocab = self.vocab_streams
-        ready = (
-            (False, False) if vocab is None else (vocab.hidden_in.ready(), vocab.stats_in.ready())
-        )
+        vocab, ready = self.vocab_streams, (False, False, False)
+        if vocab is not None:
+            embed_grad = vocab.embed_grad_in is not None and vocab.embed_grad_in.ready()
+            ready = (vocab.hidden_in.ready(), vocab.stats_in.ready(), embed_grad)
+            if vocab.embed_in:  # the first stage's input: every rank's part
+                inputs[0] = all(inbox.ready() for inbox in vocab.embed_in)
         return self.state.view(
             inputs_ready=inputs, grads_ready=grads, step_enabled=step_enabled, vocab_ready=ready
         )
@@ -598,6 +626,72 @@ class RankRuntime:
         self.compute_s += time.perf_counter() - compute_start
         self.shard_drift[self.state.steps - self.state.record_vocab_backward()] += 1
 
+    def _run_embed_forward(self, part: Action, work: "_CallWork") -> None:
+        """EF: the next microbatch's tokens looked up in this rank's embedding rows, sent to
+        the first stage; the batch is kept for this rank's own forward if it reads the data."""
+        if self.read_ahead is None:
+            self.read_ahead = _ReadAhead(keep=self._reads_data)
+        self.read_ahead.source = _data_of(work.data_iterator, self.lanes[0])
+        self.embed_lookups.append(self._look_up(self.read_ahead))
+        self.state.record_embed_forward()
+
+    def _look_up(self, reader: "_ReadAhead") -> torch.Tensor:
+        rows_of = self.input_shard
+        tokens = rows_of.tokens_of(reader.read_next())
+        compute_start = time.perf_counter()
+        rows = rows_of.look_up(tokens)
+        self.compute_s += time.perf_counter() - compute_start
+        self._timed_send(self.vocab_streams.embed_out, rows.detach().reshape(-1).to(self.dtype))
+        return rows
+
+    def _run_embed_backward(self, part: Action, work: "_CallWork") -> None:
+        """EB: the embedding rows' gradient of the oldest microbatch looked up, from the first
+        stage's backward (brought to this rank's loss scale)."""
+        payload = self._take(self.vocab_streams.embed_grad_in)
+        numel = self.input_shard.message_elements
+        grad = payload[:numel]
+        sender, mine = decode_scale(payload[numel:]), self._loss_scale()
+        if sender != mine:
+            grad = grad.float() * (mine / sender)
+        compute_start = time.perf_counter()
+        self.input_shard.weight_gradient(self.embed_lookups.popleft(), grad)
+        self.compute_s += time.perf_counter() - compute_start
+        version = self.state.record_embed_backward()
+        self.stats.embed_drift_histogram[self.state.steps - version] += 1
+
+    @property
+    def _reads_data(self) -> bool:
+        """Whether this rank's forward reads the microbatch (the first or the last stage)."""
+        return self.lanes[0].is_first or self.lanes[0].is_last
+
+    @property
+    def _scale_size(self) -> int:
+        return scale_elements(self.dtype)
+
+    def _embedding_input(self) -> torch.Tensor:
+        """The first stage's input embedding: every rank's part of the next microbatch,
+        summed; a leaf whose gradient goes back to every rank after the backward."""
+        parts = [self._take(inbox) for inbox in self.vocab_streams.embed_in]
+        numel = self.input_shard.message_elements
+        combined = self.input_shard.combine([part[:numel] for part in parts])
+        return combined.detach().requires_grad_(True)
+
+    @staticmethod
+    def _set_input_embedding(lane: "_Lane", embedded: torch.Tensor) -> None:
+        set_embedding = getattr(lane.module, "set_input_embedding", None)
+        if set_embedding is None:
+            raise RuntimeError(
+                "the split input embedding needs a first stage with set_input_embedding"
+            )
+        set_embedding(embedded)
+
+    def _send_embedding_gradient(self, grad: torch.Tensor) -> None:
+        """The first stage's backward: the input embedding's gradient to every rank's EB."""
+        scale = encode_scale(self._loss_scale(), self.dtype, grad.device)
+        message = torch.cat([grad.reshape(-1).to(self.dtype), scale])
+        for outbox in self.vocab_streams.embed_grad_out:
+            self._timed_send(outbox, message)
+
     @property
     def shard_drift(self) -> collections.Counter:
         """Steps the output shard took between scoring a microbatch and its weight gradient."""
@@ -611,6 +705,8 @@ class RankRuntime:
         ActionKind.STEP: _run_step,
         ActionKind.VOCAB_FORWARD: _run_vocab_forward,
         ActionKind.VOCAB_BACKWARD: _run_vocab_backward,
+        ActionKind.EMBED_FORWARD: _run_embed_forward,
+        ActionKind.EMBED_BACKWARD: _run_embed_backward,
     }
 
     def _is_full_backward(self, action: Action) -> bool:
@@ -636,17 +732,18 @@ class RankRuntime:
         return forward_step_func(data_iterator, lane.module)
 
     def _forward(self, lane: _Lane, work: "_CallWork") -> dict | None:
-        input_tensor = None
+        input_tensor, embedded = None, None
         if not lane.is_first:
             input_tensor = self._receive_activation(lane).requires_grad_(True)
+        elif self.input_shard is not None:  # the input is every rank's embedding part
+            embedded = self._embedding_input()
+            self._set_input_embedding(lane, embedded)
         version = self._forward_version()
         compute_start = time.perf_counter()
         with self._on_weights(version) as redirection, self.meter.measure(redirection) as saved:
+            data = work.data_iterator if self.input_shard is None else self.read_ahead
             output, loss_func = self._call_forward_step(
-                lane,
-                work.forward_step_func,
-                data_iterator=_data_of(work.data_iterator, lane),
-                input_tensor=input_tensor,
+                lane, work.forward_step_func, _data_of(data, lane), input_tensor
             )
             loss_dict, tokens, for_loss = None, 0, None
             if lane.is_last and self.output_shard is not None:  # the loss comes at the backward
@@ -661,7 +758,9 @@ class RankRuntime:
                 output = loss
         self.compute_s += time.perf_counter() - compute_start
         microbatch = self.state.record_forward(lane.chunk, version)
-        inflight = _InFlight(microbatch, input_tensor, output, saved[0], tokens)
+        # the first stage's embedded input takes the input's place: B computes its gradient
+        inflight = _InFlight(microbatch, input_tensor if embedded is None else embedded, output,
+                             saved[0], tokens)  # fmt: skip
         if for_loss is not None:
             inflight.loss_func, inflight.for_loss = loss_func, for_loss
             message = hidden_message(for_loss)
@@ -740,6 +839,8 @@ class RankRuntime:
             self.tokens_since_step += int(tokens)
         if not lane.is_first:
             self._send_gradient(lane, microbatch.input_tensor.grad, tokens)
+        elif self.input_shard is not None:
+            self._send_embedding_gradient(microbatch.input_tensor.grad)
         microbatch.input_tensor = microbatch.output_tensor = None  # the graph lives in W's part
         forward_version = self.state.record_backward(lane.chunk)
         if split:
@@ -911,6 +1012,29 @@ class _Totals:
     backwards: int
     weight_grads_done: int
     forward_limit: int
+
+
+class _ReadAhead:
+    """The rank's data iterator, read by its EF passes first: with `keep` (a rank whose own
+    forward reads the data) the batches they read wait for its forwards, in order."""
+
+    def __init__(self, source=None, *, keep: bool):
+        self.source, self.keep = source, keep
+        self.batches: collections.deque = collections.deque()
+
+    def read_next(self):
+        batch = next(self.source)
+        if self.keep:
+            self.batches.append(batch)
+        return batch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.batches:
+            raise RuntimeError("a forward read the data before its EF pass looked it up")
+        return self.batches.popleft()
 
 
 def _data_of(data_iterator, lane: _Lane):

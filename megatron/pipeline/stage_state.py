@@ -43,6 +43,8 @@ class StageState:
     steps: int = 0  # optimizer steps taken: the stage's current weight version
     vocab_forwards: int = 0  # the rank's output-shard passes (a vocabulary split over ranks)
     vocab_backwards: int = 0
+    embed_forwards: int = 0  # the rank's input-embedding passes (the input split too)
+    embed_backwards: int = 0
     calls: int = 0
     microbatches_per_step: int = 1
     backward_target: int = 0  # cumulative backwards the current call must reach
@@ -53,6 +55,8 @@ class StageState:
     forward_versions: dict[int, int] = field(default_factory=dict)
     # microbatch -> weight version the output shard scored it with, until its VB
     shard_versions: dict[int, int] = field(default_factory=dict)
+    # microbatch -> weight version the embedding rows looked it up with, until its EB
+    embed_versions: dict[int, int] = field(default_factory=dict)
     peak_inflight: int = 0
     recent: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=RECENT_ACTIONS)
@@ -81,6 +85,7 @@ class StageState:
         step_enabled: bool = True,
         hidden_ready: bool = False,
         stats_ready: bool = False,
+        embed_grad_ready: bool = False,
     ) -> StageView:
         return StageView(
             stage=self.stage,
@@ -101,6 +106,9 @@ class StageState:
             vocab_backwards=self.vocab_backwards,
             hidden_ready=hidden_ready,
             stats_ready=stats_ready,
+            embed_forwards=self.embed_forwards,
+            embed_backwards=self.embed_backwards,
+            embed_grad_ready=embed_grad_ready,
         )
 
     # ------------------------------------------------------------------ validation
@@ -151,6 +159,20 @@ class StageState:
             return "takes a shard's weight gradient before the shard scored the microbatch"
         return None
 
+    def _embed_forward_problem(self, microbatch: int, step_enabled: bool) -> str | None:
+        if microbatch != self.embed_forwards:
+            return f"names microbatch {microbatch}, the embedding's next is {self.embed_forwards}"
+        if self.embed_forwards >= self.forward_limit:
+            return f"looks up past the forward limit {self.forward_limit} (end of the data)"
+        return None
+
+    def _embed_backward_problem(self, microbatch: int, step_enabled: bool) -> str | None:
+        if microbatch != self.embed_backwards:
+            return f"names microbatch {microbatch}, the embedding's next is {self.embed_backwards}"
+        if self.embed_backwards >= self.embed_forwards:
+            return "takes an embedding gradient before the rows looked the microbatch up"
+        return None
+
     # One check per kind a stage runs (schedules.base.KIND_INFO); WAIT and DONE are no work.
     _CHECKS = {
         ActionKind.FORWARD: _forward_problem,
@@ -159,6 +181,8 @@ class StageState:
         ActionKind.STEP: _step_problem,
         ActionKind.VOCAB_FORWARD: _vocab_forward_problem,
         ActionKind.VOCAB_BACKWARD: _vocab_backward_problem,
+        ActionKind.EMBED_FORWARD: _embed_forward_problem,
+        ActionKind.EMBED_BACKWARD: _embed_backward_problem,
     }
 
     def check(self, action: Action, *, step_enabled: bool = True) -> None:
@@ -181,9 +205,12 @@ class StageState:
         )
 
     def _describe_vocab(self) -> str:
-        if not self.vocab_forwards:
-            return ""
-        return f", VF={self.vocab_forwards} VB={self.vocab_backwards}"
+        vocab = ""
+        if self.vocab_forwards:
+            vocab += f", VF={self.vocab_forwards} VB={self.vocab_backwards}"
+        if self.embed_forwards:
+            vocab += f", EF={self.embed_forwards} EB={self.embed_backwards}"
+        return vocab
 
     def recent_actions(self) -> str:
         return " ".join(str(action) for action in self.recent) or "(none)"
@@ -235,6 +262,22 @@ class StageState:
         version = self.shard_versions.pop(self.vocab_backwards)
         self.recent.append(Action(ActionKind.VOCAB_BACKWARD, self.vocab_backwards))
         self.vocab_backwards += 1
+        return version
+
+    def record_embed_forward(self, version: int | None = None) -> int:
+        """The rank's embedding rows looked its next microbatch up on weight `version`
+        (default: the current one); returns the microbatch."""
+        microbatch = self.embed_forwards
+        self.embed_versions[microbatch] = self.steps if version is None else version
+        self.embed_forwards += 1
+        self.recent.append(Action(ActionKind.EMBED_FORWARD, microbatch))
+        return microbatch
+
+    def record_embed_backward(self) -> int:
+        """The rows took a microbatch's gradient; returns the version that looked it up."""
+        version = self.embed_versions.pop(self.embed_backwards)
+        self.recent.append(Action(ActionKind.EMBED_BACKWARD, self.embed_backwards))
+        self.embed_backwards += 1
         return version
 
 
@@ -307,19 +350,25 @@ class RankState:
             chunk.begin_call(microbatches_per_step, forward_limit)
 
     def view(
-        self, *, inputs_ready, grads_ready, step_enabled: bool = True, vocab_ready=(False, False)
+        self,
+        *,
+        inputs_ready,
+        grads_ready,
+        step_enabled: bool = True,
+        vocab_ready=(False, False, False),
     ) -> StageView:
         """The schedule's view; `inputs_ready`/`grads_ready`: one flag per chunk;
-        `vocab_ready`: whether the output shard's next VF and VB inputs have arrived (a
-        vocabulary split over the ranks; one chunk per rank)."""
+        `vocab_ready`: whether the next VF's, VB's and EB's inputs have arrived (a vocabulary
+        split over the ranks; one chunk per rank)."""
         if not self.chunked:
-            hidden_ready, stats_ready = vocab_ready
+            hidden_ready, stats_ready, embed_grad_ready = vocab_ready
             return self.chunks[0].view(
                 input_ready=inputs_ready[0],
                 grad_ready=grads_ready[0],
                 step_enabled=step_enabled,
                 hidden_ready=hidden_ready,
                 stats_ready=stats_ready,
+                embed_grad_ready=embed_grad_ready,
             )
         first = self.chunks[0]
         views = tuple(
@@ -434,6 +483,24 @@ class RankState:
         version = self.chunks[0].record_vocab_backward()
         self._note(Action(ActionKind.VOCAB_BACKWARD, self.chunks[0].vocab_backwards - 1))
         return version
+
+    def record_embed_forward(self, version: int | None = None) -> int:
+        microbatch = self.chunks[0].record_embed_forward(version)
+        self._note(Action(ActionKind.EMBED_FORWARD, microbatch))
+        return microbatch
+
+    def record_embed_backward(self) -> int:
+        version = self.chunks[0].record_embed_backward()
+        self._note(Action(ActionKind.EMBED_BACKWARD, self.chunks[0].embed_backwards - 1))
+        return version
+
+    @property
+    def embed_forwards(self) -> int:
+        return self.chunks[0].embed_forwards
+
+    @property
+    def embed_backwards(self) -> int:
+        return self.chunks[0].embed_backwards
 
     @property
     def vocab_forwards(self) -> int:

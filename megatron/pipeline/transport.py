@@ -112,23 +112,33 @@ class VocabStreams:
     hidden_out: list = field(default_factory=list)  # last stage only, by rank
     stats_out: list = field(default_factory=list)
     shard_in: list = field(default_factory=list)
+    # the input embedding split too: the rank's part out and its gradient in; the first
+    # stage's parts in and gradients out, by rank
+    embed_out: object = None
+    embed_grad_in: object = None
+    embed_in: list = field(default_factory=list)
+    embed_grad_out: list = field(default_factory=list)
 
     def inboxes(self) -> tuple:
-        return (self.hidden_in, self.stats_in, *self.shard_in)
+        embedding = (self.embed_grad_in, *self.embed_in) if self.embed_out is not None else ()
+        return (self.hidden_in, self.stats_in, *self.shard_in, *embedding)
 
     def outboxes(self) -> tuple:
-        return (self.shard_out, *self.hidden_out, *self.stats_out)
+        embedding = (self.embed_out, *self.embed_grad_out) if self.embed_out is not None else ()
+        return (self.shard_out, *self.hidden_out, *self.stats_out, *embedding)
 
 
 @dataclass(frozen=True)
 class VocabLinks:
     """The global ranks of the pipeline (by stage) and the process groups of the vocabulary
     streams: hidden states out and shard outputs back on one (opposite directions), the
-    statistics on another (same direction as the hidden states)."""
+    statistics on another (same direction as the hidden states); the input embedding's parts
+    in and gradients out of the first stage on a third."""
 
     pipeline_ranks: tuple[int, ...]
     hidden_group: object = None
     stats_group: object = None
+    embed_group: object = None
 
 
 def vocab_message_sizes(tokens: int, hidden_size: int) -> dict[str, int]:
@@ -176,21 +186,27 @@ class DistributedTransport:
         self.vocab_links = vocab_links
         self._loopbacks: dict[tuple[str, int], QueueInbox] = {}  # (stream, receiving lane)
 
-    def open_vocab(self, stage, num_stages, arrivals, *, tokens, hidden_size) -> VocabStreams:
+    def open_vocab(
+        self, stage, num_stages, arrivals, *, tokens, hidden_size, embed_elements=None
+    ) -> VocabStreams:
         """The output shard's streams of pipeline stage `stage` (fp32; the last stage's own
-        messages to itself through local queues)."""
+        messages to itself through local queues); with `embed_elements`, the input
+        embedding's too (in the pipeline's dtype)."""
         links = self.vocab_links
         if links is None:
             raise RuntimeError("a split vocabulary needs the transport's vocab_links")
         sizes, ranks = vocab_message_sizes(tokens, hidden_size), links.pipeline_ranks
         last = ranks[num_stages - 1]
 
+        sizes.update(embed=embed_elements, embed_grad=embed_elements)
+        dtypes = {"embed": self.dtype, "embed_grad": self.dtype}
+
         def inbox(stream, peer, group):
             if peer == self.rank:
                 return self._vocab_loopback(stream, arrivals)
             return make_inbox(backend=self.backend, peer=peer, group=group,
-                              shape=(sizes[stream],), dtype=torch.float32, device=self.device,
-                              arrivals=arrivals)  # fmt: skip
+                              shape=(sizes[stream],), dtype=dtypes.get(stream, torch.float32),
+                              device=self.device, arrivals=arrivals)  # fmt: skip
 
         def outbox(stream, peer, group):
             if peer == self.rank:
@@ -206,6 +222,13 @@ class DistributedTransport:
             streams.hidden_out = [outbox("hidden", r, links.hidden_group) for r in ranks]
             streams.stats_out = [outbox("stats", r, links.stats_group) for r in ranks]
             streams.shard_in = [inbox("shard", r, links.hidden_group) for r in ranks]
+        if embed_elements is not None:
+            first = ranks[0]
+            streams.embed_out = outbox("embed", first, links.embed_group)
+            streams.embed_grad_in = inbox("embed_grad", first, links.embed_group)
+            if stage == 0:
+                streams.embed_in = [inbox("embed", r, links.embed_group) for r in ranks]
+                streams.embed_grad_out = [outbox("embed_grad", r, links.embed_group) for r in ranks]
         return streams
 
     def _vocab_loopback(self, stream: str, arrivals) -> QueueInbox:
@@ -300,8 +323,11 @@ class InProcessTransport:
     def queue(self, stream: str, receiving_stage: int) -> QueueInbox:
         return self._queues.setdefault((stream, receiving_stage), QueueInbox())
 
-    def vocab_streams(self, rank: int, num_ranks: int, arrivals, **sizes) -> VocabStreams:
-        """Rank `rank`'s output-shard streams (shard outputs are queued by sender)."""
+    def vocab_streams(
+        self, rank: int, num_ranks: int, arrivals, *, embed_elements=None, **sizes
+    ) -> VocabStreams:
+        """Rank `rank`'s output-shard streams (shard outputs are queued by sender), and its
+        input embedding's with `embed_elements` (parts queued by sender)."""
         last = num_ranks - 1
         streams = VocabStreams(
             hidden_in=self.queue("hidden", rank),
@@ -312,6 +338,13 @@ class InProcessTransport:
             streams.hidden_out = [QueueOutbox(self.queue("hidden", r)) for r in range(num_ranks)]
             streams.stats_out = [QueueOutbox(self.queue("stats", r)) for r in range(num_ranks)]
             streams.shard_in = [self.queue(f"shard from {r}", last) for r in range(num_ranks)]
+        if embed_elements is not None:
+            streams.embed_out = QueueOutbox(self.queue(f"embed from {rank}", 0))
+            streams.embed_grad_in = self.queue("embed_grad", rank)
+            if rank == 0:
+                ranks = range(num_ranks)
+                streams.embed_in = [self.queue(f"embed from {r}", 0) for r in ranks]
+                streams.embed_grad_out = [QueueOutbox(self.queue("embed_grad", r)) for r in ranks]
         for inbox in streams.inboxes():
             inbox.arrivals = arrivals
         return streams
@@ -343,4 +376,4 @@ class _InProcessRankTransport:
         return streams
 
     def open_vocab(self, rank: int, num_ranks: int, arrivals, **sizes) -> VocabStreams:
-        return self.hub.vocab_streams(rank, num_ranks, arrivals)
+        return self.hub.vocab_streams(rank, num_ranks, arrivals, **sizes)

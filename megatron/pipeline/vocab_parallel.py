@@ -24,9 +24,16 @@ stage sends back after its backward (`shard_weight_gradient`, the VB pass):
 
 Everything is computed in fp32 whatever the model's dtype. Messages are flat fp32 tensors
 (labels travel as exact fp32 integers, so vocabularies up to 2**24).
+
+The input embedding split the same way (`InputShard`) needs no statistics: a token's row is
+on exactly one rank, so the first stage's input is the sum of every rank's lookup (zero rows
+for the tokens it does not hold), and each rank's rows take the input's gradient at their
+tokens. Those messages go in the model's dtype: the sum is exact in any.
 """
 
+import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -70,6 +77,54 @@ class OutputShard:
     def weight_gradient(self, score: "ShardScore", stats: torch.Tensor) -> None:
         """VB (`shard_weight_gradient`)."""
         shard_weight_gradient(score, stats)
+
+
+@dataclass(frozen=True)
+class InputShard:
+    """A rank's rows [start, start + rows) of the input embedding (with tied embeddings the
+    output shard's own weight). EF looks a microbatch's tokens up in them (zero for a token
+    outside), the first stage sums every rank's part into its input, and EB takes the rows'
+    gradient from the first stage's backward."""
+
+    weight: torch.Tensor
+    start: int
+    batch_shape: tuple[int, ...]  # the tokens of a microbatch, [b, s]
+    # tensor parallelism: the first stage's tensor-parallel group, over which the columns of
+    # shards (this tensor rank's rows on every pipeline rank) are summed (None: no TP)
+    group: object = None
+    tokens_of: Callable[[object], torch.Tensor] = lambda batch: batch["tokens"]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def message_elements(self) -> int:
+        return math.prod(self.batch_shape) * self.hidden_size
+
+    def look_up(self, tokens: torch.Tensor) -> torch.Tensor:
+        """EF: the rows of `tokens` ([b, s] -> [b, s, hidden], the graph attached)."""
+        return look_up_rows(tokens, self.weight, self.start)
+
+    def weight_gradient(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """EB: accumulate the rows' gradient (through autograd, so gradient hooks see it)."""
+        torch.autograd.backward(rows, grad_tensors=grad.view(rows.shape).to(rows.dtype))
+
+    def combine(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The first stage's input from every rank's part: their sum (each token's row is in
+        exactly one part, so any dtype sums it exactly), over the tensor-parallel group too."""
+        total = torch.stack(parts).sum(dim=0).view(*self.batch_shape, self.hidden_size)
+        if self.group is not None:
+            torch.distributed.all_reduce(total, group=self.group)
+        return total
+
+
+def look_up_rows(tokens: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """Embedding rows [start, start + len(weight)) of `tokens`, zero for the others."""
+    local = tokens.to(weight.device) - start
+    outside = (local < 0) | (local >= weight.shape[0])
+    rows = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+    return rows.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 @dataclass(frozen=True)

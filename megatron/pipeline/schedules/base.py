@@ -47,6 +47,12 @@ class ActionKind(enum.Enum):
     # statistics over every shard are back.
     VOCAB_FORWARD = "VF"
     VOCAB_BACKWARD = "VB"
+    # The input embedding split the same way (`vocab_passes` with the input split): the rank's
+    # rows of the embedding look up a microbatch's tokens (EF: its part of the first stage's
+    # input, zero where a token is not its own) and take their gradient (EB) once the first
+    # stage's backward sent it.
+    EMBED_FORWARD = "EF"
+    EMBED_BACKWARD = "EB"
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class Action:
 
 
 VOCAB_FORWARD, VOCAB_BACKWARD = ActionKind.VOCAB_FORWARD, ActionKind.VOCAB_BACKWARD
+EMBED_FORWARD, EMBED_BACKWARD = ActionKind.EMBED_FORWARD, ActionKind.EMBED_BACKWARD
 FORWARD, BACKWARD, STEP, WAIT, DONE = (
     ActionKind.FORWARD,
     ActionKind.BACKWARD,
@@ -96,6 +103,10 @@ class Transfer(enum.Enum):
     HIDDEN = "hidden"
     SHARD_OUTPUT = "shard output"
     LOGIT_STATS = "logit statistics"
+    # The input embedding split too: every rank's part of a microbatch's embedding goes to the
+    # first stage, and the embedding's gradient from the first stage's backward to every rank.
+    EMBEDDING = "embedding part"
+    EMBEDDING_GRADIENT = "embedding gradient"
 
 
 @dataclass(frozen=True)
@@ -115,20 +126,29 @@ class KindInfo:
     # for from every rank (each shard's output) and what it sends to every rank.
     output_needs: Transfer | None = None
     output_sends: Transfer | None = None
+    # With the input embedding split too, at the first stage only: the same, from and to
+    # every rank's embedding rows.
+    input_needs: Transfer | None = None
+    input_sends: Transfer | None = None
 
 
 KIND_INFO: dict[ActionKind, KindInfo] = {
     FORWARD: KindInfo(runs=True, per_chunk=True, needs=Transfer.ACTIVATION,
                       sends=Transfer.ACTIVATION, counter="forwards",
-                      output_sends=Transfer.HIDDEN),
+                      output_sends=Transfer.HIDDEN, input_needs=Transfer.EMBEDDING),
     BACKWARD: KindInfo(runs=True, per_chunk=True, needs=Transfer.GRADIENT,
                        sends=Transfer.GRADIENT, counter="backwards",
-                       output_needs=Transfer.SHARD_OUTPUT, output_sends=Transfer.LOGIT_STATS),
+                       output_needs=Transfer.SHARD_OUTPUT, output_sends=Transfer.LOGIT_STATS,
+                       input_sends=Transfer.EMBEDDING_GRADIENT),
     WEIGHT_GRAD: KindInfo(runs=True, per_chunk=True, counter="weight_grads"),
     VOCAB_FORWARD: KindInfo(runs=True, per_chunk=False, needs=Transfer.HIDDEN,
                             sends=Transfer.SHARD_OUTPUT, counter="vocab_forwards"),
     VOCAB_BACKWARD: KindInfo(runs=True, per_chunk=False, needs=Transfer.LOGIT_STATS,
                              counter="vocab_backwards"),
+    EMBED_FORWARD: KindInfo(runs=True, per_chunk=False, sends=Transfer.EMBEDDING,
+                            counter="embed_forwards"),
+    EMBED_BACKWARD: KindInfo(runs=True, per_chunk=False, needs=Transfer.EMBEDDING_GRADIENT,
+                             counter="embed_backwards"),
     STEP: KindInfo(runs=True, per_chunk=False, counter="steps"),
     WAIT: KindInfo(runs=False, per_chunk=False),
     DONE: KindInfo(runs=False, per_chunk=False),
@@ -203,6 +223,12 @@ class StageView(StagePosition):
     vocab_backwards: int = 0
     hidden_ready: bool = False
     stats_ready: bool = False
+    # The input embedding split too: the rank's embedding passes so far, and whether the
+    # first stage sent the gradient of microbatch `embed_backwards` (the first stage's own
+    # `input_ready` says whether every rank's part of its next forward's input has arrived).
+    embed_forwards: int = 0
+    embed_backwards: int = 0
+    embed_grad_ready: bool = False
 
     @property
     def inflight(self) -> int:
@@ -282,12 +308,17 @@ class Schedule:
     # Schedules that admit forwards by a window (PACI's rule 1): microbatches stage s may hold
     # in flight, from (stage, stages, microbatches per step); None: no such window.
     inflight_window: Callable[[int, int, int], int] | None = None
+    # The most microbatches stage s ever holds in flight, from (stage, stages, microbatches per
+    # step), where the schedule keeps such a bound without admitting by it (1F1B: N - s).
+    max_inflight: Callable[[int, int, int], int] | None = None
     # The most optimizer steps a microbatch can cross on stage s, from (stage, stages,
     # microbatches per step), where the schedule has a closed form (PACI); None: none.
     drift_bound: Callable[[int, int, int], int] | None = None
     # The output layer and the loss are split by vocabulary over the ranks, and the schedule
     # places their passes (VOCAB_FORWARD, VOCAB_BACKWARD; `schedules.vocab_passes`).
     vocab_passes: bool = False
+    # ... and the input embedding too (EMBED_FORWARD, EMBED_BACKWARD).
+    embedding_passes: bool = False
 
     @property
     def global_grad_norm(self) -> bool:

@@ -37,5 +37,6 @@ SCHEDULE = Schedule(
     next_action=next_action,
     depends_on_arrivals=False,
     flushes_every_call=True,
+    max_inflight=lambda stage, num_stages, m: min(num_stages - stage, m),
     description="Megatron's synchronous 1F1B with a pipeline flush before every optimizer step",
 )

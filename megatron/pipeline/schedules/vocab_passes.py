@@ -33,6 +33,25 @@ so the same passes fit a synchronous schedule and PACI without a flush.
 Shard drift: a rank's VF(i) follows its forward of i and its VB(i) precedes the step after
 its backward of i, so a shard's weight version moves between the two by no more steps than
 the stage's own weights between forward and backward (`drift_bound`, on N + 1 stages).
+
+The input embedding split the same way (`with_vocab_passes(schedule, split_input=True)`):
+each rank holds the same rows of the embedding as of the output layer (with tied embeddings
+they are one weight) and runs two more passes per microbatch:
+
+    EF on every rank           the microbatch's tokens looked up in the rank's rows (zero
+                               for a token outside them), sent to the first stage       EMBEDDING
+    the first stage's forward  sums every rank's part into its input
+    the first stage's backward sends the input's gradient to every rank       EMBEDDING_GRADIENT
+    EB on every rank           the rows' gradient from it
+
+5. An EF runs first while it is owed: EF(i) is due once i is within the first stage's
+   in-flight window W0 of the rank's own backwards (`embedding_lookahead`), so the first
+   stage never waits for it (it cannot forward i before the rank backwarded i - W0).
+6. An EB runs when its gradient has arrived and the rank would otherwise wait, or before a
+   step; a step waits for the EBs still owed only where the stage is drained (a flush, or
+   an asynchronous drain): an asynchronous rank never waits for the first stage's backward,
+   so an embedding gradient may land one step later than the stage's own (measured, as
+   `embedding_drift`).
 """
 
 import dataclasses
@@ -41,6 +60,8 @@ import functools
 from .base import (
     BACKWARD,
     DONE,
+    EMBED_BACKWARD,
+    EMBED_FORWARD,
     FORWARD,
     STEP,
     VOCAB_BACKWARD,
@@ -67,26 +88,70 @@ def _owes_vocab_pass(view: StageView) -> bool:
     return view.vocab_forwards < view.forwards or view.vocab_backwards < view.vocab_forwards
 
 
-def _vocab_backward_or_wait(view: StageView) -> Action:
+def _arrived_backward_or_wait(view: StageView) -> Action:
+    """A shard's or an embedding's weight gradient whose input has arrived, else WAIT."""
     if view.stats_ready:
         return Action(VOCAB_BACKWARD, view.vocab_backwards)
+    if view.embed_grad_ready:
+        return Action(EMBED_BACKWARD, view.embed_backwards)
     return Action(WAIT)
 
 
-def next_action(base: Schedule, view: StageView) -> Action:
+def embedding_lookahead(base: Schedule, view: StageView) -> int | None:
+    """Rule 5: how far beyond its own backwards a rank looks its rows up: the first stage's
+    in-flight bound W0 (on N + 1 stages). The first stage forwards i only once its backward of
+    i - W0 is done, so once this rank's is: EF(i) is due by then. None: the schedule bounds
+    no window (GPipe), the rank looks up the whole call."""
+    window = base.inflight_window or base.max_inflight
+    if window is None:
+        return None
+    return window(0, view.num_stages + 1, view.microbatches_per_step)
+
+
+def _embedding_due(base: Schedule, view: StageView) -> bool:
+    limit = view.forward_limit
+    if base.flushes_every_call:  # never a microbatch of the next step before this step's step
+        limit = min(limit, view.backward_target)
+    lookahead = embedding_lookahead(base, view)
+    if lookahead is not None:
+        limit = min(limit, view.backwards + lookahead)
+    return view.embed_forwards < limit
+
+
+def _drained(base: Schedule, view: StageView) -> bool:
+    """The stage has backwarded all it forwarded, and forwards no more before its step: at
+    the end of every call of a flush, at an asynchronous schedule's drain."""
+    end = view.backward_target if base.flushes_every_call else view.forward_limit
+    return view.forwards >= end and view.backwards >= view.forwards
+
+
+def _owed_before_step(base: Schedule, view: StageView, split_input: bool) -> bool:
+    """Rules 4 and 6: what a step (or the end of a drained call) must take first."""
+    if view.vocab_backwards < view.backwards or view.embed_grad_ready:
+        return True
+    return split_input and _drained(base, view) and view.embed_backwards < view.forwards
+
+
+def next_action(base: Schedule, view: StageView, split_input: bool = False) -> Action:
     if view.hidden_ready:  # rule 2
         return Action(VOCAB_FORWARD, view.vocab_forwards)
+    if split_input and _embedding_due(base, view):  # rule 5
+        return Action(EMBED_FORWARD, view.embed_forwards)
     action = base.next_action(dataclasses.replace(view, num_stages=view.num_stages + 1))
-    if action.kind is STEP and view.vocab_backwards < view.backwards:  # rule 4
-        return _vocab_backward_or_wait(view)
+    if action.kind is STEP and _owed_before_step(base, view, split_input):  # rules 4 and 6
+        return _arrived_backward_or_wait(view)
     if action.kind is DONE:
-        drained = view.forwards >= view.forward_limit and view.backwards >= view.forwards
-        if drained and view.vocab_backwards < view.forwards:
-            return _vocab_backward_or_wait(view)
+        if _drained(base, view) and (
+            view.vocab_backwards < view.forwards
+            or (split_input and view.embed_backwards < view.forwards)
+        ):
+            return _arrived_backward_or_wait(view)
         return action
-    if _input_ready(view, action) or not _owes_vocab_pass(view):  # rule 3
+    if _input_ready(view, action):
         return action
-    return _vocab_backward_or_wait(view)
+    if _owes_vocab_pass(view) or view.embed_grad_ready:  # rules 3 and 6
+        return _arrived_backward_or_wait(view)
+    return action
 
 
 def _deeper(function):
@@ -96,32 +161,39 @@ def _deeper(function):
     return lambda stage, num_stages, microbatches: function(stage, num_stages + 1, microbatches)
 
 
-def cannot_take(schedule: Schedule) -> str | None:
+def cannot_take(schedule: Schedule, split_input: bool = False) -> str | None:
     """Why `schedule` cannot place the vocabulary passes yet (None: it can)."""
     if schedule.placement is not None:
         return f"{schedule.name} runs several model chunks per rank"
+    if split_input and schedule.stashes_weights:
+        # an EF runs ahead of the rank's forward, before the version the forward will use
+        return f"{schedule.name} stashes weights: the input embedding stays on the first stage"
     return None
 
 
 @functools.cache
-def with_vocab_passes(schedule: Schedule) -> Schedule:
-    """`schedule` with the output layer's shards placed by the rules above. ValueError for a
-    schedule that cannot take them yet (virtual stages). A weight-stashing schedule (2BW,
-    PipeDream) scores each microbatch on the weight version its rank forwarded it on: the shard
-    is stashed with the rank's weights."""
-    problem = cannot_take(schedule)
+def with_vocab_passes(schedule: Schedule, split_input: bool = False) -> Schedule:
+    """`schedule` with the output layer's shards placed by the rules above, and with
+    `split_input` the input embedding's too. ValueError for a schedule that cannot take them
+    yet (virtual stages; the input split with weight stashing). A weight-stashing schedule
+    (2BW, PipeDream) scores each microbatch on the weight version its rank forwarded it on:
+    the shard is stashed with the rank's weights."""
+    problem = cannot_take(schedule, split_input)
     if problem:
         raise ValueError(f"the vocabulary split over the pipeline ranks: {problem}")
     fixed = schedule.fixed_order
+    what = "output layer and input embedding" if split_input else "output layer"
     return dataclasses.replace(
         schedule,
-        next_action=functools.partial(next_action, schedule),
+        next_action=functools.partial(next_action, schedule, split_input=split_input),
         depends_on_arrivals=True,  # where a VF goes depends on when the hidden state arrives
-        description=schedule.description + "; output layer split by vocabulary over the ranks",
-        fixed_order=None if fixed is None else with_vocab_passes(fixed),
+        description=schedule.description + f"; {what} split by vocabulary over the ranks",
+        fixed_order=None if fixed is None else with_vocab_passes(fixed, split_input),
         inflight_window=_deeper(schedule.inflight_window),
         drift_bound=_deeper(schedule.drift_bound),
+        max_inflight=_deeper(schedule.max_inflight),
         # 2BW's m >= N - 1 (a batch covers the window) becomes m >= N
         min_microbatches_per_step=lambda stages: schedule.min_microbatches_per_step(stages + 1),
         vocab_passes=True,
+        embedding_passes=split_input,
     )

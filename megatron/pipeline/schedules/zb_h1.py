@@ -44,6 +44,7 @@ SCHEDULE = Schedule(
     next_action=next_action,
     depends_on_arrivals=False,
     flushes_every_call=True,
+    max_inflight=lambda stage, num_stages, m: min(num_stages - stage, m),
     description="Zero-bubble H1: 1F1B with the weight-gradient pass split off and delayed",
     splits_backward=True,
 )

@@ -40,7 +40,11 @@ Execution model (what the runtime does, minus the tensors):
   sends its hidden state to every rank (to itself at once), each rank's VF sends its shard's
   output to the last stage, whose backward of a microbatch waits for every shard's and then
   sends the statistics to every rank for their VB; each message after ``p2p_latency``. VF and
-  VB cost ``vocab_forward_cost`` and ``vocab_backward_cost`` per rank.
+  VB cost ``vocab_forward_cost`` and ``vocab_backward_cost`` per rank. With the input
+  embedding split too (`embedding_passes`), each rank's EF sends its part to the first stage,
+  whose forward of a microbatch waits for every rank's, and the first stage's backward sends
+  the embedding's gradient to every rank for its EB (``embed_forward_cost``,
+  ``embed_backward_cost``).
 * Costs are per stage (a number is used for every stage). With ``noise`` (`costs.CostNoise`) each
   action's cost is its nominal cost times a seeded lognormal factor of mean 1 (per-stage CV). A schedule without a split backward
   pays ``backward_cost + weight_grad_cost`` per backward; a split one (ZB-H1) pays
@@ -58,7 +62,7 @@ from ..trace import TraceEvent
 from .costs import CostNoise
 from .results import SimulationResult, steady_utilization
 
-_FINISH, _ACTIVATION, _GRADIENT, _HIDDEN, _SHARD, _STATS = range(6)
+_FINISH, _ACTIVATION, _GRADIENT, _HIDDEN, _SHARD, _STATS, _EMBED, _EMBED_GRAD = range(8)
 # the events a transfer becomes at its receiver
 _EVENT_OF = {
     Transfer.ACTIVATION: _ACTIVATION,
@@ -66,7 +70,11 @@ _EVENT_OF = {
     Transfer.HIDDEN: _HIDDEN,
     Transfer.SHARD_OUTPUT: _SHARD,
     Transfer.LOGIT_STATS: _STATS,
+    Transfer.EMBEDDING: _EMBED,
+    Transfer.EMBEDDING_GRADIENT: _EMBED_GRAD,
 }
+# counted by sender at the receiver: each rank's shard output and embedding part
+_BY_SENDER = (_SHARD, _EMBED)
 
 
 class SimulationError(RuntimeError):
@@ -117,9 +125,10 @@ class _Stage:
         self.peak_extra_versions = 0
         # a vocabulary split over the ranks: arrivals in microbatch order, and on the last
         # rank the shard outputs from each rank; the shard's drift (steps between VF and VB)
-        self.arrived = {_HIDDEN: 0, _STATS: 0}
-        self.shards_from: list[int] = []
+        self.arrived = {_HIDDEN: 0, _STATS: 0, _EMBED_GRAD: 0}
+        self.from_rank = {_SHARD: [], _EMBED: []}
         self.max_shard_drift = 0
+        self.max_embed_drift = 0
 
 
 class _Simulator:
@@ -145,7 +154,8 @@ class _Simulator:
         self.forward_cost, self.backward_cost, self.wgrad_cost, self.step_cost = costs
         self.latency = p2p_latency
         self.stages = [_Stage(self._new_state(s)) for s in range(self.n)]
-        self.stages[-1].shards_from = [0] * self.n
+        self.stages[-1].from_rank[_SHARD] = [0] * self.n
+        self.stages[0].from_rank[_EMBED] = [0] * self.n
         self.events: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -161,10 +171,7 @@ class _Simulator:
             ActionKind.WEIGHT_GRAD: self.wgrad_cost,
             ActionKind.STEP: self.step_cost,
         }
-        if schedule.vocab_passes:
-            vocab_forward, vocab_backward = vocab_costs
-            self.cost_by_kind[ActionKind.VOCAB_FORWARD] = vocab_forward
-            self.cost_by_kind[ActionKind.VOCAB_BACKWARD] = vocab_backward
+        self.cost_by_kind.update(vocab_costs or {})
 
     def _new_state(self, rank: int) -> RankState:
         state = RankState(
@@ -227,8 +234,8 @@ class _Simulator:
             st.activations_arrived[chunk] += 1
         elif kind == _GRADIENT:
             st.gradients_arrived[chunk] += 1
-        elif kind == _SHARD:
-            st.shards_from[chunk] += 1
+        elif kind in _BY_SENDER:
+            st.from_rank[kind][chunk] += 1
         else:
             st.arrived[kind] += 1
 
@@ -236,15 +243,26 @@ class _Simulator:
 
     def view(self, st: _Stage) -> StageView:
         inputs, grads = [], []
-        for c, chunk in enumerate(st.state.chunks):
-            inputs.append(chunk.stage == 0 or st.activations_arrived[c] > chunk.forwards)
+        for c in range(len(st.state.chunks)):
+            inputs.append(self.activation_ready(st, c))
             grads.append(self.gradient_ready(st, c))
         state = st.state
         vocab = (
             st.arrived[_HIDDEN] > state.vocab_forwards,
             st.arrived[_STATS] > state.vocab_backwards,
+            st.arrived[_EMBED_GRAD] > state.embed_backwards,
         )
         return state.view(inputs_ready=inputs, grads_ready=grads, vocab_ready=vocab)
+
+    def activation_ready(self, st: _Stage, c: int) -> bool:
+        """The input of the chunk's next forward is there: on the first stage its own data
+        (with the input embedding split, every rank's part of it)."""
+        chunk = st.state.chunks[c]
+        if chunk.stage != 0:
+            return st.activations_arrived[c] > chunk.forwards
+        if self.schedule.embedding_passes:
+            return min(st.from_rank[_EMBED]) > chunk.forwards
+        return True
 
     def gradient_ready(self, st: _Stage, c: int) -> bool:
         """The output gradient of the chunk's next backward is there: on the last virtual
@@ -253,7 +271,7 @@ class _Simulator:
         if chunk.stage != self.last_virtual_stage:
             return st.gradients_arrived[c] > chunk.backwards
         if self.schedule.vocab_passes:
-            return min(st.shards_from) > chunk.backwards
+            return min(st.from_rank[_SHARD]) > chunk.backwards
         return chunk.inflight > 0
 
     def input_ready(self, st: _Stage, action: Action) -> bool:
@@ -265,11 +283,13 @@ class _Simulator:
             c = st.state.chunk_of(part)
             chunk = st.state.chunks[c]
             if needs is Transfer.ACTIVATION:
-                ready = chunk.stage == 0 or st.activations_arrived[c] > chunk.forwards
+                ready = self.activation_ready(st, c)
             elif needs is Transfer.GRADIENT:
                 ready = self.gradient_ready(st, c)
             elif needs is Transfer.HIDDEN:
                 ready = st.arrived[_HIDDEN] > st.state.vocab_forwards
+            elif needs is Transfer.EMBEDDING_GRADIENT:
+                ready = st.arrived[_EMBED_GRAD] > st.state.embed_backwards
             else:
                 ready = st.arrived[_STATS] > st.state.vocab_backwards
             if not ready:
@@ -352,6 +372,8 @@ class _Simulator:
         info = kind_info(part.kind)
         if info.sends is Transfer.SHARD_OUTPUT:  # to the last stage, from this rank
             return [(self.last_virtual_stage, _SHARD)]
+        if info.sends is Transfer.EMBEDDING:  # to the first stage, from this rank
+            return [(0, _EMBED)]
         if info.sends is None:
             return []
         virtual_stage = st.state.chunks[st.state.chunk_of(part)].stage
@@ -359,6 +381,8 @@ class _Simulator:
         if virtual_stage == self.last_virtual_stage and self.schedule.vocab_passes:
             if info.output_sends is not None:  # to every rank
                 sends = [(-rank - 1, _EVENT_OF[info.output_sends]) for rank in range(self.n)]
+        if virtual_stage == 0 and self.schedule.embedding_passes and info.input_sends:
+            sends += [(-rank - 1, _EVENT_OF[info.input_sends]) for rank in range(self.n)]
         if info.sends is Transfer.ACTIVATION and virtual_stage < self.last_virtual_stage:
             sends.append((virtual_stage + 1, _ACTIVATION))
         if info.sends is Transfer.GRADIENT and virtual_stage > 0:
@@ -386,6 +410,13 @@ class _Simulator:
         version = st.state.record_vocab_backward()
         st.max_shard_drift = max(st.max_shard_drift, st.state.steps - version)
 
+    def _finished_embed_forward(self, st: _Stage, part: Action) -> None:
+        st.state.record_embed_forward()
+
+    def _finished_embed_backward(self, st: _Stage, part: Action) -> None:
+        version = st.state.record_embed_backward()
+        st.max_embed_drift = max(st.max_embed_drift, st.state.steps - version)
+
     # What the end of each kind that runs does to the state (schedules.base.KIND_INFO).
     _FINISHED = {
         ActionKind.FORWARD: _finished_forward,
@@ -394,6 +425,8 @@ class _Simulator:
         ActionKind.STEP: _finished_step,
         ActionKind.VOCAB_FORWARD: _finished_vocab_forward,
         ActionKind.VOCAB_BACKWARD: _finished_vocab_backward,
+        ActionKind.EMBED_FORWARD: _finished_embed_forward,
+        ActionKind.EMBED_BACKWARD: _finished_embed_backward,
     }
 
     def send(self, st: _Stage, virtual_stage: int, kind: int) -> None:
@@ -404,7 +437,7 @@ class _Simulator:
             rank, chunk = -virtual_stage - 1, 0
         else:
             rank, chunk = self.placement.locate(virtual_stage)
-        if kind == _SHARD:
+        if kind in _BY_SENDER:
             chunk = st.index
         if rank != st.index:
             self.push(self.now + self.latency, kind, rank, chunk)
@@ -502,6 +535,9 @@ class _Simulator:
             max_shard_drift_per_stage=(
                 [st.max_shard_drift for st in stages] if self.schedule.vocab_passes else None
             ),
+            max_embed_drift_per_stage=(
+                [st.max_embed_drift for st in stages] if self.schedule.embedding_passes else None
+            ),
         )
 
 
@@ -528,15 +564,25 @@ def _check_arguments(
         raise ValueError(f"p2p_latency must be finite and >= 0, got {p2p_latency}")
 
 
-def _vocab_costs(schedule: Schedule, num_stages: int, forward, backward) -> tuple[list, list]:
-    """VF and VB costs per rank; only a schedule that places them may have any."""
-    costs = (
-        _per_stage("vocab_forward_cost", forward, num_stages),
-        _per_stage("vocab_backward_cost", backward, num_stages),
-    )
-    if any(map(any, costs)) and not schedule.vocab_passes:
-        raise ValueError(f"{schedule.name} places no vocabulary passes: their costs are unused")
-    return costs
+def _vocab_costs(schedule: Schedule, num_stages: int, costs: dict) -> dict:
+    """VF, VB, EF and EB costs per rank, from {kind: cost}; only a schedule that places a
+    kind may have a cost for it."""
+    kinds = {
+        ActionKind.VOCAB_FORWARD: ("vocab_forward_cost", schedule.vocab_passes),
+        ActionKind.VOCAB_BACKWARD: ("vocab_backward_cost", schedule.vocab_passes),
+        ActionKind.EMBED_FORWARD: ("embed_forward_cost", schedule.embedding_passes),
+        ActionKind.EMBED_BACKWARD: ("embed_backward_cost", schedule.embedding_passes),
+    }
+    per_rank = {}
+    for kind, (name, placed) in kinds.items():
+        values = _per_stage(name, costs[kind], num_stages)
+        if any(values) and not placed:
+            raise ValueError(
+                f"{schedule.name} places no vocabulary passes ({kind.value}): {name} is unused"
+            )
+        if placed:
+            per_rank[kind] = values
+    return per_rank
 
 
 def simulate(
@@ -555,6 +601,8 @@ def simulate(
     chunks_per_rank: int | None = None,
     vocab_forward_cost: float | Sequence[float] = 0.0,
     vocab_backward_cost: float | Sequence[float] = 0.0,
+    embed_forward_cost: float | Sequence[float] = 0.0,
+    embed_backward_cost: float | Sequence[float] = 0.0,
 ) -> SimulationResult:
     """Run `steps` calls of `schedule` on `num_stages` stages and measure the run.
 
@@ -570,7 +618,9 @@ def simulate(
     virtual stage, and the step cost is per rank.
 
     A schedule with `vocab_passes` also runs each rank's output shard: `vocab_forward_cost`
-    and `vocab_backward_cost` per rank (VF, VB; the last stage's costs leave the output out).
+    and `vocab_backward_cost` per rank (VF, VB; the last stage's costs leave the output out);
+    with `embedding_passes` its input embedding's rows too (`embed_forward_cost`,
+    `embed_backward_cost`: EF, EB).
     """
     v = schedule.default_chunks_per_rank if chunks_per_rank is None else chunks_per_rank
     _check_arguments(schedule, num_stages, microbatches_per_step, steps, p2p_latency, v)
@@ -586,7 +636,12 @@ def simulate(
             ("step_cost", step_cost, num_stages),
         )
     )
-    vocab_costs = _vocab_costs(schedule, num_stages, vocab_forward_cost, vocab_backward_cost)
+    vocab_costs = _vocab_costs(schedule, num_stages, {
+        ActionKind.VOCAB_FORWARD: vocab_forward_cost,
+        ActionKind.VOCAB_BACKWARD: vocab_backward_cost,
+        ActionKind.EMBED_FORWARD: embed_forward_cost,
+        ActionKind.EMBED_BACKWARD: embed_backward_cost,
+    })  # fmt: skip
     sim = _Simulator(schedule, placement, microbatches_per_step, steps, costs,
                      float(p2p_latency), record_timeline, noise, vocab_costs)  # fmt: skip
     sim.run()

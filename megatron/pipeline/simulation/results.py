@@ -90,6 +90,9 @@ class SimulationResult:
     # a vocabulary split over the ranks: the most steps a rank's output shard took between
     # scoring a microbatch (VF) and taking its weight gradient (VB); None without the split
     max_shard_drift_per_stage: list[int] | None = None
+    # ... and with the input embedding split too: the most steps between a rank's EF of a
+    # microbatch and its EB (the step after takes the gradient)
+    max_embed_drift_per_stage: list[int] | None = None
 
     @property
     def total_microbatches(self) -> int:
@@ -154,6 +157,11 @@ class SimulationResult:
                 {}
                 if self.max_shard_drift_per_stage is None
                 else {"max_shard_drift_per_stage": self.max_shard_drift_per_stage}
+            ),
+            **(
+                {}
+                if self.max_embed_drift_per_stage is None
+                else {"max_embed_drift_per_stage": self.max_embed_drift_per_stage}
             ),
         }
 

@@ -16,7 +16,8 @@ def test_every_kind_is_described_once():
     assert set(KIND_INFO) == set(ActionKind)
     assert RUNNING == {ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT_GRAD,
                        ActionKind.STEP, ActionKind.VOCAB_FORWARD,
-                       ActionKind.VOCAB_BACKWARD}  # fmt: skip
+                       ActionKind.VOCAB_BACKWARD, ActionKind.EMBED_FORWARD,
+                       ActionKind.EMBED_BACKWARD}  # fmt: skip
     for kind in RUNNING:  # a kind that runs advances a counter the stage state keeps
         assert hasattr(StageState, "record_" + kind.name.lower())
         assert kind_info(kind).counter is not None

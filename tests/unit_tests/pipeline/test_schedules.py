@@ -69,7 +69,18 @@ def test_registries_keep_runtime_schedules_apart():
 
 
 def test_action_kinds_gained_weight_grad_and_the_vocabulary_passes():
-    assert [k.value for k in ActionKind] == ["F", "B", "S", "wait", "done", "W", "VF", "VB"]
+    assert [k.value for k in ActionKind] == [
+        "F",
+        "B",
+        "S",
+        "wait",
+        "done",
+        "W",
+        "VF",
+        "VB",
+        "EF",
+        "EB",
+    ]
     assert str(Action(W, 3)) == "W3"
     assert str(Action(ActionKind.VOCAB_FORWARD, 2)) == "VF2"
 

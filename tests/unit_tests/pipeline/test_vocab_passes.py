@@ -24,9 +24,10 @@ PACI_VARIANTS = [
 ]  # fmt: skip
 
 
-def _run(schedule, n=4, m=4, steps=4, latency=0.3, noise=None):
+def _run(schedule, n=4, m=4, steps=4, latency=0.3, noise=None, split_input=False):
+    embed_costs = {"embed_forward_cost": 0.1, "embed_backward_cost": 0.1} if split_input else {}
     return simulate(
-        with_vocab_passes(schedule),
+        with_vocab_passes(schedule, split_input),
         num_stages=n,
         microbatches_per_step=m,
         steps=steps,
@@ -37,6 +38,7 @@ def _run(schedule, n=4, m=4, steps=4, latency=0.3, noise=None):
         vocab_backward_cost=0.2,
         p2p_latency=latency,
         noise=noise,
+        **embed_costs,
     )
 
 
@@ -126,3 +128,62 @@ def test_2bw_needs_a_batch_per_window_one_stage_deeper():
     assert schedule.min_microbatches_per_step(4) == 4  # N - 1 on N + 1 stages
     with pytest.raises(ValueError, match="needs at least 4 microbatches"):
         _run(get_schedule("2bw"), n=4, m=3)
+
+
+# ------------------------------------------------------------ the input embedding split too
+TAKING_INPUT = ["gpipe", "1f1b", "zb-h1", "paci"]
+
+
+@pytest.mark.parametrize("name", TAKING_INPUT)
+@pytest.mark.parametrize("n,m", [(2, 2), (4, 1), (4, 4), (4, 7), (8, 16)])
+def test_every_rank_looks_every_microbatch_up_once(name, n, m):
+    result = _run(get_schedule(name, simulated=True), n=n, m=m, steps=3, split_input=True)
+    for rank in range(n):
+        for kind in (ActionKind.EMBED_FORWARD, ActionKind.EMBED_BACKWARD):
+            assert sorted(_events(result, rank, kind)) == list(range(3 * m))
+
+
+@pytest.mark.parametrize("schedule", PACI_VARIANTS, ids=lambda s: s.description[-40:])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_paci_rules_never_deadlock_with_the_input_split(schedule, seed):
+    result = _run(schedule, n=4, m=2, steps=6, noise=CostNoise(0.5, seed=seed), split_input=True)
+    assert result.optimizer_steps_per_stage == [6] * 4
+
+
+@pytest.mark.parametrize("name", TAKING_INPUT)
+def test_the_first_forward_waits_for_every_ranks_part(name):
+    latency, n = 0.3, 4
+    result = _run(get_schedule(name, simulated=True), n=n, m=4, latency=latency, split_input=True)
+    for microbatch, forward in _events(result, 0, ActionKind.FORWARD).items():
+        for rank in range(n):
+            looked_up = _events(result, rank, ActionKind.EMBED_FORWARD)[microbatch]
+            arrival = looked_up.end_s + (latency if rank else 0.0)
+            assert forward.start_s >= arrival - 1e-9
+
+
+@pytest.mark.parametrize("a", [1, 2, 4])
+def test_embedding_drift_within_the_bound(a):
+    """PACI: ceil(2 W0 / a) with W0 = N + 1 (tests/unit_tests/pipeline/test_embedding_runtime.py
+    has the argument); flush: none, the rows step with the stage."""
+    n = 4
+    result = _run(paci.SCHEDULE, n=n, m=a, steps=8, noise=CostNoise(0.3, seed=a), split_input=True)
+    assert max(result.max_embed_drift_per_stage) <= -(-2 * (n + 1) // a)
+    assert max(result.max_embed_drift_per_stage) >= 1
+    for name in ("1f1b", "zb-h1", "gpipe"):
+        flush = _run(get_schedule(name, simulated=True), m=4, split_input=True)
+        assert flush.max_embed_drift_per_stage == [0] * 4
+
+
+@pytest.mark.parametrize(
+    "name, window", [("1f1b", lambda n, m: min(n + 1, m)), ("paci", lambda n, m: n + 1)]
+)
+def test_a_rank_looks_up_no_further_than_the_first_stages_window(name, window):
+    """Rule 5 bounds what the first stage buffers: rank r looks microbatch i up only once it
+    has backwarded i - W0, so at most W0 parts per rank wait there (not a step's worth)."""
+    n, m = 4, 8
+    result = _run(get_schedule(name, simulated=True), n=n, m=m, steps=3, split_input=True)
+    for rank in range(n):
+        backward_ends = sorted(e.end_s for e in _events(result, rank, ActionKind.BACKWARD).values())
+        for microbatch, lookup in _events(result, rank, ActionKind.EMBED_FORWARD).items():
+            backwarded = sum(end <= lookup.start_s + 1e-9 for end in backward_ends)
+            assert microbatch < backwarded + window(n, m)

@@ -1,0 +1,183 @@
+"""The input embedding split by vocabulary over the pipeline ranks with the output layer, in
+the real rank runtime (one thread per rank, in-process transport): every rank holds the same
+rows of both (with tied embeddings one weight) and runs the EF, EB, VF and VB passes its
+schedule places.
+
+Under the flush schedules the run equals one process with the whole embedding and output
+layer, tied and untied, loss by loss and parameter by parameter. Under PACI every microbatch
+runs once and the embedding rows' drift stays within the stated bound."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_runtime_state import in_process_context, run_threads
+
+from megatron.pipeline.plan import resolve_plan
+from megatron.pipeline.runtime import RankRuntime
+from megatron.pipeline.schedules.vocab_passes import with_vocab_passes
+from megatron.pipeline.transport import InProcessTransport
+from megatron.pipeline.vocab_parallel import HiddenForLoss, InputShard, OutputShard, shard_ranges
+
+SEQ, BATCH, HIDDEN, VOCAB, LR = 3, 2, 4, 8, 0.05
+SHAPE = (SEQ, BATCH, HIDDEN)
+
+
+class Layer(torch.nn.Module):
+    """One stage: linear, norm, tanh; the first takes the summed embedding parts ([b, s, h])."""
+
+    def __init__(self, stage: int, num_stages: int):
+        super().__init__()
+        torch.manual_seed(100 + stage)
+        self.linear = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.input_tensor = self.input_embedding = None
+
+    def set_input_tensor(self, tensor) -> None:
+        self.input_tensor = tensor
+
+    def set_input_embedding(self, embedded) -> None:
+        self.input_embedding = embedded
+
+    def forward(self):
+        x = self.input_embedding.transpose(0, 1) if self.is_first else self.input_tensor
+        return torch.tanh(self.norm(self.linear(x)))
+
+
+def whole_weights() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(5)
+    return torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)  # embedding, output layer
+
+
+def microbatches():
+    """{"tokens": [b, s], "labels": [s, b]} per microbatch; every rank draws the same."""
+    generator = torch.Generator().manual_seed(7)
+    for _ in itertools.count():
+        yield {
+            "tokens": torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+            "labels": torch.randint(0, VOCAB, (SEQ, BATCH), generator=generator),
+        }
+
+
+def masked_mean(per_token, labels):
+    mask = (labels % 3 != 0).float()
+    return (per_token * mask).sum() / mask.sum()
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator) if (model.is_first or model.is_last) else None
+    output = model()
+
+    def loss_func(per_token):
+        loss = masked_mean(per_token, batch["labels"])
+        return loss, {"lm loss": loss.detach()}
+
+    return (HiddenForLoss(output, batch["labels"]) if model.is_last else output), loss_func
+
+
+def reference(n: int, m: int, steps: int, tied: bool):
+    """One process, the whole embedding and output layer: losses, layers, weights."""
+    layers = [Layer(k, n) for k in range(n)]
+    embedding, output = (w.requires_grad_(True) for w in whole_weights())
+    output = embedding if tied else output
+    params = [p for layer in layers for p in layer.parameters()] + [embedding]
+    optimizer = torch.optim.SGD(params + ([] if tied else [output]), lr=LR)
+    data, losses = microbatches(), []
+    for _ in range(steps):
+        for _ in range(m):
+            batch = next(data)
+            x = F.embedding(batch["tokens"], embedding).transpose(0, 1)
+            for layer in layers:
+                x = torch.tanh(layer.norm(layer.linear(x)))
+            per_token = F.cross_entropy((x @ output.t()).view(-1, VOCAB),
+                                        batch["labels"].view(-1), reduction="none")  # fmt: skip
+            loss = masked_mean(per_token.view(SEQ, BATCH), batch["labels"])
+            (loss / m).backward()
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, layers, embedding.detach(), output.detach()
+
+
+def build_ranks(n: int, tied: bool):
+    transport, runtimes = InProcessTransport(), []
+    embedding, output = whole_weights()
+    for rank, (start, end) in enumerate(shard_ranges(VOCAB, n)):
+        out = torch.nn.Parameter((embedding if tied else output)[start:end].clone())
+        rows = out if tied else torch.nn.Parameter(embedding[start:end].clone())
+        runtimes.append(RankRuntime(
+            in_process_context(rank, n), Layer(rank, n), tensor_shape=SHAPE,
+            dtype=torch.float32, transport=transport.for_rank([rank]), record_trace=True,
+            output_shard=OutputShard(out, start), input_shard=InputShard(rows, start, (BATCH, SEQ)),
+        ))  # fmt: skip
+    return runtimes
+
+
+def shard_parameters(runtime) -> list:
+    weights = [runtime.output_shard.weight, runtime.input_shard.weight]
+    return list({id(w): w for w in weights}.values())
+
+
+def train(runtime, schedule, m: int, steps: int, losses: dict):
+    optimizer = torch.optim.SGD([*runtime.model.parameters(), *shard_parameters(runtime)], lr=LR)
+
+    def step():
+        optimizer.step()
+        optimizer.zero_grad()
+
+    data = microbatches()
+    for k in range(steps):
+        reported = runtime.run_training(schedule, forward_step_func=forward_step,
+                                        data_iterator=data, num_microbatches=m,
+                                        optimizer_step_func=step,
+                                        microbatches_before_drain=(steps - k) * m)  # fmt: skip
+        losses.setdefault(runtime.context.stage, []).extend(float(d["lm loss"]) for d in reported)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("name, n, m", [("1f1b", 2, 3), ("1f1b", 4, 4), ("zb-h1", 4, 5)])
+def test_flush_with_both_layers_split_trains_as_one_process(name, n, m, tied):
+    schedule = with_vocab_passes(resolve_plan(name, num_stages=n).schedule, split_input=True)
+    runtimes, losses, steps = build_ranks(n, tied), {}, 2
+    run_threads(runtimes, lambda r: train(r, schedule, m, steps, losses))
+    expected_losses, layers, embedding, output = reference(n, m, steps, tied)
+    torch.testing.assert_close(losses[n - 1], expected_losses, rtol=1e-5, atol=1e-6)
+    for runtime, layer in zip(runtimes, layers):
+        for a, b in zip(runtime.model.parameters(), layer.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    rows = torch.cat([r.input_shard.weight.detach() for r in runtimes])
+    torch.testing.assert_close(rows, embedding, rtol=1e-5, atol=1e-6)
+    shards = torch.cat([r.output_shard.weight.detach() for r in runtimes])
+    torch.testing.assert_close(shards, output, rtol=1e-5, atol=1e-6)
+    for runtime in runtimes:  # every lookup took its gradient, in the step it was made for
+        assert runtime.stats.embed_drift_histogram == {0: steps * m}
+        assert not runtime.embed_lookups and not runtime.read_ahead.batches
+
+
+@pytest.mark.parametrize("a", [1, 2])
+def test_paci_embedding_rows_drift_within_the_bound(a):
+    """Rank r looks microbatch i up once it has backwarded i - W0 (W0: the first stage's
+    window on N + 1 stages), and the gradient comes after the first stage's backward of i,
+    when r has backwarded at most i + 1 + W0: at most 2 W0 backwards between, so
+    ceil(2 W0 / a) steps."""
+    n, steps = 4, 6
+    schedule = with_vocab_passes(resolve_plan("paci", num_stages=n).schedule, split_input=True)
+    runtimes, losses = build_ranks(n, tied=True), {}
+    run_threads(runtimes, lambda r: train(r, schedule, a, steps, losses))
+    assert len(losses[n - 1]) == steps * a  # every microbatch's loss, once
+    window = schedule.inflight_window(0, n, a)
+    assert window == n + 1
+    for runtime in runtimes:
+        drift = runtime.stats.embed_drift_histogram
+        assert sum(drift.values()) == steps * a and not runtime.embed_lookups
+        assert max(drift) <= -(-2 * window // a)
+        assert runtime.stats.optimizer_steps == steps
+    assert max(max(r.stats.embed_drift_histogram) for r in runtimes) >= 1
+
+
+def test_a_schedule_that_stashes_weights_keeps_the_input_whole():
+    for name in ("2bw", "pipedream"):
+        with pytest.raises(ValueError, match="stashes weights: the input embedding stays"):
+            with_vocab_passes(resolve_plan(name, num_stages=4).schedule, split_input=True)
