@@ -54,6 +54,7 @@ class PipelinePlan:
             chunks_per_rank=self.chunks_per_rank,
             microbatch_group_size=self.microbatch_group_size,
             vocab_passes=self.schedule.vocab_passes,
+            split_input=self.schedule.embedding_passes,
         )
 
     def microbatches_per_update(self, microbatches: int) -> int:
@@ -70,18 +71,22 @@ def resolve_plan(
     inflight_limit: str | None = None,
     weight_stashing: bool = False,
     vocab_passes: bool = False,
+    split_input: bool | None = None,
 ) -> PipelinePlan:
     """The plan for --pipeline-schedule `name`. `chunks_per_rank` (None: the schedule's own,
     two for the V schedules, else one) above one selects the variant with virtual stages
     (1F1B: Megatron's interleaved 1F1B; PACI over virtual stages); `arrival_rule`,
     `inflight_limit` and `weight_stashing` are PACI's options; `vocab_passes` places the passes
-    of an output layer split by vocabulary over the ranks (`schedules.vocab_passes`).
-    ValueError for a combination no schedule defines."""
+    of an output layer split by vocabulary over the ranks (`schedules.vocab_passes`), and with
+    `split_input` (None: wherever the schedule can take it, every schedule that does not stash
+    weights) the input embedding's too. ValueError for a combination no schedule defines."""
     plan = _resolve(name, num_stages, chunks_per_rank, microbatch_group_size, arrival_rule,
                     inflight_limit, weight_stashing)  # fmt: skip
     if not vocab_passes:
         return plan
-    return dataclasses.replace(plan, schedule=with_vocab_passes(plan.schedule))
+    if split_input is None:
+        split_input = not plan.schedule.stashes_weights
+    return dataclasses.replace(plan, schedule=with_vocab_passes(plan.schedule, split_input))
 
 
 def _resolve(

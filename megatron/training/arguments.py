@@ -496,13 +496,17 @@ def _chunks_from_layers_per_chunk(args: argparse.Namespace, pp: int, per_chunk: 
 
 
 def _validate_vocab_parallel(args: argparse.Namespace) -> None:
-    """--enable-vocab-parallel: what the split output layer runs with so far."""
+    """--enable-vocab-parallel: what the split output layer and input embedding run with so
+    far."""
     if not args.enable_vocab_parallel:
         return
-    problem = cannot_take(pipeline_plan(args, vocab_passes=False).schedule)
+    schedule = pipeline_plan(args, vocab_passes=False).schedule
+    problem = cannot_take(schedule)
     unsupported = [
-        (not args.untie_embeddings_and_output_weights, "with tied embeddings",
-         "add --untie-embeddings-and-output-weights; the input embedding is not split yet"),
+        (not args.untie_embeddings_and_output_weights and schedule.stashes_weights,
+         f"with tied embeddings and --pipeline-schedule {args.pipeline_schedule}",
+         "a weight-stashing schedule keeps the input embedding whole on the first stage: add "
+         "--untie-embeddings-and-output-weights"),
         (problem is not None, f"with --pipeline-schedule {args.pipeline_schedule}", problem),
         (args.context_parallel_size > 1, "with --context-parallel-size > 1", None),
         (bool(getattr(args, "mtp_num_layers", None)), "with --mtp-num-layers", None),

@@ -22,7 +22,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron.pipeline.simulation.costs import CostNoise, value_of_stage
-from megatron.pipeline.vocab_parallel import OutputShard
+from megatron.pipeline.vocab_parallel import InputShard, OutputShard
 
 
 class _Sleep(torch.autograd.Function):
@@ -87,6 +87,10 @@ class EmulatedShardModule(torch.nn.Module):
             backward_s=self.backward_s,
         )  # fmt: skip
 
+    def runtime_input_shard(self, batch_shape: tuple[int, int]) -> InputShard:
+        """The input embedding's rows (the same small weight, as tied): real, tiny lookups."""
+        return InputShard(self.weight, self.start, tuple(batch_shape))
+
 
 class EmulatedStage(torch.nn.Module):
     """One per model chunk, as virtual stage `virtual_stage` of `num_virtual_stages` (default:
@@ -117,7 +121,7 @@ class EmulatedStage(torch.nn.Module):
         self.forwards = self.backwards = self.weight_grads = 0  # the noise draws' indices
         self.hidden_size = hidden_size
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
-        self.input_tensor = None
+        self.input_tensor = self.input_embedding = None
         self.splits_vocabulary = False
 
     def split_vocabulary(self, start: int, rows: int, forward_ms, backward_ms) -> None:
@@ -151,8 +155,14 @@ class EmulatedStage(torch.nn.Module):
     def set_input_tensor(self, tensor) -> None:
         self.input_tensor = tensor
 
+    def set_input_embedding(self, embedded) -> None:
+        """The input embedding split too: every rank's part summed ([b, s, h])."""
+        self.input_embedding = embedded
+
     def forward(self, input_ids, position_ids, attention_mask, labels=None, **unused):
-        if self.pre_process:
+        if self.pre_process and self.input_embedding is not None:
+            hidden, self.input_embedding = self.input_embedding.transpose(0, 1), None
+        elif self.pre_process:
             batch, seq = input_ids.shape
             hidden = torch.zeros(seq, batch, self.hidden_size, device=self.weight.device)
         else:

@@ -41,7 +41,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.pipeline.vocab_parallel import OutputShard
+from megatron.pipeline.vocab_parallel import InputShard, OutputShard
 from megatron.training.recompute import use_host_rng_states
 from megatron.training.ring_attention import ring_attention
 
@@ -414,6 +414,11 @@ class GPTStageModel(GPTModel):
         if self.post_process and not self.pre_process:
             weight.shared = True
 
+    def set_input_embedding(self, embedded: torch.Tensor) -> None:
+        """The first stage with the input embedding split over the ranks: the next forward's
+        word embeddings ([b, s, h], every rank's part summed by the runtime)."""
+        self.embedding.word_embeddings.received = embedded
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """megatron-core's, except that with the vocabulary split over the ranks the last stage
         has no output layer of its own (its rows are `output_shard`'s entry)."""
@@ -429,7 +434,7 @@ class GPTStageModel(GPTModel):
 class HiddenStateOutput(torch.nn.Module):
     """The last stage's output layer with the vocabulary split over the pipeline ranks
     (--enable-vocab-parallel): the hidden state passes through, and every rank's
-    `OutputShardModule` scores it in its own VF pass. With sequence parallelism it is gathered
+    `VocabularyShardModule` scores it in its own VF pass. With sequence parallelism it is gathered
     first; every tensor-parallel rank then gets the whole hidden state's gradient (the shards'
     combination is the same on each), so the backward keeps this rank's part of it."""
 
@@ -447,17 +452,25 @@ class HiddenStateOutput(torch.nn.Module):
         return hidden_states, None
 
 
-class OutputShardModule(torch.nn.Module):
-    """This pipeline rank's rows [start, end) of the output layer (--enable-vocab-parallel).
-    Its checkpoint entry is those rows of `output_layer.weight`, so a checkpoint loads split
-    or whole, on any pipeline size."""
+OUTPUT_WEIGHT, EMBEDDING_WEIGHT = "output_layer.weight", "embedding.word_embeddings.weight"
 
-    def __init__(self, start: int, end: int, vocab_size: int, hidden_size: int, shard: tuple):
+
+class VocabularyShardModule(torch.nn.Module):
+    """This pipeline rank's rows [start, end) of the output layer or of the input embedding
+    (--enable-vocab-parallel; with tied embeddings one module is both). Its checkpoint entry
+    is those rows of `whole_name` (the unsplit model's weight), so a checkpoint loads split or
+    whole, on any pipeline size."""
+
+    def __init__(self, start: int, end: int, vocab_size: int, hidden_size: int, shard: tuple,
+                 whole_name: str = OUTPUT_WEIGHT):  # fmt: skip
         super().__init__()
         self.start, self.end, self.vocab_size = start, end, vocab_size
         self.shard_index, self.num_shards = shard
+        self.whole_name = whole_name
         self.weight = torch.nn.Parameter(torch.empty(end - start, hidden_size))
         self.weight.vocab_rows = (start, end, vocab_size)  # drawn as those rows of the whole
+        self.weight.whole_name = whole_name
+        self.weight.is_embedding_or_output_parameter = True  # --decoupled-lr, Muon's AdamW part
         # distinct on every tensor-parallel rank: counted by each in the gradient norm
         self.weight.tensor_model_parallel = True
         self.weight.partition_dim, self.weight.partition_stride = 0, 1
@@ -467,7 +480,8 @@ class OutputShardModule(torch.nn.Module):
         from megatron.core.dist_checkpointing import ShardedTensor
 
         replica = (0, 0, parallel_state.get_data_parallel_rank(with_context_parallel=True))
-        key = prefix.replace("output_shard.", "output_layer.") + "weight"
+        parent = prefix.rstrip(".").rpartition(".")[0]  # the model's prefix, without our name
+        key = f"{parent}.{self.whole_name}" if parent else self.whole_name
         tensor = ShardedTensor.from_rank_offsets(
             key, self.weight, (0, self.shard_index, self.num_shards), replica_id=replica
         )
@@ -480,6 +494,36 @@ class OutputShardModule(torch.nn.Module):
         tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
         group = parallel_state.get_tensor_model_parallel_group() if tensor_parallel else None
         return OutputShard(self.weight, self.start, group, tokens)
+
+    def runtime_input_shard(self, batch_shape: tuple[int, int]) -> InputShard:
+        """What the rank runtime runs the EF and EB passes with, for [b, s] tokens."""
+        from megatron.core import parallel_state
+
+        tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+        group = parallel_state.get_tensor_model_parallel_group() if tensor_parallel else None
+        return InputShard(self.weight, self.start, tuple(batch_shape), group)
+
+
+class ReceivedWordEmbeddings(torch.nn.Module):
+    """The first stage's word embeddings with the input embedding split over the ranks: every
+    rank's part of the microbatch, summed by the runtime (`GPTStageModel.set_input_embedding`),
+    stands in for the lookup, as megatron-core's VocabParallelEmbedding returns it (with
+    sequence parallelism scattered over the tensor-parallel ranks, [s/tp, b, h])."""
+
+    def __init__(self, reduce_scatter: bool):
+        super().__init__()
+        self.reduce_scatter = reduce_scatter
+        self.received: torch.Tensor | None = None
+
+    def forward(self, input_ids):
+        embedded, self.received = self.received, None
+        if embedded is None:
+            raise RuntimeError("the first stage ran before the runtime set its input embedding")
+        if not self.reduce_scatter:
+            return embedded
+        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+        return scatter_to_sequence_parallel_region(embedded.transpose(0, 1).contiguous())
 
 
 @dataclass
@@ -667,6 +711,7 @@ def build_gpt_stage(
     xavier_uniform: bool = False,
     built_as_other_rank: bool = False,
     vocab_parallel: bool = False,
+    split_input: bool = False,
 ) -> GPTModel:
     """Build this rank's GPT stage on `device`, initialized independently of the layout. With
     virtual stages (`layout.chunks` > 1) it is one of the rank's chunks (`chunk_layout`).
@@ -674,7 +719,8 @@ def build_gpt_stage(
     interpolation); `xavier_uniform`: Megatron's --init-method-xavier-uniform;
     `built_as_other_rank`: `layout.pipeline_rank` is the rank of the interleaved placement whose
     chunk is the same virtual stage (`v_chunk_layout`), not this rank's; `vocab_parallel`: this
-    rank's rows of the output layer in `model.output_shard` (`_split_output_layer`)."""
+    rank's rows of the output layer in `model.output_shard`, with `split_input` of the input
+    embedding too (`_split_vocabulary`)."""
     vp_stage = layout.chunk if layout.chunks > 1 else None
     _prepare_megatron_core(config)
     # a V chunk is built as the interleaved (vp_stage, rank) of its virtual stage
@@ -692,7 +738,9 @@ def build_gpt_stage(
         max_sequence_length=max_sequence_length,
         pre_process=layout.is_first,
         post_process=layout.is_last,
-        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        # with the vocabulary split the shards are the tie (one weight on each rank)
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights
+        and not vocab_parallel,
         position_embedding_type=position_embedding_type,
         rotary_percent=rotary_percent,
         rotary_base=rotary_base,
@@ -703,7 +751,8 @@ def build_gpt_stage(
     )
     _finish_megatron_core_model(model, layout, device)
     if vocab_parallel:
-        _split_output_layer(model, layout, vocab_size, config)
+        _split_vocabulary(model, layout, vocab_size, config, split_input=split_input,
+                          tied=share_embeddings_and_output_weights)  # fmt: skip
     initialize_layout_independent(model, layout, seed=seed, init_method_std=config.init_method_std,
                                   xavier_uniform=xavier_uniform)  # fmt: skip
     _mark_expert_parameters(model)
@@ -716,17 +765,28 @@ def _mark_expert_parameters(model: torch.nn.Module) -> None:
         param.moe_expert = is_expert_parameter(name)
 
 
-def _split_output_layer(model: GPTModel, layout: StageLayout, vocab_size: int, config):
+def _split_vocabulary(model: GPTModel, layout: StageLayout, vocab_size: int, config, *,
+                      split_input: bool, tied: bool):  # fmt: skip
     """--enable-vocab-parallel: no output layer on the last stage, a shard on every rank of
-    every stage: shard p * TP + t on pipeline rank p, tensor rank t."""
+    every stage: shard p * TP + t on pipeline rank p, tensor rank t. With `split_input` the
+    same rows of the input embedding too (`input_shard`; with `tied` embeddings the output
+    shard itself), and the first stage takes its input from the runtime."""
     if layout.is_last:
         model.output_layer = HiddenStateOutput(config.sequence_parallel)
     shards = layout.pipeline_size * layout.tensor_size
     index = layout.pipeline_rank * layout.tensor_size + layout.tensor_rank
-    rows = vocab_size // shards
-    model.output_shard = OutputShardModule(
-        index * rows, (index + 1) * rows, vocab_size, config.hidden_size, (index, shards)
-    )
+    rows, hidden = vocab_size // shards, config.hidden_size
+    start, end = index * rows, (index + 1) * rows
+    model.output_shard = VocabularyShardModule(start, end, vocab_size, hidden, (index, shards),
+                                               EMBEDDING_WEIGHT if tied else OUTPUT_WEIGHT)  # fmt: skip
+    if not split_input:
+        return
+    if not tied:
+        model.input_shard = VocabularyShardModule(start, end, vocab_size, hidden,
+                                                  (index, shards), EMBEDDING_WEIGHT)  # fmt: skip
+    if layout.is_first:
+        embedding = model.embedding
+        embedding.word_embeddings = ReceivedWordEmbeddings(embedding.reduce_scatter_embeddings)
 
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -744,8 +804,6 @@ def global_parameter_name(name: str, layout: StageLayout, *, tied: bool = False)
     the input embedding (both copies are drawn alike); other names unchanged."""
     if tied and name == "output_layer.weight":
         return "embedding.word_embeddings.weight"
-    if name == "output_shard.weight":  # rows of the whole output layer
-        return "output_layer.weight"
     match = _LOCAL_LAYER.match(name)
     if match is None:
         return name
@@ -805,7 +863,9 @@ def initialize_layout_independent(
             full_shape[partition_dim] *= shards
         if rows is not None:
             full_shape[0] = rows[2]
-        global_name = global_parameter_name(name, layout, tied=getattr(param, "shared", False))
+        global_name = getattr(param, "whole_name", None) or global_parameter_name(
+            name, layout, tied=getattr(param, "shared", False)
+        )
         generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{global_name}".encode()))
         std = scaled_std if kind == "scaled_normal" else init_method_std
         full = torch.empty(full_shape, dtype=torch.float32)

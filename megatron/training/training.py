@@ -321,6 +321,7 @@ def build_chunk(config, transformer: TransformerConfig, layout, device: torch.de
         xavier_uniform=config.model.init_method_xavier_uniform,
         built_as_other_rank=built_as_other_rank,
         vocab_parallel=config.pipeline.enable_vocab_parallel,
+        split_input=config.pipeline.plan.schedule.embedding_passes,
     )
     if not config.pipeline.plan.flushes:
         for param in model.parameters():  # the last stage's copy of a tied embedding
@@ -590,10 +591,13 @@ def _build_stage_runtime(config, model, device) -> RankRuntime:
         config.parallel.context_parallel_size > 1 or config.parallel.expert_model_parallel_size > 1
     )
     context = build_pipeline_context(device, decide_per_stage=per_stage)
-    placement, transport, output_shard = plan.placement, None, None
+    placement, transport, output_shard, input_shard = plan.placement, None, None, None
     if plan.schedule.vocab_passes:  # the output layer's rows of this rank, and their streams
-        tokens = config.model.seq_length * config.training.micro_batch_size
-        output_shard = model.output_shard.runtime_shard(tokens)
+        batch_shape = (config.training.micro_batch_size, config.model.seq_length)
+        output_shard = model.output_shard.runtime_shard(math.prod(batch_shape))
+        if plan.schedule.embedding_passes:  # the input embedding's rows (tied: the same)
+            rows = getattr(model, "input_shard", model.output_shard)
+            input_shard = rows.runtime_input_shard(batch_shape)
         transport = DistributedTransport(
             rank=dist.get_rank(), links=plain_links(context), backend=context.backend,
             device=device, dtype=dtype, max_pending=2 * context.num_stages + 2,
@@ -620,6 +624,7 @@ def _build_stage_runtime(config, model, device) -> RankRuntime:
         deterministic=config.parallel.deterministic_mode,
         per_token_loss=config.model.calculate_per_token_loss,
         output_shard=output_shard,
+        input_shard=input_shard,
     )
     if config.moe is not None:  # megatron-core's aux losses: scaled as each backward's loss
         runtime.backward_scale_listeners.append(set_aux_loss_scale)

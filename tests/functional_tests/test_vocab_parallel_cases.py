@@ -1,9 +1,12 @@
-"""--enable-vocab-parallel on real multi-process runs (gloo, torchrun): the output layer split
-by vocabulary over the pipeline ranks, its passes placed in the schedule.
+"""--enable-vocab-parallel on real multi-process runs (gloo, torchrun): the output layer and
+the input embedding split by vocabulary over the pipeline ranks, their passes placed in the
+schedule (2BW and PipeDream keep the input embedding whole).
 
-References: the same command line with the output layer whole on the last stage. Under the
-flush schedules the split changes no number beyond float tolerance (PP4 1F1B and ZB-H1, DP2 x
-PP2, TP2 x PP2 with and without sequence parallelism, MoE EP2 x PP2); under PACI every shard's drift stays within the schedule's bound (one stage deeper).
+References: the same command line with both layers whole. Under the flush schedules the split
+changes no number beyond float tolerance (PP4 1F1B tied and untied, PP4 ZB-H1, DP2 x PP2,
+TP2 x PP2 with and without sequence parallelism, MoE EP2 x PP2); under PACI every shard's
+drift stays within the schedule's bound (one stage deeper), and every embedding row's within
+ceil(2 (N + 1) / a).
 """
 
 import math
@@ -15,6 +18,7 @@ from test_gpt_cases import drift_bound
 # (split, whole): each split case runs the first iterations of its reference, on its schedule
 FLUSH_EQUALS_WHOLE = [
     ("gpt_vocab_1_pp4_split_save", "gpt_pp4_1f1b"),
+    ("gpt_pp4_vocab_tied_1f1b", "gpt_pp4_tied_1f1b"),  # tied: one weight per rank, both uses
     ("gpt_pp4_vocab_zbh1", "gpt_pp4_zbh1"),
     ("gpt_dp2pp2_vocab_1f1b", "gpt_dp2pp2_1f1b"),
     ("gpt_tp2pp2_vocab_1f1b", "gpt_tp2pp2_1f1b"),  # a shard per pipeline x tensor rank
@@ -40,7 +44,9 @@ def test_flush_with_the_split_vocabulary_equals_the_whole_output_layer(case_resu
         assert run_cases.relative_difference(validation, expected) <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["gpt_pp4_vocab_paci_a2", "gpt_tp2pp2_vocab_paci"])
+@pytest.mark.parametrize(
+    "name", ["gpt_pp4_vocab_paci_a2", "gpt_tp2pp2_vocab_paci", "gpt_pp4_vocab_tied_paci"]
+)
 def test_paci_with_the_split_vocabulary_keeps_its_bounds(case_results, name):
     summary = case_results[name]
     n, a = summary["pipeline_stages"], summary["num_microbatches"]
@@ -48,6 +54,8 @@ def test_paci_with_the_split_vocabulary_keeps_its_bounds(case_results, name):
         bound = drift_bound(report["stage"], n + 1, a)  # the shards are one stage more
         assert report["max_drift"] <= bound
         assert report["max_shard_drift"] <= bound
+        assert report["max_embed_drift"] <= -(-2 * (n + 1) // a)  # the input embedding's rows
+        assert sum(report["embed_drift_histogram"].values()) == len(summary["loss"]) * a
     assert max(report["max_shard_drift"] for report in summary["stages"]) >= 1
     shard_counts = {sum(r["shard_drift_histogram"].values()) for r in summary["stages"]}
     assert shard_counts == {len(summary["loss"]) * a}  # every rank scored every microbatch

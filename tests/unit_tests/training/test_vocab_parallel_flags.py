@@ -1,6 +1,7 @@
 """--enable-vocab-parallel's flag checks, in process: what the split runs with (one chunk per
 rank: 1F1B, ZB-H1, PACI, 2BW, PipeDream), one line for what it cannot take yet, and the plan it
-gives (the schedule places the vocabulary passes, its synchronous phase too)."""
+gives (the schedule places the vocabulary passes, its synchronous phase too; the input
+embedding's wherever the schedule does not stash weights)."""
 
 import pytest
 
@@ -29,6 +30,9 @@ def test_one_chunk_schedules_take_the_split(schedule):
     plan = RunConfig.from_args(args, vocab_size=1001).pipeline.plan
     assert plan.schedule.vocab_passes and plan.synchronous.schedule.vocab_passes
     assert plan.name == schedule
+    stashes = schedule in ("2bw", "pipedream")
+    assert plan.schedule.embedding_passes == (not stashes)
+    assert plan.synchronous.schedule.embedding_passes == plan.schedule.embedding_passes
 
 
 @pytest.mark.parametrize(
@@ -53,11 +57,21 @@ def test_what_the_split_cannot_take_yet_is_one_line(extra, world_size, message):
     assert "\n" not in str(caught.value)
 
 
-def test_tied_embeddings_need_untying_first():
-    args = build_parser().parse_args(
-        [a for a in SPLIT if a != "--untie-embeddings-and-output-weights"]
-    )
-    with pytest.raises(UserError, match="add --untie-embeddings-and-output-weights"):
+TIED = [a for a in SPLIT if a != "--untie-embeddings-and-output-weights"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "paci"])
+def test_tied_embeddings_split_as_one_weight(schedule):
+    args = build_parser().parse_args(TIED + ["--pipeline-schedule", schedule])
+    validate_args(args, world_size=4)
+    assert RunConfig.from_args(args, vocab_size=1001).pipeline.plan.schedule.embedding_passes
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "pipedream"])
+def test_tied_embeddings_under_weight_stashing_need_untying(schedule):
+    args = build_parser().parse_args(TIED + ["--pipeline-schedule", schedule])
+    with pytest.raises(UserError, match="keeps the input embedding whole on the first stage: "
+                                        "add --untie-embeddings-and-output-weights"):  # fmt: skip
         validate_args(args, world_size=4)
 
 
