@@ -9,8 +9,8 @@ programming over (stage, layers placed so far).
 
 With the vocabulary partitioned over the pipeline ranks (`--enable-vocab-parallel`,
 `partition_vocabulary`), the output layer and the loss are no stage's own: each rank runs 1/N
-of them plus its messages (`LayerCosts.every_stage`), the last rank also the exchange with every
-other rank, and the input embedding stays on the first stage.
+of them and of the input embedding plus its messages (`LayerCosts.every_stage`), the last rank
+also the output layer's exchange with every other rank, the first the input embedding's.
 """
 
 import math
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from megatron.pipeline.simulation.costs import StageCosts
 
 if TYPE_CHECKING:
-    from .projection import ProjectionOptions, Shape
+    from .projection import ProjectionOptions, Shape, VocabMessages
 
 
 @dataclass(frozen=True)
@@ -103,19 +103,23 @@ def balanced_split(
 
 
 def partition_vocabulary(
-    costs: LayerCosts, num_stages: int, messages: tuple = ((0.0, 0.0), (0.0, 0.0))
+    costs: LayerCosts, num_stages: int, messages: "VocabMessages | None" = None
 ) -> LayerCosts:
-    """`costs` with the output layer and the loss split evenly over the `num_stages` ranks by
-    vocabulary, as the runtime's --enable-vocab-parallel: each stage runs 1/N of their forward,
-    backward, weight gradient and step, plus the messages (`projection.vocab_messages_s`:
-    (forward, backward) seconds per microbatch on every rank, and the last rank's extra for
-    exchanging with every other one). The input embedding stays on the first stage."""
-    every, last = messages
-    share = [o / num_stages for o in costs.output]
-    share[0] += every[0]
-    share[1] += every[1]
-    last_extra = (last[0], last[1], 0.0, 0.0)
-    return LayerCosts(costs.layers, costs.embedding, last_extra, tuple(share))
+    """`costs` with the output layer, the loss and the input embedding split evenly over the
+    `num_stages` ranks by vocabulary, as the runtime's --enable-vocab-parallel: each stage runs
+    1/N of their forward, backward, weight gradient and step, plus its messages
+    (`projection.vocab_messages_s`); the last rank also the output layer's exchange with every
+    other one, the first the input embedding's."""
+    from .projection import VocabMessages
+
+    messages = messages or VocabMessages()
+    parts = zip(costs.output, costs.embedding)
+    share = [(o + e) / num_stages for o, e in parts]
+    share[0] += messages.every[0]
+    share[1] += messages.every[1]
+    first_extra = (messages.first[0], messages.first[1], 0.0, 0.0)
+    last_extra = (messages.last[0], messages.last[1], 0.0, 0.0)
+    return LayerCosts(costs.layers, first_extra, last_extra, tuple(share))
 
 
 def arrangements(split: list[int]) -> list[list[int]]:

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from megatron.pipeline.schedules import SIMULATED_SCHEDULES
-from megatron.pipeline.schedules.vocab_passes import cannot_take, with_vocab_passes
+from megatron.pipeline.schedules.vocab_passes import cannot_take, splits_input, with_vocab_passes
 from megatron.pipeline.simulation.engine import simulate
 
 from .projection import Shape, layer_flops, output_flops
@@ -168,8 +168,8 @@ def compare(model: Model, schedule: str, chunks: int | None, m: int) -> Row:
     if not definition.splits_backward:  # one backward pass: input and weight gradients
         backward, wgrad = [b + w for b, w in zip(backward, wgrad)], [0.0] * len(wgrad)
     vocab = vocab_pass_costs(model) if passes else (0.0, 0.0)
-    if passes:
-        definition = with_vocab_passes(definition)
+    if passes:  # the input embedding's passes too, where the runtime splits it (no cost here)
+        definition = with_vocab_passes(definition, splits_input(definition))
     k = _steps_for(model.ranks, m)
     runs = []
     try:

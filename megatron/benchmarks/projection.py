@@ -167,8 +167,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g(
         "--enable-vocab-parallel",
         action="store_true",
-        help="the output layer and loss split by vocabulary over the pipeline ranks, as the "
-        "runtime's --enable-vocab-parallel (the input embedding stays on the first stage)",
+        help="the output layer, the loss and the input embedding split by vocabulary over the "
+        "pipeline ranks, as the runtime's --enable-vocab-parallel",
     )
     g("--global-batch-sizes", type=_positive_ints, help="m = global batch / micro-batch size")
     g(
@@ -487,24 +487,42 @@ def p2p_model(options: ProjectionOptions, mbs: int) -> float:
     return options.p2p_latency_us * 1e-6 + num_bytes / (options.p2p_bandwidth_gbs * 1e9)
 
 
-def vocab_messages_s(options: ProjectionOptions, mbs: int) -> tuple[tuple, tuple]:
-    """((forward, backward) of every rank, (forward, backward) extra on the last rank): seconds
-    per microbatch of the messages of the output layer split over the N pipeline ranks, as the
-    runtime sends them (`pipeline.vocab_parallel`, fp32, point to point): the last stage's hidden
-    state and labels to each other rank (T (h + 1) values) and each shard's output back
-    (T (3 + 2h)) in the forward, the softmax statistics out (3 T) in the backward. A rank
-    receives and sends one of each; the last rank N - 1 of each through its link. Counted as
-    busy time, each with one hop latency: no overlap with compute is assumed."""
+@dataclass(frozen=True)
+class VocabMessages:
+    """Seconds per microbatch, (forward, backward), of the vocabulary split's messages: on
+    every rank, and extra on the last rank (the output layer's exchange with every other
+    rank) and on the first (the input embedding's)."""
+
+    every: tuple[float, float] = (0.0, 0.0)
+    last: tuple[float, float] = (0.0, 0.0)
+    first: tuple[float, float] = (0.0, 0.0)
+
+
+def vocab_messages_s(options: ProjectionOptions, mbs: int) -> VocabMessages:
+    """The messages of the output layer and the input embedding split over the N pipeline
+    ranks, as the runtime sends them (`pipeline.vocab_parallel`, point to point). The output
+    layer's in fp32: the last stage's hidden state and labels to each other rank (T (h + 1)
+    values) and each shard's output back (T (3 + 2h)) in the forward, the softmax statistics
+    out (3 T) in the backward. The input embedding's in the model's dtype (bf16): each rank's
+    part to the first stage (T h) in the forward, its gradient back (T h) in the backward.
+    A rank sends and receives one of each; the last and the first rank N - 2 more of theirs
+    through their link. Counted as busy time, each with one hop latency: no overlap with
+    compute is assumed."""
     n, tokens, hidden = options.stages, mbs * options.seq_length, options.hidden_size
     if n == 1:
-        return (0.0, 0.0), (0.0, 0.0)
+        return VocabMessages()
     bandwidth, latency = options.p2p_bandwidth_gbs * 1e9, options.p2p_latency_us * 1e-6
     forward_bytes = tokens * (hidden + 1) * 4 + tokens * (3 + 2 * hidden) * 4
     backward_bytes = 3 * tokens * 4
-    every = (2 * latency + forward_bytes / bandwidth, latency + backward_bytes / bandwidth)
-    fan = n - 2  # the last rank's messages beyond one rank's own
+    embed_bytes = tokens * hidden * 2
+    every = (
+        3 * latency + (forward_bytes + embed_bytes) / bandwidth,
+        2 * latency + (backward_bytes + embed_bytes) / bandwidth,
+    )
+    fan = n - 2  # the last (first) rank's messages beyond one rank's own
     last = (fan * forward_bytes / bandwidth, fan * backward_bytes / bandwidth)
-    return every, last
+    first = (fan * embed_bytes / bandwidth, fan * embed_bytes / bandwidth)
+    return VocabMessages(every, last, first)
 
 
 def modelled_costs(
@@ -525,11 +543,12 @@ def modelled_costs(
         wgrad.append(w + share * ow)
         step.append(params * per_param)
     if options.enable_vocab_parallel:
-        every, last = vocab_messages_s(options, mbs)
-        forward = [f + every[0] for f in forward]
-        backward = [b + every[1] for b in backward]
-        forward[-1] += last[0]
-        backward[-1] += last[1]
+        messages = vocab_messages_s(options, mbs)
+        forward = [f + messages.every[0] for f in forward]
+        backward = [b + messages.every[1] for b in backward]
+        for stage, (f, b) in ((-1, messages.last), (0, messages.first)):
+            forward[stage] += f
+            backward[stage] += b
     return StageCosts(forward, backward, wgrad, step, p2p_model(options, mbs), "cost model")
 
 
@@ -543,10 +562,10 @@ def _output_share(options: ProjectionOptions, stage: int) -> float:
 
 def vocab_params(options: ProjectionOptions, shape: Shape, stage: int) -> float:
     """Parameters of the embedding (the first stage's) and the output layer (with the final
-    norm; the last stage's, or 1/N on every stage with the vocabulary split)."""
-    on_first = shape.embedding_params() if stage == 0 else 0
+    norm; the last stage's), or 1/N of both on every stage with the vocabulary split."""
     if options.enable_vocab_parallel:
-        return on_first + shape.output_params() / options.stages
+        return (shape.embedding_params() + shape.output_params()) / options.stages
+    on_first = shape.embedding_params() if stage == 0 else 0
     return on_first + (shape.output_params() if stage == options.stages - 1 else 0)
 
 

@@ -32,7 +32,7 @@ import tempfile
 
 from megatron.pipeline.schedules import VIRTUAL_STAGE_SCHEDULES
 from megatron.pipeline.schedules.base import ActionKind
-from megatron.pipeline.schedules.vocab_passes import with_vocab_passes
+from megatron.pipeline.schedules.vocab_passes import splits_input, with_vocab_passes
 from megatron.pipeline.simulation.engine import simulate
 from megatron.pipeline.trace import read_chrome_trace
 
@@ -85,7 +85,9 @@ def definition_of(schedule: str):
     from megatron.pipeline.schedules import SIMULATED_SCHEDULES
 
     definition = SIMULATED_SCHEDULES[base_schedule(schedule)]
-    return with_vocab_passes(definition) if splits_vocabulary(schedule) else definition
+    if not splits_vocabulary(schedule):
+        return definition
+    return with_vocab_passes(definition, splits_input(definition))
 
 
 def schedule_costs_ms(model, schedule: str, chunks: int, ms_per_layer: float) -> dict:
@@ -159,16 +161,21 @@ def measured_pass_costs(events, placement, num_virtual: int, nominal: dict) -> d
         "backward_cost": means(ActionKind.BACKWARD, nominal["backward_cost"]),
         "weight_grad_cost": means(ActionKind.WEIGHT_GRAD, nominal["weight_grad_cost"]),
     }
-    if "vocab_forward_cost" in nominal:  # per rank: the rank is the stage of a one-chunk plan
-        costs["vocab_forward_cost"] = means(ActionKind.VOCAB_FORWARD, nominal["vocab_forward_cost"])
-        costs["vocab_backward_cost"] = means(
-            ActionKind.VOCAB_BACKWARD, nominal["vocab_backward_cost"]
-        )
+    per_rank = {  # the rank is the stage of a one-chunk plan
+        "vocab_forward_cost": ActionKind.VOCAB_FORWARD,
+        "vocab_backward_cost": ActionKind.VOCAB_BACKWARD,
+        "embed_forward_cost": ActionKind.EMBED_FORWARD,
+        "embed_backward_cost": ActionKind.EMBED_BACKWARD,
+    }
+    for name, kind in per_rank.items():
+        if name in nominal:
+            costs[name] = means(kind, nominal[name])
     return costs
 
 
-def _nominal_seconds(costs_ms: dict, splits: bool, ranks: int = 0) -> dict:
-    """The simulator's costs in seconds; with `ranks`, also every rank's VF and VB."""
+def _nominal_seconds(costs_ms: dict, splits: bool, ranks: int = 0, embedding=False) -> dict:
+    """The simulator's costs in seconds; with `ranks`, also every rank's VF and VB (and with
+    `embedding` its EF and EB, nominally free: a lookup and its gradient)."""
     forward = [f / 1000 for f in costs_ms["forward"]]
     if splits:
         backward = [(b - w) / 1000 for b, w in zip(costs_ms["backward"], costs_ms["weight_grad"])]
@@ -179,6 +186,8 @@ def _nominal_seconds(costs_ms: dict, splits: bool, ranks: int = 0) -> dict:
     if ranks:
         costs["vocab_forward_cost"] = [costs_ms["vocab_forward"] / 1000] * ranks
         costs["vocab_backward_cost"] = [costs_ms["vocab_backward"] / 1000] * ranks
+    if ranks and embedding:
+        costs["embed_forward_cost"] = costs["embed_backward_cost"] = [0.0] * ranks
     return costs
 
 
@@ -189,7 +198,8 @@ def _replay(schedule: str, name: str, chunks: int, events, costs_ms, n: int, m: 
     definition = definition_of(schedule)
     plan = resolve_plan(name, num_stages=n, chunks_per_rank=chunks if chunks > 1 else None)
     ranks = n if definition.vocab_passes else 0
-    nominal = _nominal_seconds(costs_ms, definition.splits_backward, ranks)
+    nominal = _nominal_seconds(costs_ms, definition.splits_backward, ranks,
+                               definition.embedding_passes)  # fmt: skip
     replay_costs = measured_pass_costs(events, plan.placement, n * chunks, nominal)
     return simulate(
         definition,

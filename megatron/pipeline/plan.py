@@ -13,7 +13,7 @@ from .schedules import flush_1f1b, get_schedule, virtual_schedule
 from .schedules.base import Schedule
 from .schedules.paci import with_paci_options, with_weight_stashing
 from .schedules.placement import Placement
-from .schedules.vocab_passes import with_vocab_passes
+from .schedules.vocab_passes import splits_input, with_vocab_passes
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def resolve_plan(
     if not vocab_passes:
         return plan
     if split_input is None:
-        split_input = not plan.schedule.stashes_weights
+        split_input = splits_input(plan.schedule)
     return dataclasses.replace(plan, schedule=with_vocab_passes(plan.schedule, split_input))
 
 

@@ -72,10 +72,16 @@ SMALL_MOE_MODEL = SMALL_MODEL + [
     "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
     "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
 ]  # fmt: skip
+# The scale check's models: the small model widened to about 2x and 4x its parameters (hidden
+# 96: 1.9x, hidden 144: 3.9x, the 1,024-token embedding and output layer counted), same data.
+SMALL_2X_MODEL = study_model(96, 32, SMALL_DATA, f"{SMALL_DATA}/tokenizer/stdlib1k.model")
+SMALL_4X_MODEL = study_model(144, 32, SMALL_DATA, f"{SMALL_DATA}/tokenizer/stdlib1k.model")
 MODELS = {
     "demo": DEMO_MODEL + ["--lr-warmup-iters", "10"],
     "small": SMALL_MODEL,
     "small-moe": SMALL_MOE_MODEL,
+    "small-2x": SMALL_2X_MODEL,
+    "small-4x": SMALL_4X_MODEL,
 }
 
 
@@ -170,7 +176,7 @@ def _launch(cases: list[dict], output: str) -> None:
 def check_model_data(model: str) -> None:
     """The small models read a corpus that `make data-small` builds: one line if it is not."""
     dataset = f"{SMALL_DATA}/stdlib_text_document"
-    if model in ("small", "small-moe") and not os.path.exists(dataset + ".idx"):
+    if model.startswith("small") and not os.path.exists(dataset + ".idx"):
         raise UserError(
             f"--model {model} reads {dataset}, which is not built: run `make data-small` first"
         )

@@ -161,6 +161,13 @@ def _deeper(function):
     return lambda stage, num_stages, microbatches: function(stage, num_stages + 1, microbatches)
 
 
+def splits_input(schedule: Schedule) -> bool:
+    """Whether --enable-vocab-parallel splits the input embedding too under `schedule`: every
+    schedule that does not stash weights (an EF runs ahead of the rank's forward, before the
+    version a stashing schedule would pin)."""
+    return not schedule.stashes_weights
+
+
 def cannot_take(schedule: Schedule, split_input: bool = False) -> str | None:
     """Why `schedule` cannot place the vocabulary passes yet (None: it can)."""
     if schedule.placement is not None:

@@ -55,8 +55,11 @@ def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
 
 
 def is_hidden_matrix(name: str, param: torch.nn.Parameter) -> bool:
-    """A 2-D weight inside the transformer layers: not an embedding, not the output layer."""
-    return param.ndim == 2 and "embedding" not in name and "output_layer" not in name
+    """A 2-D weight inside the transformer layers: not an embedding, not the output layer (nor
+    their rows split over the ranks by --enable-vocab-parallel, marked as they are)."""
+    if param.ndim != 2 or is_embedding_or_output(param):
+        return False
+    return "embedding" not in name and "output_layer" not in name
 
 
 def is_fused_qkv(name: str) -> bool:

@@ -81,20 +81,24 @@ def test_flags_give_the_split_back(split):
 
 
 def test_a_partitioned_vocabulary_is_every_stages_share():
-    """--enable-vocab-parallel: the output layer split over the ranks, each stage carries 1/N
-    of it plus its messages, the last rank also its exchange with every other rank; the input
-    embedding stays on the first stage. The total compute is unchanged, and the same model that
-    empties the last stage above splits its layers evenly."""
+    """--enable-vocab-parallel: the output layer and the input embedding split over the ranks,
+    each stage carries 1/N of both plus its messages, the last rank also the output layer's
+    exchange with every other rank, the first the embedding's. The total compute is unchanged,
+    and the same model that empties the last stage above splits its layers evenly."""
+    from megatron.benchmarks.projection import VocabMessages
+
     costs = LayerCosts([(1.0, 2.0, 0.0, 0.0)] * 12, (0.5, 0.0, 0.0, 1.0), (4.0, 8.0, 0.0, 2.0))
-    partitioned = partition_vocabulary(costs, 4, messages=((0.25, 0.5), (0.1, 0.2)))
-    assert partitioned.every_stage == (1.0 + 0.25, 2.0 + 0.5, 0.0, 0.5)
-    assert partitioned.output == (0.1, 0.2, 0.0, 0.0) and partitioned.embedding == costs.embedding
+    messages = VocabMessages((0.25, 0.5), (0.1, 0.2), (0.05, 0.06))
+    partitioned = partition_vocabulary(costs, 4, messages)
+    assert partitioned.every_stage == (4.5 / 4 + 0.25, 2.0 + 0.5, 0.0, 3.0 / 4)
+    assert partitioned.output == (0.1, 0.2, 0.0, 0.0)
+    assert partitioned.embedding == (0.05, 0.06, 0.0, 0.0)
     assert balanced_split(partitioned, 4, 4) == [3, 3, 3, 3]
     whole = costs.stage_costs([3, 3, 3, 3])
     split = partition_vocabulary(costs, 4).stage_costs([3, 3, 3, 3])
     for field in ("forward", "backward", "weight_grad", "step"):
         assert sum(getattr(split, field)) == pytest.approx(sum(getattr(whole, field)))
-        assert len(set(getattr(split, field)[1:])) == 1  # alike but for the first's embedding
+        assert len(set(getattr(split, field))) == 1  # every stage alike
     assert max(pace(split, 4)) < max(pace(whole, 4))  # the same even layers, output whole
 
 
@@ -106,12 +110,18 @@ def test_gpt2_medium_on_8_stages_takes_3_layers_per_rank_with_the_vocabulary_spl
     shape = projection.Shape(24, 1024, 4096, 1024, 50304)
     layers = layer_costs_from_model(args, shape, 4, 0.3)
     assert balanced_split(layers, 8, 8) != [3] * 8  # the output layer whole: uneven
-    every, last = projection.vocab_messages_s(args, 4)
-    assert balanced_split(partition_vocabulary(layers, 8, (every, last)), 8, 8) == [3] * 8
-    # closed form, the runtime's messages in fp32: the hidden state and labels in, the
-    # shard's output out (forward), the statistics in (backward); the last rank 6 more of each
+    messages = projection.vocab_messages_s(args, 4)
+    assert balanced_split(partition_vocabulary(layers, 8, messages), 8, 8) == [3] * 8
+    # closed form, the runtime's messages: the output layer's in fp32 (the hidden state and
+    # labels in, the shard's output out in the forward, the statistics in in the backward),
+    # the input embedding's in bf16 (the part out, its gradient in); the last and the first
+    # rank 6 more of theirs
     tokens, hidden = 4 * 1024, 1024
     forward_bytes = tokens * (hidden + 1) * 4 + tokens * (3 + 2 * hidden) * 4
-    assert every == pytest.approx((2 * 20e-6 + forward_bytes / 400e9,
-                                   20e-6 + 12 * tokens / 400e9), rel=1e-12)  # fmt: skip
-    assert last == pytest.approx((6 * forward_bytes / 400e9, 6 * 12 * tokens / 400e9), rel=1e-12)
+    embed_bytes = tokens * hidden * 2
+    assert messages.every == pytest.approx(
+        (3 * 20e-6 + (forward_bytes + embed_bytes) / 400e9,
+         2 * 20e-6 + (12 * tokens + embed_bytes) / 400e9), rel=1e-12)  # fmt: skip
+    assert messages.last == pytest.approx((6 * forward_bytes / 400e9, 6 * 12 * tokens / 400e9),
+                                          rel=1e-12)  # fmt: skip
+    assert messages.first == pytest.approx((6 * embed_bytes / 400e9,) * 2, rel=1e-12)

@@ -183,3 +183,16 @@ def test_zero_grad_clears_every_weight_a_stand_in_steps(split_qkv):
         chain.step()
         chain.zero_grad(set_to_none=True)
         assert [n for n, p in model.named_parameters() if p.grad is not None] == []
+
+
+def test_vocabulary_shards_are_not_orthogonalized():
+    """--enable-vocab-parallel's rows of the output layer and the input embedding are no
+    transformer matrices: Muon leaves them to its AdamW part, as the whole layers."""
+    from megatron.training.model import EMBEDDING_WEIGHT, VocabularyShardModule
+    from megatron.training.optimizer.suite import is_hidden_matrix
+
+    for whole in (EMBEDDING_WEIGHT, "output_layer.weight"):
+        shard = VocabularyShardModule(0, 8, 16, 4, (0, 2), whole)
+        assert not is_hidden_matrix("output_shard.weight", shard.weight)
+    assert is_hidden_matrix("decoder.layers.0.mlp.linear_fc1.weight", torch.nn.Parameter(
+        torch.empty(4, 4)))  # fmt: skip
