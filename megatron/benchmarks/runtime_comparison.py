@@ -115,12 +115,17 @@ def microbatch_ms(costs_ms: dict, ranks: int) -> float:
     return passes + ranks * (costs_ms["vocab_forward"] + costs_ms["vocab_backward"])
 
 
+_EMBEDDING_PASSES = (ActionKind.EMBED_FORWARD, ActionKind.EMBED_BACKWARD)
+
+
 def step_completions(events, microbatches: int) -> dict[int, dict[int, float]]:
-    """Per rank, step k -> when its last pass of step k's microbatches ended."""
+    """Per rank, step k -> when its last pass of step k's microbatches ended (the input
+    embedding's lookups and gradients left out: they run ahead of and behind the rank's own
+    work, as the first stage needs and sends them)."""
     done: dict[int, dict[int, float]] = {}
     for event in events:
         for part in event.action.passes:
-            if part.microbatch is None:
+            if part.microbatch is None or part.kind in _EMBEDDING_PASSES:
                 continue
             step = part.microbatch // microbatches
             ends = done.setdefault(event.stage, {})
