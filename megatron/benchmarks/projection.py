@@ -500,11 +500,12 @@ class VocabMessages:
 
 def vocab_messages_s(options: ProjectionOptions, mbs: int) -> VocabMessages:
     """The messages of the output layer and the input embedding split over the N pipeline
-    ranks, as the runtime sends them (`pipeline.vocab_parallel`, point to point). The output
-    layer's in fp32: the last stage's hidden state and labels to each other rank (T (h + 1)
-    values) and each shard's output back (T (3 + 2h)) in the forward, the softmax statistics
-    out (3 T) in the backward. The input embedding's in the model's dtype (bf16): each rank's
-    part to the first stage (T h) in the forward, its gradient back (T h) in the backward.
+    ranks, as the runtime sends them (`pipeline.vocab_parallel`, point to point, in the model's
+    dtype, bf16 here, with fp32 labels and statistics): the last stage's hidden state and
+    labels to each other rank (T h bf16 and T fp32) and each shard's output back (3 T fp32 and
+    2 T h bf16) in the forward, the softmax statistics out (3 T fp32) in the backward; each
+    rank's part of the input embedding to the first stage (T h) in the forward, its gradient
+    back (T h) in the backward.
     A rank sends and receives one of each; the last and the first rank N - 2 more of theirs
     through their link. Counted as busy time, each with one hop latency: no overlap with
     compute is assumed."""
@@ -512,7 +513,7 @@ def vocab_messages_s(options: ProjectionOptions, mbs: int) -> VocabMessages:
     if n == 1:
         return VocabMessages()
     bandwidth, latency = options.p2p_bandwidth_gbs * 1e9, options.p2p_latency_us * 1e-6
-    forward_bytes = tokens * (hidden + 1) * 4 + tokens * (3 + 2 * hidden) * 4
+    forward_bytes = tokens * (2 * hidden + 4) + tokens * (3 * 4 + 2 * hidden * 2)
     backward_bytes = 3 * tokens * 4
     embed_bytes = tokens * hidden * 2
     every = (

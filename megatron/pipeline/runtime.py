@@ -462,7 +462,7 @@ class RankRuntime:
                     else:
                         for_loss, last_loss_func = _hidden_for_loss(output), loss_func
                         for outbox in self.vocab_streams.hidden_out:
-                            outbox.send(hidden_message(for_loss))
+                            outbox.send(hidden_message(for_loss, self.dtype))
                 if self.vocab_streams is not None:
                     self._score_without_gradient()
                     if self.context.is_last:
@@ -763,7 +763,7 @@ class RankRuntime:
                              saved[0], tokens)  # fmt: skip
         if for_loss is not None:
             inflight.loss_func, inflight.for_loss = loss_func, for_loss
-            message = hidden_message(for_loss)
+            message = hidden_message(for_loss, self.dtype)
             for outbox in self.vocab_streams.hidden_out:  # every rank's shard scores it
                 self._timed_send(outbox, message)
         lane.inflight.append(inflight)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .p2p import Outbox, make_inbox
+from .vocab_parallel import carried_words
 
 
 @dataclass(frozen=True)
@@ -141,11 +142,13 @@ class VocabLinks:
     embed_group: object = None
 
 
-def vocab_message_sizes(tokens: int, hidden_size: int) -> dict[str, int]:
-    """Elements of each vocabulary message (`pipeline.vocab_parallel`), fp32."""
+def vocab_message_sizes(tokens: int, hidden_size: int, dtype=torch.float32) -> dict[str, int]:
+    """Elements of each vocabulary message (`pipeline.vocab_parallel`): the hidden state and the
+    shards' outputs in `dtype` (fp32 values carried in it), the statistics in fp32."""
+    words = carried_words(dtype)
     return {
-        "hidden": tokens * (hidden_size + 1),
-        "shard": tokens * (3 + 2 * hidden_size),
+        "hidden": tokens * (hidden_size + words),
+        "shard": tokens * (3 * words + 2 * hidden_size),
         "stats": 3 * tokens,
     }
 
@@ -189,17 +192,18 @@ class DistributedTransport:
     def open_vocab(
         self, stage, num_stages, arrivals, *, tokens, hidden_size, embed_elements=None
     ) -> VocabStreams:
-        """The output shard's streams of pipeline stage `stage` (fp32; the last stage's own
-        messages to itself through local queues); with `embed_elements`, the input
-        embedding's too (in the pipeline's dtype)."""
+        """The output shard's streams of pipeline stage `stage` (the last stage's own messages
+        to itself through local queues); with `embed_elements`, the input embedding's too. All
+        in the pipeline's dtype but the statistics (fp32)."""
         links = self.vocab_links
         if links is None:
             raise RuntimeError("a split vocabulary needs the transport's vocab_links")
-        sizes, ranks = vocab_message_sizes(tokens, hidden_size), links.pipeline_ranks
+        sizes = vocab_message_sizes(tokens, hidden_size, self.dtype)
+        ranks = links.pipeline_ranks
         last = ranks[num_stages - 1]
 
         sizes.update(embed=embed_elements, embed_grad=embed_elements)
-        dtypes = {"embed": self.dtype, "embed_grad": self.dtype}
+        dtypes = dict.fromkeys(("hidden", "shard", "embed", "embed_grad"), self.dtype)
 
         def inbox(stream, peer, group):
             if peer == self.rank:

@@ -22,8 +22,12 @@ stage sends back after its backward (`shard_weight_gradient`, the VB pass):
 
     dW_v += sum_t g_t (exp(l_pv - m_p) exp(m_p - M) / S - [v = y_t]) h_t
 
-Everything is computed in fp32 whatever the model's dtype. Messages are flat fp32 tensors
-(labels travel as exact fp32 integers, so vocabularies up to 2**24).
+Everything is computed in fp32 whatever the model's dtype. Messages are flat tensors in the
+pipeline's dtype (the model's): the hidden state and the gradient parts A_p, B_p in it, the
+labels and the statistics as fp32 values whose bits ride in it unchanged (`_carried`), so a
+bf16 run sends half of an fp32 one's bytes and loses nothing the hidden state had. Labels
+travel as exact fp32 integers, so vocabularies up to 2**24. The statistics sent back
+(LOGIT_STATS) are small and stay fp32.
 
 The input embedding split the same way (`InputShard`) needs no statistics: a token's row is
 on exactly one rank, so the first stage's input is the sum of every rank's lookup (zero rows
@@ -139,22 +143,42 @@ class HiddenForLoss:
 
 
 # ------------------------------------------------------------------------------ messages
-def hidden_message(output: HiddenForLoss) -> torch.Tensor:
-    """HIDDEN: the hidden state and the labels, flat fp32."""
-    hidden = output.hidden.detach().float().reshape(-1)
-    return torch.cat([hidden, output.labels.reshape(-1).float()])
+def carried_words(dtype: torch.dtype) -> int:
+    """Elements of `dtype` that carry one fp32 value's bits (2 for bf16 and fp16)."""
+    return 4 // torch.empty((), dtype=dtype).element_size()
+
+
+def _carried(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 `values` as elements of `dtype`, bit for bit (a view, no rounding)."""
+    return values.float().contiguous().reshape(-1).view(dtype)
+
+
+def _uncarried(words: torch.Tensor) -> torch.Tensor:
+    return words.contiguous().view(torch.float32)
+
+
+def hidden_message(output: HiddenForLoss, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """HIDDEN: the hidden state in `dtype` and the labels (exact fp32 integers) carried in it."""
+    hidden = output.hidden.detach().to(dtype).reshape(-1)
+    return torch.cat([hidden, _carried(output.labels.reshape(-1), dtype)])
 
 
 def read_hidden(message: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = message.numel() // (hidden_size + 1)
+    tokens = message.numel() // (hidden_size + carried_words(message.dtype))
     hidden = message[: tokens * hidden_size].view(tokens, hidden_size)
-    return hidden, message[tokens * hidden_size :].round().long()
+    return hidden, _uncarried(message[tokens * hidden_size :]).round().long()
 
 
 def _split(message: torch.Tensor, tokens: int, hidden_size: int) -> list[torch.Tensor]:
-    """SHARD_OUTPUT: m_p, s_p, t_p (T each), A_p, B_p (T x hidden each)."""
-    parts = message.split([tokens, tokens, tokens, tokens * hidden_size, tokens * hidden_size])
-    return [*parts[:3], parts[3].view(tokens, hidden_size), parts[4].view(tokens, hidden_size)]
+    """SHARD_OUTPUT: m_p, s_p, t_p (T each, fp32 carried), A_p, B_p (T x hidden each)."""
+    stats = 3 * tokens * carried_words(message.dtype)
+    gradient = tokens * hidden_size
+    carried, softmax_part, target_part = message.split([stats, gradient, gradient])
+    return [
+        *_uncarried(carried).split(tokens),
+        softmax_part.float().view(tokens, hidden_size),
+        target_part.float().view(tokens, hidden_size),
+    ]
 
 
 # ------------------------------------------------------------------------------ VF
@@ -172,7 +196,8 @@ class ShardScore:
 def score_shard(
     hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, start: int
 ) -> tuple[ShardScore, torch.Tensor]:
-    """VF: the shard's logits of `hidden` ([T, hidden], fp32) and its SHARD_OUTPUT message."""
+    """VF: the shard's logits of `hidden` ([T, hidden]) and its SHARD_OUTPUT message, in the
+    hidden state's dtype."""
     logits = hidden.to(weight.dtype) @ weight.t()
     with torch.no_grad():
         values, w = logits.float(), weight.float()
@@ -184,10 +209,10 @@ def score_shard(
         target_logit = values.gather(1, local_targets[:, None])[:, 0] * in_shard
         softmax_part = exp_logits @ w
         target_part = w[local_targets] * in_shard[:, None]
-        message = torch.cat(
-            [local_max, exp_logits.sum(dim=1), target_logit,
-             softmax_part.reshape(-1), target_part.reshape(-1)]
-        )  # fmt: skip
+        stats = torch.cat([local_max, exp_logits.sum(dim=1), target_logit])
+        dtype = hidden.dtype
+        message = torch.cat([_carried(stats, dtype), softmax_part.to(dtype).reshape(-1),
+                             target_part.to(dtype).reshape(-1)])  # fmt: skip
     score = ShardScore(logits, exp_logits, local_max, local_targets, in_shard)
     return score, message
 
@@ -207,7 +232,7 @@ def combine_shards(messages: list[torch.Tensor], hidden_size: int, group=None) -
     """The shards' messages combined. With tensor parallelism (`group`: the last stage's
     tensor-parallel group) each rank of the group holds the messages of its own column of
     shards; two all-reduces over the group (the max, then the rescaled sums) complete them."""
-    tokens = messages[0].numel() // (3 + 2 * hidden_size)
+    tokens = messages[0].numel() // (3 * carried_words(messages[0].dtype) + 2 * hidden_size)
     parts = [_split(message, tokens, hidden_size) for message in messages]
     local_max = torch.stack([p[0] for p in parts])  # [shards, T]
     global_max = local_max.max(dim=0).values

@@ -112,12 +112,12 @@ def test_gpt2_medium_on_8_stages_takes_3_layers_per_rank_with_the_vocabulary_spl
     assert balanced_split(layers, 8, 8) != [3] * 8  # the output layer whole: uneven
     messages = projection.vocab_messages_s(args, 4)
     assert balanced_split(partition_vocabulary(layers, 8, messages), 8, 8) == [3] * 8
-    # closed form, the runtime's messages: the output layer's in fp32 (the hidden state and
-    # labels in, the shard's output out in the forward, the statistics in in the backward),
-    # the input embedding's in bf16 (the part out, its gradient in); the last and the first
+    # closed form, the runtime's messages in bf16 with fp32 labels and statistics: the hidden
+    # state and labels in, the shard's output out in the forward, the statistics in in the
+    # backward; the input embedding's part out and its gradient in; the last and the first
     # rank 6 more of theirs
     tokens, hidden = 4 * 1024, 1024
-    forward_bytes = tokens * (hidden + 1) * 4 + tokens * (3 + 2 * hidden) * 4
+    forward_bytes = tokens * (2 * hidden + 4) + tokens * (12 + 4 * hidden)
     embed_bytes = tokens * hidden * 2
     assert messages.every == pytest.approx(
         (3 * 20e-6 + (forward_bytes + embed_bytes) / 400e9,

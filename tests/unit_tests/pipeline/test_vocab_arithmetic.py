@@ -9,12 +9,14 @@ import torch.nn.functional as F
 from megatron.pipeline import vocab_parallel as vp
 
 
-def _split_run(hidden, labels, weight, shards, mask):
+def _split_run(hidden, labels, weight, shards, mask, dtype=torch.float32):
     hidden = hidden.clone().requires_grad_(True)
     parts = [weight[a:b].detach().clone().requires_grad_(True)
              for a, b in vp.shard_ranges(weight.shape[0], shards)]  # fmt: skip
     output = vp.HiddenForLoss(hidden, labels)
-    received_hidden, received_labels = vp.read_hidden(vp.hidden_message(output), hidden.shape[-1])
+    message = vp.hidden_message(output, dtype)
+    assert message.dtype == dtype
+    received_hidden, received_labels = vp.read_hidden(message, hidden.shape[-1])
     starts = [a for a, _ in vp.shard_ranges(weight.shape[0], shards)]
     scores = [vp.score_shard(received_hidden, received_labels, w, a)
               for w, a in zip(parts, starts)]  # fmt: skip
@@ -47,6 +49,29 @@ def test_split_equals_the_whole_vocabulary(shards):
     torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(hidden_grad, h.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(weight_grad, w.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_messages_in_the_models_dtype(dtype):
+    """A bf16 (fp16) run's messages: half an fp32 one's elements' bytes, the labels and the
+    statistics carried bit for bit, the result as the whole vocabulary's on the same rounded
+    hidden state within the dtype's rounding of the gradient parts."""
+    torch.manual_seed(3)
+    tokens, hidden_size, vocab = 24, 16, 4096  # labels beyond bf16's exact integers (256)
+    hidden = (torch.randn(2, tokens // 2, hidden_size) * 0.3).to(dtype).float()
+    weight = torch.randn(vocab, hidden_size) * 0.3
+    labels = torch.randint(0, vocab, (2, tokens // 2))
+    output = vp.HiddenForLoss(hidden, labels)
+    message = vp.hidden_message(output, dtype)
+    assert message.numel() == tokens * (hidden_size + 2)
+    _, received = vp.read_hidden(message, hidden_size)
+    assert torch.equal(received, labels.view(-1))
+    mask = torch.ones(2, tokens // 2)
+    fp32 = _split_run(hidden, labels, weight, 4, mask)
+    low = _split_run(hidden, labels, weight, 4, mask, dtype)
+    torch.testing.assert_close(low[0], fp32[0], atol=1e-4, rtol=1e-4)  # the statistics: exact
+    torch.testing.assert_close(low[2], fp32[2], atol=2e-3, rtol=2e-2)  # A_p, B_p rounded
+    torch.testing.assert_close(low[3], fp32[3], atol=1e-6, rtol=1e-4)
 
 
 def test_large_logits_do_not_overflow():
