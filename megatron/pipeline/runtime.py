@@ -57,6 +57,7 @@ from .vocab_parallel import (
 from .weight_stash import WeightStash
 
 _ACTION_CODES = list(ActionKind)
+_MAX_SLOT_PASSES = 4  # passes one shared decision carries (DualPipeV's F & B, each with its W)
 
 
 @dataclass
@@ -261,8 +262,6 @@ class RankRuntime:
 
     def _open_vocab(self, transport):
         """The output shard's streams (a vocabulary split over the ranks)."""
-        if self.placement is not None:
-            raise ValueError("a split vocabulary runs with one model chunk per rank")
         shard, context, rows = self.output_shard, self.context, self.input_shard
         return transport.open_vocab(
             context.stage,
@@ -271,7 +270,15 @@ class RankRuntime:
             tokens=shard.tokens or math.prod(self.tensor_shape[:-1]),
             hidden_size=shard.hidden_size,
             embed_elements=None if rows is None else rows.message_elements + self._scale_size,
+            last_stage=self._last_stage_rank,
         )
+
+    @property
+    def _last_stage_rank(self) -> int:
+        """The pipeline rank that holds the last virtual stage (the V placement's: rank 0)."""
+        if self.placement is None:
+            return self.context.num_stages - 1
+        return self.placement.locate(self.placement.num_virtual_stages - 1)[0]
 
     @property
     def inflight_microbatches(self) -> int:
@@ -418,7 +425,12 @@ class RankRuntime:
             inbox.expect_total(evaluated + chunk.backward_target)
         if streams.embed_out is not None:  # parts as far as the first stage forwards
             streams.embed_grad_in.expect_total(chunk.backward_target)
-            first = min(forward_limit, chunk.backward_target + self.context.num_stages)
+            ahead, lookahead = self.context.num_stages, self.schedule.chunk_lookahead
+            if lookahead is not None:  # the first virtual stage's
+                ahead = lookahead(0, 0, self.placement, chunk.microbatches_per_step)
+            elif self.placement is not None:  # a virtual-stage flush: up to the limit
+                ahead = forward_limit
+            first = min(forward_limit, chunk.backward_target + ahead)
             for inbox in streams.embed_in:
                 inbox.expect_total(evaluated + first)
 
@@ -444,16 +456,20 @@ class RankRuntime:
         in_order = sorted(self.lanes, key=lambda lane: lane.virtual_stage)
         with torch.no_grad():
             for _ in range(num_microbatches):
-                data = data_iterator
+                reader = None
                 if self.input_shard is not None:  # every rank's part of the first input
-                    data = _ReadAhead(data_iterator, keep=self._reads_data)
-                    self._look_up(data)
+                    reading = _data_of(data_iterator, self._reading_lane)
+                    reader = _ReadAhead(reading, keep=self._reads_data)
+                    self._look_up(reader)
                 for lane in in_order:
                     input_tensor = None if lane.is_first else self._receive_activation(lane)
                     if lane.is_first and self.input_shard is not None:
                         self._set_input_embedding(lane, self._embedding_input())
+                    data = _data_of(data_iterator, lane)
+                    if reader is not None and lane is self._reading_lane:
+                        data = reader
                     output, loss_func = self._call_forward_step(
-                        lane, forward_step_func, _data_of(data, lane), input_tensor
+                        lane, forward_step_func, data, input_tensor
                     )
                     if not lane.is_last:
                         self._send_activation(lane, output)
@@ -465,7 +481,7 @@ class RankRuntime:
                             outbox.send(hidden_message(for_loss, self.dtype))
                 if self.vocab_streams is not None:
                     self._score_without_gradient()
-                    if self.context.is_last:
+                    if self.context.stage == self._last_stage_rank:
                         outputs.append(
                             _loss_dict(last_loss_func(self._losses_from_shards(for_loss)))
                         )
@@ -556,17 +572,30 @@ class RankRuntime:
 
     def _share_decision(self, action: Action) -> None:
         """A reacting schedule's decision, from the first tensor-parallel rank to the others:
-        kind, microbatch and chunk (reacting schedules run no passes together)."""
-        microbatch = -1 if action.microbatch is None else action.microbatch
-        chunk = -1 if action.chunk is None else action.chunk
-        message = torch.tensor([_ACTION_CODES.index(action.kind), microbatch, chunk])
+        kind, microbatch and chunk of each pass of the slot (a static schedule wrapped with
+        the vocabulary passes, DualPipeV, runs passes together)."""
+        passes = action.passes
+        if len(passes) > _MAX_SLOT_PASSES:
+            raise RuntimeError(f"{action}: more than {_MAX_SLOT_PASSES} passes in one slot")
+        codes = [-1] * (3 * _MAX_SLOT_PASSES)
+        for index, part in enumerate(passes):
+            microbatch = -1 if part.microbatch is None else part.microbatch
+            chunk = -1 if part.chunk is None else part.chunk
+            codes[3 * index : 3 * index + 3] = [_ACTION_CODES.index(part.kind), microbatch, chunk]
+        message = torch.tensor(codes)
         dist.broadcast(message, src=self.context.decision_leader, group=self.context.decision_group)
 
     def _receive_decision(self) -> Action:
-        message = torch.empty(3, dtype=torch.int64)
+        message = torch.empty(3 * _MAX_SLOT_PASSES, dtype=torch.int64)
         dist.broadcast(message, src=self.context.decision_leader, group=self.context.decision_group)
-        kind, microbatch, chunk = (_ACTION_CODES[int(message[0])], int(message[1]), int(message[2]))
-        return Action(kind, None if microbatch < 0 else microbatch, None if chunk < 0 else chunk)
+        passes = []
+        for code, microbatch, chunk in message.view(-1, 3).tolist():
+            if code < 0:
+                break
+            passes.append(Action(_ACTION_CODES[code], None if microbatch < 0 else microbatch,
+                                 None if chunk < 0 else chunk))  # fmt: skip
+        first, *together = passes
+        return Action(first.kind, first.microbatch, first.chunk, tuple(together))
 
     # ---------------------------------------------------------------- doing
     def _execute(self, action: Action, work: "_CallWork") -> None:
@@ -609,7 +638,9 @@ class RankRuntime:
         stashing on the version the rank forwarded the microbatch on."""
         shard, streams = self.output_shard, self.vocab_streams
         hidden, labels = read_hidden(self._take(streams.hidden_in), shard.hidden_size)
-        version = self.state.chunks[0].forward_versions[self.state.vocab_forwards]
+        version = self.state.steps  # a stashing schedule (one chunk): the forward's version
+        if self.stash is not None:
+            version = self.state.chunks[0].forward_versions[self.state.vocab_forwards]
         compute_start = time.perf_counter()
         with self._on_weights(version) as redirection, self.meter.measure(redirection):
             score, message = shard.score(hidden, labels)
@@ -631,7 +662,7 @@ class RankRuntime:
         the first stage; the batch is kept for this rank's own forward if it reads the data."""
         if self.read_ahead is None:
             self.read_ahead = _ReadAhead(keep=self._reads_data)
-        self.read_ahead.source = _data_of(work.data_iterator, self.lanes[0])
+        self.read_ahead.source = _data_of(work.data_iterator, self._reading_lane)
         self.embed_lookups.append(self._look_up(self.read_ahead))
         self.state.record_embed_forward()
 
@@ -661,8 +692,19 @@ class RankRuntime:
 
     @property
     def _reads_data(self) -> bool:
-        """Whether this rank's forward reads the microbatch (the first or the last stage)."""
-        return self.lanes[0].is_first or self.lanes[0].is_last
+        """Whether a forward of this rank reads the microbatch (the first or the last stage)."""
+        lane = self._reading_lane
+        return lane.is_first or lane.is_last
+
+    @property
+    def _reading_lane(self) -> "_Lane":
+        """The lane whose data EF reads: the first virtual stage's (the tokens' reader), else
+        the last's, else any: the rank's own forward of that lane then takes the batch."""
+        for wanted in ("is_first", "is_last"):
+            for lane in self.lanes:
+                if getattr(lane, wanted):
+                    return lane
+        return self.lanes[0]
 
     @property
     def _scale_size(self) -> int:
@@ -741,7 +783,9 @@ class RankRuntime:
         version = self._forward_version()
         compute_start = time.perf_counter()
         with self._on_weights(version) as redirection, self.meter.measure(redirection) as saved:
-            data = work.data_iterator if self.input_shard is None else self.read_ahead
+            data = work.data_iterator
+            if self.input_shard is not None and lane is self._reading_lane:
+                data = self.read_ahead
             output, loss_func = self._call_forward_step(
                 lane, work.forward_step_func, _data_of(data, lane), input_tensor
             )

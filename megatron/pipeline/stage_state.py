@@ -392,7 +392,19 @@ class RankState:
             backwards_at_m=first.backwards_at_m * v,
             steps_at_m=first.steps_at_m,
             chunks=views,
+            **self._vocabulary_view(vocab_ready),
         )
+
+    def _vocabulary_view(self, ready) -> dict:
+        """The rank's vocabulary passes (counted on chunk 0) and their inputs' arrivals."""
+        hidden_ready, stats_ready, embed_grad_ready = ready
+        first = self.chunks[0]
+        return dict(
+            vocab_forwards=first.vocab_forwards, vocab_backwards=first.vocab_backwards,
+            hidden_ready=hidden_ready, stats_ready=stats_ready,
+            embed_forwards=first.embed_forwards, embed_backwards=first.embed_backwards,
+            embed_grad_ready=embed_grad_ready,
+        )  # fmt: skip
 
     def chunk_of(self, action: Action) -> int:
         """The chunk index an action runs on (0 without virtual stages)."""

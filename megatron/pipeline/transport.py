@@ -190,17 +190,20 @@ class DistributedTransport:
         self._loopbacks: dict[tuple[str, int], QueueInbox] = {}  # (stream, receiving lane)
 
     def open_vocab(
-        self, stage, num_stages, arrivals, *, tokens, hidden_size, embed_elements=None
-    ) -> VocabStreams:
+        self, stage, num_stages, arrivals, *, tokens, hidden_size, embed_elements=None,
+        last_stage=None,
+    ) -> VocabStreams:  # fmt: skip
         """The output shard's streams of pipeline stage `stage` (the last stage's own messages
         to itself through local queues); with `embed_elements`, the input embedding's too. All
-        in the pipeline's dtype but the statistics (fp32)."""
+        in the pipeline's dtype but the statistics (fp32). `last_stage`: the pipeline rank of
+        the last virtual stage (default the last; the V placement's is rank 0)."""
         links = self.vocab_links
         if links is None:
             raise RuntimeError("a split vocabulary needs the transport's vocab_links")
         sizes = vocab_message_sizes(tokens, hidden_size, self.dtype)
         ranks = links.pipeline_ranks
-        last = ranks[num_stages - 1]
+        last_stage = num_stages - 1 if last_stage is None else last_stage
+        last = ranks[last_stage]
 
         sizes.update(embed=embed_elements, embed_grad=embed_elements)
         dtypes = dict.fromkeys(("hidden", "shard", "embed", "embed_grad"), self.dtype)
@@ -222,7 +225,7 @@ class DistributedTransport:
             stats_in=inbox("stats", last, links.stats_group),
             shard_out=outbox("shard", last, links.hidden_group),
         )
-        if stage == num_stages - 1:
+        if stage == last_stage:
             streams.hidden_out = [outbox("hidden", r, links.hidden_group) for r in ranks]
             streams.stats_out = [outbox("stats", r, links.stats_group) for r in ranks]
             streams.shard_in = [inbox("shard", r, links.hidden_group) for r in ranks]
@@ -328,11 +331,12 @@ class InProcessTransport:
         return self._queues.setdefault((stream, receiving_stage), QueueInbox())
 
     def vocab_streams(
-        self, rank: int, num_ranks: int, arrivals, *, embed_elements=None, **sizes
-    ) -> VocabStreams:
+        self, rank: int, num_ranks: int, arrivals, *, embed_elements=None, last_stage=None,
+        **sizes,
+    ) -> VocabStreams:  # fmt: skip
         """Rank `rank`'s output-shard streams (shard outputs are queued by sender), and its
         input embedding's with `embed_elements` (parts queued by sender)."""
-        last = num_ranks - 1
+        last = num_ranks - 1 if last_stage is None else last_stage
         streams = VocabStreams(
             hidden_in=self.queue("hidden", rank),
             stats_in=self.queue("stats", rank),

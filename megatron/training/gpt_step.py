@@ -80,10 +80,19 @@ def run_model(model, tokens, position_ids, attention_mask, labels):
     over the ranks (--enable-vocab-parallel) its hidden state ([b, s, h]) and the labels, which
     go to every rank's output shard (the runtime hands the loss function the per-token losses
     the shards make)."""
-    if model.post_process and hasattr(model, "output_shard"):
+    if model.post_process and passes_hidden_state(model):
         hidden = model(tokens, position_ids, attention_mask, labels=None)
         return HiddenForLoss(hidden, labels)
     return model(tokens, position_ids, attention_mask, labels=labels)
+
+
+def passes_hidden_state(model) -> bool:
+    """Whether the model's last stage hands its hidden state to the vocabulary shards instead
+    of an output layer of its own (--enable-vocab-parallel)."""
+    output_layer = getattr(model, "output_layer", None)
+    return getattr(model, "splits_vocabulary", False) or getattr(
+        output_layer, "passes_hidden_state", False
+    )
 
 
 def forward_step(data_iterator, model):

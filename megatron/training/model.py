@@ -438,6 +438,8 @@ class HiddenStateOutput(torch.nn.Module):
     first; every tensor-parallel rank then gets the whole hidden state's gradient (the shards'
     combination is the same on each), so the backward keeps this rank's part of it."""
 
+    passes_hidden_state = True  # gpt_step.run_model: the stage's output is its hidden state
+
     def __init__(self, sequence_parallel: bool = False):
         super().__init__()
         self.sequence_parallel = sequence_parallel
@@ -770,23 +772,24 @@ def _split_vocabulary(model: GPTModel, layout: StageLayout, vocab_size: int, con
     """--enable-vocab-parallel: no output layer on the last stage, a shard on every rank of
     every stage: shard p * TP + t on pipeline rank p, tensor rank t. With `split_input` the
     same rows of the input embedding too (`input_shard`; with `tied` embeddings the output
-    shard itself), and the first stage takes its input from the runtime."""
+    shard itself), and the first stage takes its input from the runtime. With virtual stages
+    the rank's first chunk holds its rows (one shard per rank)."""
     if layout.is_last:
         model.output_layer = HiddenStateOutput(config.sequence_parallel)
+    if layout.is_first and split_input:
+        embedding = model.embedding
+        embedding.word_embeddings = ReceivedWordEmbeddings(embedding.reduce_scatter_embeddings)
+    if layout.chunk != 0:  # with virtual stages the rank's first chunk holds its rows
+        return
     shards = layout.pipeline_size * layout.tensor_size
     index = layout.pipeline_rank * layout.tensor_size + layout.tensor_rank
     rows, hidden = vocab_size // shards, config.hidden_size
     start, end = index * rows, (index + 1) * rows
     model.output_shard = VocabularyShardModule(start, end, vocab_size, hidden, (index, shards),
                                                EMBEDDING_WEIGHT if tied else OUTPUT_WEIGHT)  # fmt: skip
-    if not split_input:
-        return
-    if not tied:
+    if split_input and not tied:
         model.input_shard = VocabularyShardModule(start, end, vocab_size, hidden,
                                                   (index, shards), EMBEDDING_WEIGHT)  # fmt: skip
-    if layout.is_first:
-        embedding = model.embedding
-        embedding.word_embeddings = ReceivedWordEmbeddings(embedding.reduce_scatter_embeddings)
 
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -277,10 +277,12 @@ def build_stage_model(config, device: torch.device) -> torch.nn.Module:
             )
             for c in range(chunks_per_rank)
         ]  # fmt: skip
-        if pipeline.enable_vocab_parallel:
+        if pipeline.enable_vocab_parallel:  # the rank's rows on its first chunk
             rows = config.model.padded_vocab_size // config.parallel.pipeline_model_parallel_size
             chunks[0].split_vocabulary(rank * rows, rows, pipeline.emulated_vocab_forward_ms,
                                        pipeline.emulated_vocab_backward_ms)  # fmt: skip
+            for chunk in chunks[1:]:
+                chunk.splits_vocabulary = True
         return chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
     transformer = transformer_config(config, device)
     layout = stage_layout(config)
@@ -591,24 +593,21 @@ def _build_stage_runtime(config, model, device) -> RankRuntime:
         config.parallel.context_parallel_size > 1 or config.parallel.expert_model_parallel_size > 1
     )
     context = build_pipeline_context(device, decide_per_stage=per_stage)
-    placement, transport, output_shard, input_shard = plan.placement, None, None, None
-    if plan.schedule.vocab_passes:  # the output layer's rows of this rank, and their streams
+    placement, output_shard, input_shard, vocab_links = plan.placement, None, None, None
+    if plan.schedule.vocab_passes:  # the vocabulary rows of this rank, and their streams
         batch_shape = (config.training.micro_batch_size, config.model.seq_length)
-        output_shard = model.output_shard.runtime_shard(math.prod(batch_shape))
+        holder = getattr(model, "chunks", [model])[0]  # the rank's first chunk holds them
+        output_shard = holder.output_shard.runtime_shard(math.prod(batch_shape))
         if plan.schedule.embedding_passes:  # the input embedding's rows (tied: the same)
-            rows = getattr(model, "input_shard", model.output_shard)
+            rows = getattr(holder, "input_shard", holder.output_shard)
             input_shard = rows.runtime_input_shard(batch_shape)
-        transport = DistributedTransport(
-            rank=dist.get_rank(), links=plain_links(context), backend=context.backend,
-            device=device, dtype=dtype, max_pending=2 * context.num_stages + 2,
-            vocab_links=build_vocab_links(),
-        )  # fmt: skip
-    if placement is not None:  # several chunks per rank: a stream per chunk and neighbour
-        transport = DistributedTransport(
-            rank=dist.get_rank(), links=build_lane_links(placement), backend=context.backend,
-            device=device, dtype=dtype,
-            max_pending=placement.chunks_per_rank * (2 * context.num_stages + 2),
-        )  # fmt: skip
+        vocab_links = build_vocab_links()
+    chunks = 1 if placement is None else placement.chunks_per_rank
+    transport = DistributedTransport(
+        rank=dist.get_rank(), backend=context.backend, device=device, dtype=dtype,
+        links=plain_links(context) if placement is None else build_lane_links(placement),
+        max_pending=chunks * (2 * context.num_stages + 2), vocab_links=vocab_links,
+    )  # fmt: skip
     runtime = RankRuntime(
         context,
         model,

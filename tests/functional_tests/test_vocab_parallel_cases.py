@@ -19,6 +19,9 @@ from test_gpt_cases import drift_bound
 FLUSH_EQUALS_WHOLE = [
     ("gpt_vocab_1_pp4_split_save", "gpt_pp4_1f1b"),
     ("gpt_pp4_vocab_tied_1f1b", "gpt_pp4_tied_1f1b"),  # tied: one weight per rank, both uses
+    ("gpt_pp4vp2_vocab_1f1b", "gpt_pp4vp2_1f1b"),  # virtual stages: rows on each first chunk
+    # the V: the last virtual stage on rank 0; TP 2 shares slots of passes run together
+    ("gpt_tp2pp2_vocab_dualpipev", "gpt_tp2pp2_dualpipev"),
     ("gpt_pp4_vocab_zbh1", "gpt_pp4_zbh1"),
     ("gpt_dp2pp2_vocab_1f1b", "gpt_dp2pp2_1f1b"),
     ("gpt_tp2pp2_vocab_1f1b", "gpt_tp2pp2_1f1b"),  # a shard per pipeline x tensor rank
@@ -54,6 +57,17 @@ def test_bf16_messages_keep_the_bf16_run(case_results):
     validation = [v["lm loss"] for v in split["validation"]]
     expected = [v["lm loss"] for v in whole["validation"]][: len(validation)]
     assert run_cases.relative_difference(validation, expected) <= 1e-4
+
+
+def test_paci_over_virtual_stages_with_the_split_vocabulary(case_results):
+    """PACI over virtual stages (tied): every rank scores and looks up every microbatch once,
+    its shards and rows drift (measured, reported) and the loss falls."""
+    summary = case_results["gpt_pp4vp2_vocab_paci"]
+    a = summary["num_microbatches"]
+    for report in summary["stages"]:
+        assert sum(report["shard_drift_histogram"].values()) == len(summary["loss"]) * a
+        assert sum(report["embed_drift_histogram"].values()) == len(summary["loss"]) * a
+    assert summary["loss"][-1] < summary["loss"][0]
 
 
 @pytest.mark.parametrize(

@@ -73,19 +73,38 @@ from .base import (
 )
 
 
+# With several model chunks per rank (virtual stages) the view's counters are totals over the
+# chunks; the vocabulary passes count microbatches: the rank's last chunk forwards a microbatch
+# last (then the last stage can score it), its first chunk backwards it last.
+def _forwarded(view: StageView) -> int:
+    """Microbatches through the rank's last chunk (or its only one)."""
+    return view.chunks[-1].forwards if view.chunks else view.forwards
+
+
+def _backwarded(view: StageView) -> int:
+    """Microbatches whose backward the rank has finished (its first chunk's)."""
+    return view.chunks[0].backwards if view.chunks else view.backwards
+
+
+def _per_microbatch(view: StageView, total: int) -> int:
+    """A limit or target over the chunks, as microbatches."""
+    return total // view.num_chunks if view.chunks else total
+
+
 def _input_ready(view: StageView, action: Action) -> bool:
     """Whether the schedule's action can run without blocking (its first pass's input)."""
-    if action.kind is FORWARD:
-        return view.input_ready
-    if action.kind is BACKWARD:
-        return view.grad_ready
-    return True
+    if action.kind not in (FORWARD, BACKWARD):
+        return True
+    if view.chunks:
+        chunk = view.chunks[action.chunk]
+        return chunk.input_ready if action.kind is FORWARD else chunk.grad_ready
+    return view.input_ready if action.kind is FORWARD else view.grad_ready
 
 
 def _owes_vocab_pass(view: StageView) -> bool:
     """The rank forwarded a microbatch its shard has not scored, or scored one whose weight
     gradient is still to take."""
-    return view.vocab_forwards < view.forwards or view.vocab_backwards < view.vocab_forwards
+    return view.vocab_forwards < _forwarded(view) or view.vocab_backwards < view.vocab_forwards
 
 
 def _arrived_backward_or_wait(view: StageView) -> Action:
@@ -99,9 +118,15 @@ def _arrived_backward_or_wait(view: StageView) -> Action:
 
 def embedding_lookahead(base: Schedule, view: StageView) -> int | None:
     """Rule 5: how far beyond its own backwards a rank looks its rows up: the first stage's
-    in-flight bound W0 (on N + 1 stages). The first stage forwards i only once its backward of
-    i - W0 is done, so once this rank's is: EF(i) is due by then. None: the schedule bounds
-    no window (GPipe), the rank looks up the whole call."""
+    in-flight bound W0 (on N + 1 stages; with virtual stages the first chunk's lookahead). The
+    first stage forwards i only once its backward of i - W0 is done, so once this rank's is:
+    EF(i) is due by then. None: the schedule bounds no window (GPipe, interleaved 1F1B), the
+    rank looks up the whole call."""
+    if view.chunks:
+        if base.chunk_lookahead is None:
+            return None
+        placement = base.placement(view.num_stages, view.num_chunks)
+        return base.chunk_lookahead(0, 0, placement, view.microbatches_per_step) + 1
     window = base.inflight_window or base.max_inflight
     if window is None:
         return None
@@ -109,12 +134,12 @@ def embedding_lookahead(base: Schedule, view: StageView) -> int | None:
 
 
 def _embedding_due(base: Schedule, view: StageView) -> bool:
-    limit = view.forward_limit
+    limit = _per_microbatch(view, view.forward_limit)
     if base.flushes_every_call:  # never a microbatch of the next step before this step's step
-        limit = min(limit, view.backward_target)
+        limit = min(limit, _per_microbatch(view, view.backward_target))
     lookahead = embedding_lookahead(base, view)
     if lookahead is not None:
-        limit = min(limit, view.backwards + lookahead)
+        limit = min(limit, _backwarded(view) + lookahead)
     return view.embed_forwards < limit
 
 
@@ -127,9 +152,10 @@ def _drained(base: Schedule, view: StageView) -> bool:
 
 def _owed_before_step(base: Schedule, view: StageView, split_input: bool) -> bool:
     """Rules 4 and 6: what a step (or the end of a drained call) must take first."""
-    if view.vocab_backwards < view.backwards or view.embed_grad_ready:
+    if view.vocab_backwards < _backwarded(view) or view.embed_grad_ready:
         return True
-    return split_input and _drained(base, view) and view.embed_backwards < view.forwards
+    owed = view.embed_backwards < _forwarded(view)
+    return split_input and _drained(base, view) and owed
 
 
 def next_action(base: Schedule, view: StageView, split_input: bool = False) -> Action:
@@ -137,13 +163,15 @@ def next_action(base: Schedule, view: StageView, split_input: bool = False) -> A
         return Action(VOCAB_FORWARD, view.vocab_forwards)
     if split_input and _embedding_due(base, view):  # rule 5
         return Action(EMBED_FORWARD, view.embed_forwards)
-    action = base.next_action(dataclasses.replace(view, num_stages=view.num_stages + 1))
+    # rule 1, with one chunk per rank (a virtual-stage table is defined on its own ranks)
+    deeper = view if view.chunks else dataclasses.replace(view, num_stages=view.num_stages + 1)
+    action = base.next_action(deeper)
     if action.kind is STEP and _owed_before_step(base, view, split_input):  # rules 4 and 6
         return _arrived_backward_or_wait(view)
     if action.kind is DONE:
+        forwarded = _forwarded(view)
         if _drained(base, view) and (
-            view.vocab_backwards < view.forwards
-            or (split_input and view.embed_backwards < view.forwards)
+            view.vocab_backwards < forwarded or (split_input and view.embed_backwards < forwarded)
         ):
             return _arrived_backward_or_wait(view)
         return action
@@ -168,10 +196,19 @@ def splits_input(schedule: Schedule) -> bool:
     return not schedule.stashes_weights
 
 
+def _one_stage_deeper(schedule: Schedule) -> dict:
+    """Rule 1's facts of a one-chunk schedule: its windows and bounds on N + 1 stages."""
+    return dict(
+        inflight_window=_deeper(schedule.inflight_window),
+        drift_bound=_deeper(schedule.drift_bound),
+        max_inflight=_deeper(schedule.max_inflight),
+        # 2BW's m >= N - 1 (a batch covers the window) becomes m >= N
+        min_microbatches_per_step=lambda stages: schedule.min_microbatches_per_step(stages + 1),
+    )
+
+
 def cannot_take(schedule: Schedule, split_input: bool = False) -> str | None:
     """Why `schedule` cannot place the vocabulary passes yet (None: it can)."""
-    if schedule.placement is not None:
-        return f"{schedule.name} runs several model chunks per rank"
     if split_input and schedule.stashes_weights:
         # an EF runs ahead of the rank's forward, before the version the forward will use
         return f"{schedule.name} stashes weights: the input embedding stays on the first stage"
@@ -196,11 +233,7 @@ def with_vocab_passes(schedule: Schedule, split_input: bool = False) -> Schedule
         depends_on_arrivals=True,  # where a VF goes depends on when the hidden state arrives
         description=schedule.description + f"; {what} split by vocabulary over the ranks",
         fixed_order=None if fixed is None else with_vocab_passes(fixed, split_input),
-        inflight_window=_deeper(schedule.inflight_window),
-        drift_bound=_deeper(schedule.drift_bound),
-        max_inflight=_deeper(schedule.max_inflight),
-        # 2BW's m >= N - 1 (a batch covers the window) becomes m >= N
-        min_microbatches_per_step=lambda stages: schedule.min_microbatches_per_step(stages + 1),
+        **(_one_stage_deeper(schedule) if schedule.placement is None else {}),
         vocab_passes=True,
         embedding_passes=split_input,
     )

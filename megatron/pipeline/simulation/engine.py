@@ -154,8 +154,10 @@ class _Simulator:
         self.forward_cost, self.backward_cost, self.wgrad_cost, self.step_cost = costs
         self.latency = p2p_latency
         self.stages = [_Stage(self._new_state(s)) for s in range(self.n)]
-        self.stages[-1].from_rank[_SHARD] = [0] * self.n
-        self.stages[0].from_rank[_EMBED] = [0] * self.n
+        # the rank of the last virtual stage takes the shards' outputs, of the first the parts
+        last_rank, _ = placement.locate(self.last_virtual_stage)
+        self.stages[last_rank].from_rank[_SHARD] = [0] * self.n
+        self.stages[placement.locate(0)[0]].from_rank[_EMBED] = [0] * self.n
         self.events: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.now = 0.0

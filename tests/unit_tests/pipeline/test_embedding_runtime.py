@@ -10,6 +10,7 @@ runs once and the embedding rows' drift stays within the stated bound."""
 import itertools
 
 import pytest
+import test_vocab_runtime as vocab_runtime
 import torch
 import torch.nn.functional as F
 from test_runtime_state import in_process_context, run_threads
@@ -101,39 +102,39 @@ def reference(n: int, m: int, steps: int, tied: bool):
     return losses, layers, embedding.detach(), output.detach()
 
 
-def build_ranks(n: int, tied: bool):
+class Chunks(torch.nn.Module):
+    def __init__(self, chunks):
+        super().__init__()
+        self.chunks = torch.nn.ModuleList(chunks)
+
+
+def build_ranks(n: int, tied: bool, plan=None):
+    """One runtime per rank; with a `plan` over virtual stages, rank r's chunk c is the layer
+    of the virtual stage its placement gives (N x v layers in all)."""
+    placement = None if plan is None else plan.placement
+    total = n if placement is None else n * plan.chunks_per_rank
     transport, runtimes = InProcessTransport(), []
     embedding, output = whole_weights()
     for rank, (start, end) in enumerate(shard_ranges(VOCAB, n)):
         out = torch.nn.Parameter((embedding if tied else output)[start:end].clone())
         rows = out if tied else torch.nn.Parameter(embedding[start:end].clone())
+        stages = [rank] if placement is None else placement.stages_of(rank)
+        layers = [Layer(k, total) for k in stages]
         runtimes.append(RankRuntime(
-            in_process_context(rank, n), Layer(rank, n), tensor_shape=SHAPE,
-            dtype=torch.float32, transport=transport.for_rank([rank]), record_trace=True,
+            in_process_context(rank, n), layers[0] if placement is None else Chunks(layers),
+            tensor_shape=SHAPE, dtype=torch.float32, placement=placement,
+            transport=transport.for_rank(stages), record_trace=True,
             output_shard=OutputShard(out, start), input_shard=InputShard(rows, start, (BATCH, SEQ)),
         ))  # fmt: skip
     return runtimes
 
 
-def shard_parameters(runtime) -> list:
-    weights = [runtime.output_shard.weight, runtime.input_shard.weight]
-    return list({id(w): w for w in weights}.values())
-
-
 def train(runtime, schedule, m: int, steps: int, losses: dict):
-    optimizer = torch.optim.SGD([*runtime.model.parameters(), *shard_parameters(runtime)], lr=LR)
-
-    def step():
-        optimizer.step()
-        optimizer.zero_grad()
-
-    data = microbatches()
-    for k in range(steps):
-        reported = runtime.run_training(schedule, forward_step_func=forward_step,
-                                        data_iterator=data, num_microbatches=m,
-                                        optimizer_step_func=step,
-                                        microbatches_before_drain=(steps - k) * m)  # fmt: skip
-        losses.setdefault(runtime.context.stage, []).extend(float(d["lm loss"]) for d in reported)
+    data = microbatches
+    if runtime.placement is not None:  # one iterator per chunk, as Megatron passes them
+        data = lambda: [microbatches() for _ in runtime.lanes]  # noqa: E731
+    vocab_runtime.train(runtime, schedule, m, steps, losses, forward_step=forward_step,
+                        microbatches=data)  # fmt: skip
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -154,6 +155,32 @@ def test_flush_with_both_layers_split_trains_as_one_process(name, n, m, tied):
     for runtime in runtimes:  # every lookup took its gradient, in the step it was made for
         assert runtime.stats.embed_drift_histogram == {0: steps * m}
         assert not runtime.embed_lookups and not runtime.read_ahead.batches
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize(
+    "name, n, chunks, m",
+    [("1f1b", 2, 2, 4), ("1f1b", 4, 2, 4), ("zb-v", 2, 2, 4), ("dualpipe-v", 2, 2, 4)],
+)
+def test_virtual_stages_with_both_layers_split_train_as_one_process(name, n, chunks, m, tied):
+    """Interleaved 1F1B, ZB-V and DualPipeV (two chunks per rank; the V's last virtual stage on
+    rank 0): each rank's rows on its first chunk, the passes placed as with one chunk."""
+    plan = resolve_plan(name, num_stages=n, chunks_per_rank=chunks, vocab_passes=True)
+    assert plan.schedule.embedding_passes and plan.placement is not None
+    runtimes, losses, steps = build_ranks(n, tied, plan), {}, 2
+    run_threads(runtimes, lambda r: train(r, plan.schedule, m, steps, losses))
+    expected_losses, layers, embedding, output = reference(n * chunks, m, steps, tied)
+    last_rank, _ = plan.placement.locate(n * chunks - 1)
+    torch.testing.assert_close(losses[last_rank], expected_losses, rtol=1e-5, atol=1e-6)
+    for runtime in runtimes:
+        stages = plan.placement.stages_of(runtime.context.stage)
+        for chunk, stage in zip(runtime.model.chunks, stages):
+            for a, b in zip(chunk.parameters(), layers[stage].parameters()):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    rows = torch.cat([r.input_shard.weight.detach() for r in runtimes])
+    torch.testing.assert_close(rows, embedding, rtol=1e-5, atol=1e-6)
+    shards = torch.cat([r.output_shard.weight.detach() for r in runtimes])
+    torch.testing.assert_close(shards, output, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("a", [1, 2])

@@ -92,9 +92,18 @@ def build_ranks(n: int):
     return runtimes
 
 
-def train(runtime, schedule, m: int, steps: int, losses: dict):
-    params = [*runtime.model.parameters(), runtime.output_shard.weight]
-    optimizer = torch.optim.SGD(params, lr=LR)
+def shard_parameters(runtime) -> list:
+    """The rank's vocabulary rows: its output shard's, and its input embedding's if they are
+    other rows (untied)."""
+    weights = [runtime.output_shard.weight]
+    if runtime.input_shard is not None and runtime.input_shard.weight is not weights[0]:
+        weights.append(runtime.input_shard.weight)
+    return weights
+
+
+def train(runtime, schedule, m: int, steps: int, losses: dict, *, forward_step=forward_step,
+          microbatches=microbatches):  # fmt: skip
+    optimizer = torch.optim.SGD([*runtime.model.parameters(), *shard_parameters(runtime)], lr=LR)
 
     def step():
         optimizer.step()

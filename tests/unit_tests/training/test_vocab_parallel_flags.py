@@ -1,5 +1,5 @@
-"""--enable-vocab-parallel's flag checks, in process: what the split runs with (one chunk per
-rank: 1F1B, ZB-H1, PACI, 2BW, PipeDream), one line for what it cannot take yet, and the plan it
+"""--enable-vocab-parallel's flag checks, in process: what the split runs with (1F1B, ZB-H1,
+PACI, 2BW, PipeDream, and over virtual stages interleaved 1F1B, PACI, ZB-V, DualPipeV), one line for what it cannot take yet, and the plan it
 gives (the schedule places the vocabulary passes, its synchronous phase too; the input
 embedding's wherever the schedule does not stash weights)."""
 
@@ -35,15 +35,22 @@ def test_one_chunk_schedules_take_the_split(schedule):
     assert plan.synchronous.schedule.embedding_passes == plan.schedule.embedding_passes
 
 
+@pytest.mark.parametrize("extra", [
+    ["--pipeline-schedule", "dualpipe-v", "--num-layers", "8", "--global-batch-size", "16"],
+    ["--pipeline-schedule", "zb-v", "--num-layers", "8"],
+    ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1"],
+    ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1",
+     "--pipeline-schedule", "paci"],
+])  # fmt: skip
+def test_virtual_stage_schedules_take_the_split(extra):
+    plan = RunConfig.from_args(validated(extra), vocab_size=1001).pipeline.plan
+    assert plan.placement is not None
+    assert plan.schedule.vocab_passes and plan.schedule.embedding_passes
+
+
 @pytest.mark.parametrize(
     "extra, world_size, message",
     [
-        (["--pipeline-schedule", "dualpipe-v", "--num-layers", "8"], 4,
-         "with --pipeline-schedule dualpipe-v is not supported yet"),
-        (["--pipeline-schedule", "zb-v", "--num-layers", "8"], 4,
-         "zb-v runs several model chunks per rank"),
-        (["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1"], 4,
-         "interleaved-1f1b runs several model chunks per rank"),
         (["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4,
          "with --context-parallel-size > 1 is not supported yet"),
         (["--pipeline-schedule", "paci", "--deterministic-mode"], 4,
