@@ -73,6 +73,9 @@ class StageStats:
     peak_activation_bytes: int = 0
     optimizer_steps: int = 0
     busy_s: float = 0.0
+    # A vocabulary split over the ranks: time passes spent blocked on its messages (the last
+    # stage's backward on the shards' outputs, the first stage's forward on the embedding parts)
+    vocab_wait_s: float = 0.0
     wall_s: float = 0.0
     process_memory: "ProcessPeakMemory | None" = None  # from `start_memory_tracking` on
 
@@ -127,6 +130,7 @@ class StageStats:
             "optimizer_steps": self.optimizer_steps,
             **self._shard_report(),
             "busy_s": self.busy_s,
+            **({"vocab_wait_s": self.vocab_wait_s} if self.vocab_wait_s else {}),
             "wall_s": self.wall_s,
             **(self.process_memory.report() if self.process_memory is not None else {}),
         }

@@ -968,9 +968,13 @@ class RankRuntime:
     # ---------------------------------------------------------------- transfers
     def _take(self, inbox) -> torch.Tensor:
         """Next tensor of `inbox`, blocking if a static schedule asked for it before arrival."""
+        waits = not inbox.ready()
         start = time.perf_counter()
         tensor = inbox.take()
-        self._blocked_s += time.perf_counter() - start
+        blocked = time.perf_counter() - start
+        self._blocked_s += blocked
+        if waits and self.vocab_streams is not None and inbox in self.vocab_streams.inboxes():
+            self.stats.vocab_wait_s += blocked
         return tensor
 
     def _receive_activation(self, lane: _Lane) -> torch.Tensor:

@@ -155,6 +155,10 @@ def test_flush_with_both_layers_split_trains_as_one_process(name, n, m, tied):
     for runtime in runtimes:  # every lookup took its gradient, in the step it was made for
         assert runtime.stats.embed_drift_histogram == {0: steps * m}
         assert not runtime.embed_lookups and not runtime.read_ahead.batches
+        # blocked on the vocabulary's messages: only the first stage's forwards (the parts)
+        # and the last stage's backwards (the shards' outputs); part of the rank's waiting
+        assert runtime.stats.vocab_wait_s <= runtime.wait_s + 1e-9
+    assert all(r.stats.vocab_wait_s == 0.0 for r in runtimes[1:-1])
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
