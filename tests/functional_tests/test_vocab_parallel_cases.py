@@ -18,7 +18,7 @@ from test_gpt_cases import drift_bound
 # (split, whole): each split case runs the first iterations of its reference, on its schedule
 FLUSH_EQUALS_WHOLE = [
     ("gpt_vocab_1_pp4_split_save", "gpt_pp4_1f1b"),
-    ("gpt_pp4_vocab_tied_1f1b", "gpt_pp4_tied_1f1b"),  # tied: one weight per rank, both uses
+    ("gpt_vocab_5_pp4_tied_split_save", "gpt_pp4_tied_1f1b"),  # tied: one weight per rank
     ("gpt_pp4vp2_vocab_1f1b", "gpt_pp4vp2_1f1b"),  # virtual stages: rows on each first chunk
     # the V: the last virtual stage on rank 0; TP 2 shares slots of passes run together
     ("gpt_tp2pp2_vocab_dualpipev", "gpt_tp2pp2_dualpipev"),
@@ -103,16 +103,20 @@ def test_pipedream_stashes_the_shards_with_the_stage(case_results):
 
 # (saving run, run resuming it on another layout): split -> whole and whole -> split, 4 stages -> 2 stages x DP 2
 CHECKPOINTS = [
-    ("gpt_vocab_1_pp4_split_save", "gpt_vocab_2_dp2pp2_whole_load"),
-    ("gpt_vocab_3_pp4_whole_save", "gpt_vocab_4_dp2pp2_split_load"),
+    ("gpt_vocab_1_pp4_split_save", "gpt_vocab_2_dp2pp2_whole_load", "gpt_pp4_1f1b"),
+    ("gpt_vocab_3_pp4_whole_save", "gpt_vocab_4_dp2pp2_split_load", "gpt_pp4_1f1b"),
+    # tied: each rank's one weight is its rows of the embedding, as a tied model saves it
+    ("gpt_vocab_5_pp4_tied_split_save", "gpt_vocab_6_dp2pp2_tied_whole_load", "gpt_pp4_tied_1f1b"),
 ]
 
 
-@pytest.mark.parametrize("saved, resumed", CHECKPOINTS)
-def test_checkpoints_load_split_or_whole_on_another_layout(case_results, saved, resumed):
-    """The rest of the run equals the uninterrupted whole-layer run within 1e-5: the output
-    layer's rows and their Adam moments land on the right ranks either way."""
-    reference = case_results["gpt_pp4_1f1b"]["loss"]
+@pytest.mark.parametrize("saved, resumed, uninterrupted", CHECKPOINTS)
+def test_checkpoints_load_split_or_whole_on_another_layout(
+    case_results, saved, resumed, uninterrupted
+):
+    """The rest of the run equals the uninterrupted whole-layer run within 1e-5: the layers'
+    rows and their Adam moments land on the right ranks either way."""
+    reference = case_results[uninterrupted]["loss"]
     assert run_cases.relative_difference(case_results[saved]["loss"], reference[:4]) <= 1e-5
     summary = case_results[resumed]
     assert summary["iterations"] == 8 and len(summary["loss"]) == 4
