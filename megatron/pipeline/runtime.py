@@ -215,12 +215,14 @@ class RankRuntime:
         self._start_time: float | None = None
         self._arrivals = threading.Condition()
         self.lanes = self._open_lanes(transport := transport or self._default_transport())
-        # a split vocabulary: the rank's output rows, what they scored (until VB), the streams
-        self.output_shard = output_shard
+        self._hold_vocabulary(output_shard, input_shard, transport)
+
+    def _hold_vocabulary(self, output_shard, input_shard, transport) -> None:
+        """A split vocabulary: the rank's output rows and what they scored (until VB); its
+        input embedding's rows, their lookups (until EB) and the batches EF read ahead of the
+        rank's own forwards (a rank that reads the data); their streams."""
+        self.output_shard, self.input_shard = output_shard, input_shard
         self.shard_scores: collections.deque = collections.deque()
-        # the input embedding split too: the rank's rows, their lookups (until EB), the
-        # batches EF read ahead of this rank's own forwards (a rank that reads the data)
-        self.input_shard = input_shard
         self.embed_lookups: collections.deque = collections.deque()
         self.read_ahead: _ReadAhead | None = None
         self.vocab_streams = None if output_shard is None else self._open_vocab(transport)

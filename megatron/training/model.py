@@ -715,14 +715,10 @@ def build_gpt_stage(
     vocab_parallel: bool = False,
     split_input: bool = False,
 ) -> GPTModel:
-    """Build this rank's GPT stage on `device`, initialized independently of the layout. With
-    virtual stages (`layout.chunks` > 1) it is one of the rank's chunks (`chunk_layout`).
-    The RoPE variants are megatron-core's (Llama 3.1 frequency scaling, linear position
-    interpolation); `xavier_uniform`: Megatron's --init-method-xavier-uniform;
-    `built_as_other_rank`: `layout.pipeline_rank` is the rank of the interleaved placement whose
-    chunk is the same virtual stage (`v_chunk_layout`), not this rank's; `vocab_parallel`: this
-    rank's rows of the output layer in `model.output_shard`, with `split_input` of the input
-    embedding too (`_split_vocabulary`)."""
+    """This rank's GPT stage (with virtual stages one of its chunks, `chunk_layout`) on
+    `device`, initialized independently of the layout. RoPE variants: megatron-core's;
+    `built_as_other_rank`: built as the interleaved chunk of the same virtual stage
+    (`v_chunk_layout`); `vocab_parallel`, `split_input`: `_split_vocabulary`."""
     vp_stage = layout.chunk if layout.chunks > 1 else None
     _prepare_megatron_core(config)
     # a V chunk is built as the interleaved (vp_stage, rank) of its virtual stage
@@ -732,6 +728,7 @@ def build_gpt_stage(
     spec = layer_spec_for(
         device, config, use_te=use_transformer_engine, vp_stage=vp_stage, pp_rank=pp_rank
     )
+    tied = share_embeddings_and_output_weights
     model = GPTStageModel(
         config=config,
         transformer_layer_spec=spec,
@@ -740,9 +737,7 @@ def build_gpt_stage(
         max_sequence_length=max_sequence_length,
         pre_process=layout.is_first,
         post_process=layout.is_last,
-        # with the vocabulary split the shards are the tie (one weight on each rank)
-        share_embeddings_and_output_weights=share_embeddings_and_output_weights
-        and not vocab_parallel,
+        share_embeddings_and_output_weights=tied and not vocab_parallel,  # split: shards tie
         position_embedding_type=position_embedding_type,
         rotary_percent=rotary_percent,
         rotary_base=rotary_base,
@@ -753,8 +748,7 @@ def build_gpt_stage(
     )
     _finish_megatron_core_model(model, layout, device)
     if vocab_parallel:
-        _split_vocabulary(model, layout, vocab_size, config, split_input=split_input,
-                          tied=share_embeddings_and_output_weights)  # fmt: skip
+        _split_vocabulary(model, layout, vocab_size, config, split_input=split_input, tied=tied)
     initialize_layout_independent(model, layout, seed=seed, init_method_std=config.init_method_std,
                                   xavier_uniform=xavier_uniform)  # fmt: skip
     _mark_expert_parameters(model)

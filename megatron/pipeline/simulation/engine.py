@@ -566,9 +566,9 @@ def _check_arguments(
         raise ValueError(f"p2p_latency must be finite and >= 0, got {p2p_latency}")
 
 
-def _vocab_costs(schedule: Schedule, num_stages: int, costs: dict) -> dict:
-    """VF, VB, EF and EB costs per rank, from {kind: cost}; only a schedule that places a
-    kind may have a cost for it."""
+def _vocab_costs(schedule: Schedule, num_stages: int, costs: tuple) -> dict:
+    """VF, VB, EF and EB costs per rank, from their costs in that order; only a schedule that
+    places a kind may have a cost for it."""
     kinds = {
         ActionKind.VOCAB_FORWARD: ("vocab_forward_cost", schedule.vocab_passes),
         ActionKind.VOCAB_BACKWARD: ("vocab_backward_cost", schedule.vocab_passes),
@@ -576,8 +576,8 @@ def _vocab_costs(schedule: Schedule, num_stages: int, costs: dict) -> dict:
         ActionKind.EMBED_BACKWARD: ("embed_backward_cost", schedule.embedding_passes),
     }
     per_rank = {}
-    for kind, (name, placed) in kinds.items():
-        values = _per_stage(name, costs[kind], num_stages)
+    for (kind, (name, placed)), cost in zip(kinds.items(), costs):
+        values = _per_stage(name, cost, num_stages)
         if any(values) and not placed:
             raise ValueError(
                 f"{schedule.name} places no vocabulary passes ({kind.value}): {name} is unused"
@@ -638,12 +638,8 @@ def simulate(
             ("step_cost", step_cost, num_stages),
         )
     )
-    vocab_costs = _vocab_costs(schedule, num_stages, {
-        ActionKind.VOCAB_FORWARD: vocab_forward_cost,
-        ActionKind.VOCAB_BACKWARD: vocab_backward_cost,
-        ActionKind.EMBED_FORWARD: embed_forward_cost,
-        ActionKind.EMBED_BACKWARD: embed_backward_cost,
-    })  # fmt: skip
+    vocab_costs = _vocab_costs(schedule, num_stages, (vocab_forward_cost, vocab_backward_cost,
+                                                      embed_forward_cost, embed_backward_cost))  # fmt: skip
     sim = _Simulator(schedule, placement, microbatches_per_step, steps, costs,
                      float(p2p_latency), record_timeline, noise, vocab_costs)  # fmt: skip
     sim.run()
