@@ -1,4 +1,4 @@
-"""The output layer split by vocabulary over the pipeline ranks, placed in any schedule.
+"""The vocabulary layers split over the pipeline ranks, their passes placed in any schedule.
 
 Vocabulary Parallelism (Yeung et al., 2025) shows the output layer need not sit on the last
 stage: each of the N ranks holds 1/N of its rows and runs its share of every microbatch's loss
@@ -21,7 +21,8 @@ so the same passes fit a synchronous schedule and PACI without a flush.
 
 1. The shards are one more stage after the last: the schedule decides as on N + 1 stages, so
    every stage admits one more microbatch (the round trip to the shards is hidden as one
-   more stage's would be, and 1F1B's memory grows by one microbatch per stage).
+   more stage's would be, and 1F1B's memory grows by one microbatch per stage). One chunk per
+   rank only: a virtual-stage table is defined on its own ranks.
 2. A VF whose hidden state has arrived runs first: the last stage's backward waits for it.
 3. Then the schedule's own action, once its input is there. Until then a VB whose statistics
    have arrived runs, else the rank waits for the next arrival: it never blocks on the
@@ -50,8 +51,11 @@ they are one weight) and runs two more passes per microbatch:
 6. An EB runs when its gradient has arrived and the rank would otherwise wait, or before a
    step; a step waits for the EBs still owed only where the stage is drained (a flush, or
    an asynchronous drain): an asynchronous rank never waits for the first stage's backward,
-   so an embedding gradient may land one step later than the stage's own (measured, as
-   `embedding_drift`).
+   so an embedding gradient may land steps later than the stage's own: at most
+   ceil(2 W0 / a) steps after its lookup (the runtime measures it, `embed_drift_histogram`).
+
+With several model chunks per rank (virtual stages) the rules count microbatches: one is
+through the rank once its last chunk forwarded it, backwarded once its first chunk did.
 """
 
 import dataclasses
