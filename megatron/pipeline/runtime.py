@@ -271,7 +271,7 @@ class RankRuntime:
             self._arrivals,
             tokens=shard.tokens or math.prod(self.tensor_shape[:-1]),
             hidden_size=shard.hidden_size,
-            embed_elements=None if rows is None else rows.message_elements + self._scale_size,
+            embed_elements=None if rows is None else rows.message_elements,
             last_stage=self._last_stage_rank,
         )
 
@@ -707,10 +707,6 @@ class RankRuntime:
                 if getattr(lane, wanted):
                     return lane
         return self.lanes[0]
-
-    @property
-    def _scale_size(self) -> int:
-        return scale_elements(self.dtype)
 
     def _embedding_input(self) -> torch.Tensor:
         """The first stage's input embedding: every rank's part of the next microbatch,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .p2p import Outbox, make_inbox
+from .p2p import Outbox, make_inbox, scale_elements
 from .vocab_parallel import carried_words
 
 
@@ -194,7 +194,8 @@ class DistributedTransport:
         last_stage=None,
     ) -> VocabStreams:  # fmt: skip
         """The output shard's streams of pipeline stage `stage` (the last stage's own messages
-        to itself through local queues); with `embed_elements`, the input embedding's too. All
+        to itself through local queues); with `embed_elements` (a part's), the input embedding's
+        too, its gradients with the sender's loss scale after them. All
         in the pipeline's dtype but the statistics (fp32). `last_stage`: the pipeline rank of
         the last virtual stage (default the last; the V placement's is rank 0)."""
         links = self.vocab_links
@@ -205,7 +206,9 @@ class DistributedTransport:
         last_stage = num_stages - 1 if last_stage is None else last_stage
         last = ranks[last_stage]
 
-        sizes.update(embed=embed_elements, embed_grad=embed_elements)
+        if embed_elements is not None:  # a gradient carries its sender's loss scale after it
+            sizes.update(embed=embed_elements,
+                         embed_grad=embed_elements + scale_elements(self.dtype))  # fmt: skip
         dtypes = dict.fromkeys(("hidden", "shard", "embed", "embed_grad"), self.dtype)
 
         def inbox(stream, peer, group):
