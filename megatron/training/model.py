@@ -491,19 +491,20 @@ class VocabularyShardModule(torch.nn.Module):
 
     def runtime_shard(self, tokens: int) -> OutputShard:
         """What the rank runtime runs the VF and VB passes with, for microbatches of `tokens`."""
-        from megatron.core import parallel_state
-
-        tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
-        group = parallel_state.get_tensor_model_parallel_group() if tensor_parallel else None
-        return OutputShard(self.weight, self.start, group, tokens)
+        return OutputShard(self.weight, self.start, _tensor_parallel_group(), tokens)
 
     def runtime_input_shard(self, batch_shape: tuple[int, int]) -> InputShard:
         """What the rank runtime runs the EF and EB passes with, for [b, s] tokens."""
-        from megatron.core import parallel_state
+        return InputShard(self.weight, self.start, tuple(batch_shape), _tensor_parallel_group())
 
-        tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
-        group = parallel_state.get_tensor_model_parallel_group() if tensor_parallel else None
-        return InputShard(self.weight, self.start, tuple(batch_shape), group)
+
+def _tensor_parallel_group():
+    """The stage's tensor-parallel group, whose ranks hold the columns of shards (None: no
+    tensor parallelism)."""
+    from megatron.core import parallel_state
+
+    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    return parallel_state.get_tensor_model_parallel_group() if tensor_parallel else None
 
 
 class ReceivedWordEmbeddings(torch.nn.Module):

@@ -154,12 +154,18 @@ def _drained(base: Schedule, view: StageView) -> bool:
     return view.forwards >= end and view.backwards >= view.forwards
 
 
+def _owed_when_drained(base: Schedule, view: StageView, split_input: bool) -> bool:
+    """Whether a drained stage still owes a weight gradient of its rows (VB or EB)."""
+    forwarded = _forwarded(view)
+    owed = view.vocab_backwards < forwarded or (split_input and view.embed_backwards < forwarded)
+    return owed and _drained(base, view)
+
+
 def _owed_before_step(base: Schedule, view: StageView, split_input: bool) -> bool:
-    """Rules 4 and 6: what a step (or the end of a drained call) must take first."""
+    """Rules 4 and 6: what a step must take first."""
     if view.vocab_backwards < _backwarded(view) or view.embed_grad_ready:
         return True
-    owed = view.embed_backwards < _forwarded(view)
-    return split_input and _drained(base, view) and owed
+    return _owed_when_drained(base, view, split_input)
 
 
 def next_action(base: Schedule, view: StageView, split_input: bool = False) -> Action:
@@ -173,10 +179,7 @@ def next_action(base: Schedule, view: StageView, split_input: bool = False) -> A
     if action.kind is STEP and _owed_before_step(base, view, split_input):  # rules 4 and 6
         return _arrived_backward_or_wait(view)
     if action.kind is DONE:
-        forwarded = _forwarded(view)
-        if _drained(base, view) and (
-            view.vocab_backwards < forwarded or (split_input and view.embed_backwards < forwarded)
-        ):
+        if _owed_when_drained(base, view, split_input):
             return _arrived_backward_or_wait(view)
         return action
     if _input_ready(view, action):
@@ -213,7 +216,7 @@ def _one_stage_deeper(schedule: Schedule) -> dict:
 
 def cannot_take(schedule: Schedule, split_input: bool = False) -> str | None:
     """Why `schedule` cannot place the vocabulary passes yet (None: it can)."""
-    if split_input and schedule.stashes_weights:
+    if split_input and not splits_input(schedule):
         # an EF runs ahead of the rank's forward, before the version the forward will use
         return f"{schedule.name} stashes weights: the input embedding stays on the first stage"
     return None
@@ -222,8 +225,8 @@ def cannot_take(schedule: Schedule, split_input: bool = False) -> str | None:
 @functools.cache
 def with_vocab_passes(schedule: Schedule, split_input: bool = False) -> Schedule:
     """`schedule` with the output layer's shards placed by the rules above, and with
-    `split_input` the input embedding's too. ValueError for a schedule that cannot take them
-    yet (virtual stages; the input split with weight stashing). A weight-stashing schedule
+    `split_input` the input embedding's too. ValueError for the input split under weight
+    stashing (`cannot_take`). A weight-stashing schedule
     (2BW, PipeDream) scores each microbatch on the weight version its rank forwarded it on:
     the shard is stashed with the rank's weights."""
     problem = cannot_take(schedule, split_input)

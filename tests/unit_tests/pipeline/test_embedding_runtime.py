@@ -129,6 +129,14 @@ def build_ranks(n: int, tied: bool, plan=None):
     return runtimes
 
 
+def assert_rows_equal(runtimes, embedding, output) -> None:
+    """The ranks' rows, in rank order, are the one process's whole layers."""
+    rows = torch.cat([r.input_shard.weight.detach() for r in runtimes])
+    torch.testing.assert_close(rows, embedding, rtol=1e-5, atol=1e-6)
+    shards = torch.cat([r.output_shard.weight.detach() for r in runtimes])
+    torch.testing.assert_close(shards, output, rtol=1e-5, atol=1e-6)
+
+
 def train(runtime, schedule, m: int, steps: int, losses: dict):
     data = microbatches
     if runtime.placement is not None:  # one iterator per chunk, as Megatron passes them
@@ -148,10 +156,7 @@ def test_flush_with_both_layers_split_trains_as_one_process(name, n, m, tied):
     for runtime, layer in zip(runtimes, layers):
         for a, b in zip(runtime.model.parameters(), layer.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    rows = torch.cat([r.input_shard.weight.detach() for r in runtimes])
-    torch.testing.assert_close(rows, embedding, rtol=1e-5, atol=1e-6)
-    shards = torch.cat([r.output_shard.weight.detach() for r in runtimes])
-    torch.testing.assert_close(shards, output, rtol=1e-5, atol=1e-6)
+    assert_rows_equal(runtimes, embedding, output)
     for runtime in runtimes:  # every lookup took its gradient, in the step it was made for
         assert runtime.stats.embed_drift_histogram == {0: steps * m}
         assert not runtime.embed_lookups and not runtime.read_ahead.batches
@@ -181,10 +186,7 @@ def test_virtual_stages_with_both_layers_split_train_as_one_process(name, n, chu
         for chunk, stage in zip(runtime.model.chunks, stages):
             for a, b in zip(chunk.parameters(), layers[stage].parameters()):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    rows = torch.cat([r.input_shard.weight.detach() for r in runtimes])
-    torch.testing.assert_close(rows, embedding, rtol=1e-5, atol=1e-6)
-    shards = torch.cat([r.output_shard.weight.detach() for r in runtimes])
-    torch.testing.assert_close(shards, output, rtol=1e-5, atol=1e-6)
+    assert_rows_equal(runtimes, embedding, output)
 
 
 @pytest.mark.parametrize("a", [1, 2])
