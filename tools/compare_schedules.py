@@ -92,7 +92,7 @@ def plot(tables: dict, path: str) -> None:
             axis.grid(alpha=0.3)
         row[0].legend(fontsize=8, ncol=2)
     figure.suptitle("Projected with the simulator (no communication, no optimizer step); "
-                    "solid: asynchronous, dashed: synchronous; 2BW is under PipeDream",
+                    "solid: asynchronous, dashed: synchronous; 2BW and PipeDream lie under PACI",
                     fontsize=10)  # fmt: skip
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -15,6 +15,8 @@ import pytest
 import run_cases
 from test_gpt_cases import drift_bound
 
+from megatron.pipeline.schedules import paci_interleaved
+
 # (split, whole): each split case runs the first iterations of its reference, on its schedule
 FLUSH_EQUALS_WHOLE = [
     ("gpt_vocab_1_pp4_split_save", "gpt_pp4_1f1b"),
@@ -60,11 +62,17 @@ def test_bf16_messages_keep_the_bf16_run(case_results):
 
 
 def test_paci_over_virtual_stages_with_the_split_vocabulary(case_results):
-    """PACI over virtual stages (tied): every rank scores and looks up every microbatch once,
-    its shards and rows drift (measured, reported) and the loss falls."""
+    """PACI over virtual stages (tied): every rank holds one more microbatch-chunk (the shards
+    as one more stage), scores and looks up every microbatch once, each chunk drifts within
+    the bound of that window and a rank's shard no more than its first chunk; the loss falls."""
     summary = case_results["gpt_pp4vp2_vocab_paci"]
-    a = summary["num_microbatches"]
+    n, v, a = summary["pipeline_stages"], 2, summary["num_microbatches"]
     for report in summary["stages"]:
+        r = report["stage"]
+        assert report["peak_inflight_microbatches"] == paci_interleaved.window(r, n, a, v, extra=1)
+        bounds = [paci_interleaved.drift_bound(r, c, n, a, v, extra=1) for c in range(v)]
+        assert all(d <= b for d, b in zip(report["chunk_max_drift"], bounds)), (r, bounds)
+        assert report["max_shard_drift"] <= bounds[0]
         assert sum(report["shard_drift_histogram"].values()) == len(summary["loss"]) * a
         assert sum(report["embed_drift_histogram"].values()) == len(summary["loss"]) * a
     assert summary["loss"][-1] < summary["loss"][0]

@@ -305,6 +305,11 @@ class Schedule:
     # its backwards, from (rank, chunk, placement, microbatches per step); the runtime posts
     # that many receives ahead. None: up to the call's forward limit.
     chunk_lookahead: Callable | None = None
+    # Virtual stages: the schedule's variant that hides one more stage after its last virtual
+    # stage (rule 1 of `schedules.vocab_passes`: the round trip to the vocabulary shards), such
+    # as one more microbatch-chunk in flight per rank. None: none; a schedule with one chunk per
+    # rank decides as on N + 1 stages instead.
+    stage_after_last: "Callable[[], Schedule] | None" = None
     # Schedules that admit forwards by a window (PACI's rule 1): microbatches stage s may hold
     # in flight, from (stage, stages, microbatches per step); None: no such window.
     inflight_window: Callable[[int, int, int], int] | None = None

@@ -37,6 +37,7 @@ Decisions depend on counters only (`order_table`); the runtime runs it with
 `--pipeline-schedule dualpipe-v` (the passes of a pair one after the other, sends at once).
 """
 
+import dataclasses
 import functools
 
 from .base import Schedule, StageView
@@ -45,19 +46,24 @@ from .placement import v_shape
 
 
 @functools.cache
-def rank_order(rank: int, num_ranks: int, microbatches: int) -> Table:
-    """Rank `rank`'s passes of one step, in order (phases numbered as in the docstring)."""
+def rank_order(
+    rank: int, num_ranks: int, microbatches: int, hide_stage_after: bool = False
+) -> Table:
+    """Rank `rank`'s passes of one step, in order (phases numbered as in the docstring). With
+    `hide_stage_after` (a stage after the last virtual stage: the vocabulary shards) the
+    backwards of phases 3 to 5 hold their W back to the end of their slot group, so a B1 never
+    follows its microbatch's F1 at once: the shards score it meanwhile."""
     n, r, m = num_ranks, rank, microbatches
     order = OrderWriter(chunks=2, keep=m)
     order.write("F0", 2 * (n - r - 1))  # 1
     order.write("F0 F1", r + 1)  # 2
-    order.write("B1 W F1", n - r - 1)  # 3
+    order.write("B1 F1 W" if hide_stage_after else "B1 W F1", n - r - 1)  # 3
     pairs = m - 2 * n + r + 1  # 4
     if r == n - 1:  # the last rank runs its first pair apart, as DeepSeek's: a shorter bubble
-        order.write("F0 BW1 F1&BW0")
+        order.write("F0 B1 F1&B0 W W" if hide_stage_after else "F0 BW1 F1&BW0")
         pairs -= 1
-    order.write("F0&BW1 F1&BW0", pairs)
-    order.write("BW1 F1&BW0", n - r - 1)  # 5
+    order.write("F0&B1 F1&B0 W W" if hide_stage_after else "F0&BW1 F1&BW0", pairs)
+    order.write("B1 F1&B0 W W" if hide_stage_after else "BW1 F1&BW0", n - r - 1)  # 5
     half = (r + 1) // 2  # 6: the pair where the held-back W begin
     for i in range(r + 1):
         if i < half:
@@ -81,8 +87,9 @@ def check_microbatches(num_ranks: int, chunks: int, microbatches: int) -> None:
         )
 
 
-def next_action(view: StageView):
-    return next_in_table(view, rank_order(view.stage, view.num_stages, view.microbatches_per_step))
+def next_action(view: StageView, hide_stage_after: bool = False):
+    n, m = view.num_stages, view.microbatches_per_step
+    return next_in_table(view, rank_order(view.stage, n, m, hide_stage_after))
 
 
 SCHEDULE = Schedule(
@@ -97,3 +104,9 @@ SCHEDULE = Schedule(
     check_microbatches=check_microbatches,
     min_microbatches_per_step=lambda num_ranks: 2 * num_ranks,
 )
+HIDING = dataclasses.replace(
+    SCHEDULE,
+    next_action=functools.partial(next_action, hide_stage_after=True),
+    description=SCHEDULE.description + "; W held back within phases 3 to 5",
+)
+SCHEDULE = dataclasses.replace(SCHEDULE, stage_after_last=lambda: HIDING)

@@ -49,10 +49,12 @@ def chunk_order(microbatches: int, chunks: int, group_size: int) -> tuple[int, .
 
 
 def warmup_forwards(
-    rank: int, num_ranks: int, microbatches: int, chunks: int, group_size: int
+    rank: int, num_ranks: int, microbatches: int, chunks: int, group_size: int, extra: int = 0
 ) -> int:
-    """Forwards rank `rank` runs before its first backward."""
-    return min((num_ranks - rank - 1) * 2 + (chunks - 1) * group_size, microbatches * chunks)
+    """Forwards rank `rank` runs before its first backward (`extra` more: a stage beyond the
+    last virtual stage to hide, the vocabulary shards)."""
+    warmup = (num_ranks - rank - 1) * 2 + (chunks - 1) * group_size + extra
+    return min(warmup, microbatches * chunks)
 
 
 def check_microbatches(
@@ -74,7 +76,7 @@ def check_microbatches(
     raise ValueError(f"interleaved-1f1b on {num_ranks} ranks with {rule}; got m = {microbatches}")
 
 
-def next_action(view: StageView, group_size: int | None = None) -> Action:
+def next_action(view: StageView, group_size: int | None = None, extra: int = 0) -> Action:
     n, v, m = view.num_stages, view.num_chunks, view.microbatches_per_step
     group = n if group_size is None else group_size
     total = m * v
@@ -84,24 +86,30 @@ def next_action(view: StageView, group_size: int | None = None) -> Action:
         due = view.step_enabled and view.steps < view.backward_target // total
         return Action(STEP) if due else Action(DONE)
     order = chunk_order(m, v, group)
-    warmup = warmup_forwards(view.stage, n, m, v, group)
+    warmup = warmup_forwards(view.stage, n, m, v, group, extra)
     if forwards < total and forwards < warmup + backwards + 1:  # 1F1B: one more in flight
         return forward(view, order[forwards])
     return backward(view, v - 1 - order[backwards])
 
 
+def interleaved_1f1b(group_size: int | None = None, extra: int = 0) -> Schedule:
+    """The schedule with microbatch groups of `group_size` (None: N, Megatron's default), and
+    `extra` more warm-up forwards per rank (one object each)."""
+    return _interleaved_1f1b(group_size, extra)
+
+
 @functools.cache
-def interleaved_1f1b(group_size: int | None = None) -> Schedule:
-    """The schedule with microbatch groups of `group_size` (None: N, Megatron's default)."""
+def _interleaved_1f1b(group_size: int | None, extra: int) -> Schedule:
     return Schedule(
         name="interleaved-1f1b",
-        next_action=functools.partial(next_action, group_size=group_size),
+        next_action=functools.partial(next_action, group_size=group_size, extra=extra),
         depends_on_arrivals=False,
         flushes_every_call=True,
         description="Megatron's interleaved 1F1B: v model chunks per rank, a flush per step",
         placement=interleaved,
         default_chunks_per_rank=2,
         check_microbatches=functools.partial(check_microbatches, group_size=group_size),
+        stage_after_last=lambda: interleaved_1f1b(group_size, extra + 1),
     )
 
 

@@ -191,8 +191,7 @@ def _drift_bound_under(limit: str, stage: int, num_stages: int, accumulation: in
 ARRIVAL_RULES: dict[str, Schedule] = {rule: paci_schedule(rule) for rule in _RULES}
 FIXED_ORDER = _fixed_order(DEFAULT_INFLIGHT_LIMIT)
 SCHEDULE = paci_schedule()
-# The paper's rule under its historical name: the PipeDream and 2BW references run PACI's order
-# as the paper defines it.
+# The paper's rule under its historical name.
 next_action = next_action_backward_first
 
 

@@ -69,12 +69,18 @@ from .placement import interleaved
 
 
 def window(
-    rank: int, num_ranks: int, accumulation: int, chunks: int, group_size: int | None = None
+    rank: int,
+    num_ranks: int,
+    accumulation: int,
+    chunks: int,
+    group_size: int | None = None,
+    extra: int = 0,
 ) -> int:
-    """Rule 2's K_r: the most microbatch-chunks rank `rank` holds in flight."""
+    """Rule 2's K_r: the most microbatch-chunks rank `rank` holds in flight (`extra` more: a
+    stage beyond the last virtual stage to hide, the vocabulary shards)."""
     group = num_ranks if group_size is None else group_size
     warmup = (num_ranks - rank - 1) * 2 + (chunks - 1) * group
-    return min(warmup + 1, accumulation * chunks)
+    return min(warmup + 1, accumulation * chunks) + extra
 
 
 def drift_bound(
@@ -84,11 +90,12 @@ def drift_bound(
     accumulation: int,
     chunks: int,
     group_size: int | None = None,
+    extra: int = 0,
 ) -> int:
     """The most optimizer steps a microbatch crosses between its forward and its backward on
     chunk `chunk` of rank `rank` (the module docstring derives it)."""
     group = num_ranks if group_size is None else group_size
-    ahead = window(rank, num_ranks, accumulation, chunks, group) - 1
+    ahead = window(rank, num_ranks, accumulation, chunks, group, extra) - 1
     backwards_between = max(0, ahead + (chunks - 1 - 2 * chunk) * group)
     return -(-backwards_between // (accumulation * chunks))
 
@@ -105,12 +112,14 @@ def _step_or_done(view: StageView) -> Action | None:
     return None
 
 
-def _candidates(view: StageView, group_size: int | None) -> tuple[Action | None, Action]:
+def _candidates(
+    view: StageView, group_size: int | None, extra: int
+) -> tuple[Action | None, Action]:
     """Rule 1's next forward (None when rule 2 does not admit it) and next backward."""
     n, v, a = view.num_stages, view.num_chunks, view.microbatches_per_step
     group = n if group_size is None else group_size
     order, per_step = chunk_order(a, v, group), a * v
-    admitted = view.inflight < window(view.stage, n, a, v, group)
+    admitted = view.inflight < window(view.stage, n, a, v, group, extra)
     next_forward = None
     if admitted and view.forwards < view.forward_limit:
         next_forward = forward(view, order[(view.forwards - view.backwards_at_m) % per_step])
@@ -118,21 +127,25 @@ def _candidates(view: StageView, group_size: int | None) -> tuple[Action | None,
     return next_forward, backward(view, chunk)
 
 
-def next_action_fixed_order(view: StageView, group_size: int | None = None) -> Action:
+def next_action_fixed_order(
+    view: StageView, group_size: int | None = None, extra: int = 0
+) -> Action:
     """On counters alone: the admitted forward, else the backward (blocking on its input)."""
     if (ended := _step_or_done(view)) is not None:
         return ended
-    next_forward, next_backward = _candidates(view, group_size)
+    next_forward, next_backward = _candidates(view, group_size, extra)
     return next_forward or next_backward
 
 
-def next_action_forward_first(view: StageView, group_size: int | None = None) -> Action:
+def next_action_forward_first(
+    view: StageView, group_size: int | None = None, extra: int = 0
+) -> Action:
     """The admitted forward if its input has arrived, else the backward if its gradient has,
     else wait for either: the same two candidates as the fixed order, never blocked on one
     while the other could run."""
     if (ended := _step_or_done(view)) is not None:
         return ended
-    next_forward, next_backward = _candidates(view, group_size)
+    next_forward, next_backward = _candidates(view, group_size, extra)
     if next_forward is not None and view.chunks[next_forward.chunk].input_ready:
         return next_forward
     if view.inflight > 0 and view.chunks[next_backward.chunk].grad_ready:
@@ -153,21 +166,27 @@ ARRIVAL_RULES = {
 DEFAULT_ARRIVAL_RULE = "forward-first"
 
 
+def paci_interleaved(
+    group_size: int | None = None, rule: str = DEFAULT_ARRIVAL_RULE, extra: int = 0
+) -> Schedule:
+    """PACI over virtual stages with microbatch groups of `group_size` (None: N), arrival
+    `rule` (``forward-first``, or ``fixed``: the counter-only order, what --deterministic-mode
+    runs), and `extra` more microbatch-chunks in flight per rank (one object each)."""
+    return _paci_interleaved(group_size, rule, extra)
+
+
 @functools.cache
-def paci_interleaved(group_size: int | None = None, rule: str = DEFAULT_ARRIVAL_RULE) -> Schedule:
-    """PACI over virtual stages with microbatch groups of `group_size` (None: N) and arrival
-    `rule` (``forward-first``, or ``fixed``: the counter-only order, what
-    --deterministic-mode runs)."""
+def _paci_interleaved(group_size: int | None, rule: str, extra: int) -> Schedule:
 
     def lookahead(rank, chunk, placement, accumulation):
-        return window(
-            rank, placement.num_ranks, accumulation, placement.chunks_per_rank, group_size
-        )
+        chunks = placement.chunks_per_rank
+        return window(rank, placement.num_ranks, accumulation, chunks, group_size, extra)
 
-    fixed = None if rule == "fixed" else paci_interleaved(group_size, "fixed")
+    fixed = None if rule == "fixed" else paci_interleaved(group_size, "fixed", extra)
+    decide = ARRIVAL_RULES[rule]
     return Schedule(
         name="paci-interleaved",
-        next_action=functools.partial(ARRIVAL_RULES[rule], group_size=group_size),
+        next_action=functools.partial(decide, group_size=group_size, extra=extra),
         depends_on_arrivals=rule != "fixed",
         flushes_every_call=False,
         description="PACI over virtual stages: interleaved 1F1B's order without the flush, at "
@@ -178,6 +197,7 @@ def paci_interleaved(group_size: int | None = None, rule: str = DEFAULT_ARRIVAL_
         check_microbatches=functools.partial(check_microbatches, group_size=group_size),
         fixed_order=fixed,
         chunk_lookahead=lookahead,
+        stage_after_last=lambda: paci_interleaved(group_size, rule, extra + 1),
     )
 
 

@@ -1,8 +1,9 @@
 """PipeDream (weight stashing): asynchronous 1F1B with an optimizer step after every microbatch.
 
-Each stage runs PACI's order with an accumulation factor of 1 (`paci.next_action` on a view
-with one microbatch per step): admission q < N - s, a backward as soon as its gradient is there,
-and an update after every local backward. A forward uses the stage's newest weights; its
+Each stage runs 1F1B's order without a flush, PipeDream's own schedule, with an accumulation
+factor of 1 (`paci.next_action_fixed_order` on a view with one microbatch per step): a forward
+whenever admission q < N - s allows, else the oldest backward, and an update after every local
+backward. A forward uses the stage's newest weights; its
 backward runs on the same version, stashed at the forward (weight stashing), so forward and
 backward agree. The gradient is stale instead: between the forward and the backward of a
 microbatch stage s takes up to N - 1 - s steps, and that is the delay of the update it makes,
@@ -12,8 +13,8 @@ weights and N - s - 1 stashes.
 `microbatches_per_step` only sets the length of a call of the runtime here (how many
 microbatches an iteration covers); the stage still steps after every one of them, on that one
 microbatch's gradient (`microbatches_per_update` is 1: the last stage does not scale the loss).
-With --deterministic-mode the stage follows PACI's fixed order (`FIXED_ORDER`), which decides
-on counters alone, so which version each forward sees repeats from run to run.
+The order decides on counters alone, so which version each forward sees repeats from run to run
+without --deterministic-mode.
 """
 
 import dataclasses
@@ -27,27 +28,16 @@ def _one_microbatch_per_step(view: StageView) -> StageView:
 
 
 def next_action(view: StageView) -> Action:
-    return paci.next_action(_one_microbatch_per_step(view))
-
-
-def next_action_fixed_order(view: StageView) -> Action:
     return paci.next_action_fixed_order(_one_microbatch_per_step(view))
 
 
 SCHEDULE = Schedule(
     name="pipedream",
     next_action=next_action,
-    depends_on_arrivals=True,
+    depends_on_arrivals=False,
     flushes_every_call=False,
     extra_weight_versions=lambda stage, num_stages: num_stages - stage - 1,
     description="PipeDream: async 1F1B, weight stashing, an update after every microbatch",
     stashes_weights=True,
     microbatches_per_update=lambda microbatches_per_step: 1,
 )
-FIXED_ORDER = dataclasses.replace(
-    SCHEDULE,
-    next_action=next_action_fixed_order,
-    depends_on_arrivals=False,
-    description="PipeDream in 1F1B order regardless of arrivals (deterministic)",
-)
-SCHEDULE = dataclasses.replace(SCHEDULE, fixed_order=FIXED_ORDER)

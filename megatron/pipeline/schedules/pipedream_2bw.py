@@ -1,8 +1,9 @@
 """PipeDream-2BW: asynchronous 1F1B with double-buffered weights and a constant 1-step delay.
 
-Each stage runs PACI's order (`paci.next_action`: admission q < N - s, a backward as soon as its
-gradient is there, a step after every m local backwards, no flush). What differs is which
-weights each pass sees:
+Each stage runs 1F1B's order without a flush, the order the 2BW paper schedules
+(`paci.next_action_fixed_order`: a forward whenever admission q < N - s allows, else the oldest
+backward; a step after every m local backwards). What differs from PACI is which weights each
+pass sees:
 
 * the m microbatches of batch b (microbatch numbers b*m .. b*m + m - 1) all run their forward,
   on every stage, on weight version W(b-1) (version 0 for b = 0): the version made from the
@@ -18,12 +19,11 @@ weights each pass sees:
 A stage then needs at most two versions, the live one and one stash (double buffering), as long
 as a batch covers the in-flight window: m >= N - 1.
 
-Which version a pass sees depends on microbatch numbers alone, never on arrival order, so the
-numbers of a run do not depend on timing; --deterministic-mode also fixes the order
-(`FIXED_ORDER`, PACI's).
+Which version a pass sees depends on microbatch numbers alone, and the order on counters alone,
+so a run reproduces bit for bit without --deterministic-mode. (The order the PACI paper gives
+all three, an arrived gradient before an admitted forward, is PACI's `--paci-arrival-rule
+backward-first`: it loses pace on uneven stages, docs/arrival_rules.md.)
 """
-
-import dataclasses
 
 from . import paci
 from .base import Schedule
@@ -36,8 +36,8 @@ def forward_weight_version(microbatch: int, microbatches_per_step: int, current:
 
 SCHEDULE = Schedule(
     name="2bw",
-    next_action=paci.next_action,
-    depends_on_arrivals=True,
+    next_action=paci.next_action_fixed_order,
+    depends_on_arrivals=False,
     flushes_every_call=False,
     extra_weight_versions=lambda stage, num_stages: 1,
     description="PipeDream-2BW: async 1F1B, double-buffered weights, constant 1-step delay",
@@ -45,10 +45,3 @@ SCHEDULE = Schedule(
     forward_weight_version=forward_weight_version,
     min_microbatches_per_step=lambda num_stages: max(1, num_stages - 1),
 )
-FIXED_ORDER = dataclasses.replace(
-    SCHEDULE,
-    next_action=paci.next_action_fixed_order,
-    depends_on_arrivals=False,
-    description="PipeDream-2BW in 1F1B order regardless of arrivals (deterministic)",
-)
-SCHEDULE = dataclasses.replace(SCHEDULE, fixed_order=FIXED_ORDER)

@@ -21,8 +21,10 @@ so the same passes fit a synchronous schedule and PACI without a flush.
 
 1. The shards are one more stage after the last: the schedule decides as on N + 1 stages, so
    every stage admits one more microbatch (the round trip to the shards is hidden as one
-   more stage's would be, and 1F1B's memory grows by one microbatch per stage). One chunk per
-   rank only: a virtual-stage table is defined on its own ranks.
+   more stage's would be, and 1F1B's memory grows by one microbatch per stage). A schedule
+   with virtual stages is defined on its own ranks: it hides the round trip in its own terms
+   (`Schedule.stage_after_last`: one more microbatch-chunk in flight, or weight gradients
+   held back between the last virtual stage's forward and backward).
 2. A VF whose hidden state has arrived runs first: the last stage's backward waits for it.
 3. Then the schedule's own action, once its input is there. Until then a VB whose statistics
    have arrived runs, else the rank waits for the next arrival: it never blocks on the
@@ -173,7 +175,7 @@ def next_action(base: Schedule, view: StageView, split_input: bool = False) -> A
         return Action(VOCAB_FORWARD, view.vocab_forwards)
     if split_input and _embedding_due(base, view):  # rule 5
         return Action(EMBED_FORWARD, view.embed_forwards)
-    # rule 1, with one chunk per rank (a virtual-stage table is defined on its own ranks)
+    # rule 1 (virtual stages: `with_vocab_passes` took the schedule's stage_after_last)
     deeper = view if view.chunks else dataclasses.replace(view, num_stages=view.num_stages + 1)
     action = base.next_action(deeper)
     if action.kind is STEP and _owed_before_step(base, view, split_input):  # rules 4 and 6
@@ -232,6 +234,8 @@ def with_vocab_passes(schedule: Schedule, split_input: bool = False) -> Schedule
     problem = cannot_take(schedule, split_input)
     if problem:
         raise ValueError(f"the vocabulary split over the pipeline ranks: {problem}")
+    if schedule.stage_after_last is not None:  # rule 1 with virtual stages
+        schedule = schedule.stage_after_last()
     fixed = schedule.fixed_order
     what = "output layer and input embedding" if split_input else "output layer"
     return dataclasses.replace(

@@ -34,6 +34,7 @@ Decisions depend on counters only (`order_table`); the runtime runs it with
 `--pipeline-schedule zb-v`.
 """
 
+import dataclasses
 import functools
 
 from .base import Schedule, StageView
@@ -42,17 +43,26 @@ from .placement import v_shape
 
 
 @functools.cache
-def rank_order(rank: int, num_ranks: int, microbatches: int) -> Table:
-    """Rank `rank`'s passes of one step, in order."""
+def rank_order(
+    rank: int, num_ranks: int, microbatches: int, hide_stage_after: bool = False
+) -> Table:
+    """Rank `rank`'s passes of one step, in order. With `hide_stage_after` (a stage after the
+    last virtual stage: the vocabulary shards) rank 0, which runs the last virtual stage, holds
+    each W1 back by one microbatch: the previous W1 runs between F1 and B1, while the shards
+    score the microbatch."""
     n, r = num_ranks, rank
     full = max(microbatches, 2 * n - 1)  # what the phases are written for
+    held = hide_stage_after and r == 0
+    last_chunk = "F1 W1 B1" if held else "F1 B1 W1"
     order = OrderWriter(chunks=2, keep=microbatches)
     order.write("F0", 2 * (n - r) - 1)
     order.write("F1 F0", r)
-    order.write("F1 B1 W1", n - r)
+    order.write(last_chunk, n - r)
     while order.forwards(1) < full:
         order.write("F0 B0 W0" if order.forwards(0) < full else "B0 W0")
-        order.write("F1 B1 W1")
+        order.write(last_chunk)
+    if held:
+        order.write("W1")  # the last one held back
     order.write("B0 B1", r)
     order.write("B0 W0", n - r)
     order.write("W1", r)
@@ -65,8 +75,9 @@ def check_microbatches(num_ranks: int, chunks: int, microbatches: int) -> None:
         raise ValueError(f"zb-v runs exactly 2 model chunks per rank (the V), got {chunks}")
 
 
-def next_action(view: StageView):
-    return next_in_table(view, rank_order(view.stage, view.num_stages, view.microbatches_per_step))
+def next_action(view: StageView, hide_stage_after: bool = False):
+    n, m = view.num_stages, view.microbatches_per_step
+    return next_in_table(view, rank_order(view.stage, n, m, hide_stage_after))
 
 
 SCHEDULE = Schedule(
@@ -80,3 +91,9 @@ SCHEDULE = Schedule(
     default_chunks_per_rank=2,
     check_microbatches=check_microbatches,
 )
+HIDING = dataclasses.replace(
+    SCHEDULE,
+    next_action=functools.partial(next_action, hide_stage_after=True),
+    description=SCHEDULE.description + "; rank 0's W1 held back one microbatch",
+)
+SCHEDULE = dataclasses.replace(SCHEDULE, stage_after_last=lambda: HIDING)

@@ -6,7 +6,9 @@ import pytest
 
 from megatron.pipeline.schedules import SIMULATED_SCHEDULES, paci_interleaved, virtual_schedule
 from megatron.pipeline.schedules.base import ActionKind
+from megatron.pipeline.schedules.vocab_passes import with_vocab_passes
 from megatron.pipeline.simulation import simulate
+from megatron.pipeline.simulation.costs import CostNoise
 
 STEPS = 40
 F, B = 1.0, 2.0  # per chunk pass
@@ -114,3 +116,28 @@ def test_registered_for_the_simulator():
     assert SIMULATED_SCHEDULES["paci-interleaved"] is paci_interleaved.SCHEDULE
     assert virtual_schedule("paci") is paci_interleaved.SCHEDULE
     assert virtual_schedule("paci", None, "fixed") is paci_interleaved.SCHEDULE.fixed_order
+
+
+@pytest.mark.parametrize("seed", [None, 0])
+@pytest.mark.parametrize("rule", ["forward-first", "fixed"])
+@pytest.mark.parametrize("n, v, a", [(4, 2, 4), (4, 2, 8), (8, 3, 8)])
+def test_with_the_split_vocabulary_one_more_chunk_in_flight(n, v, a, rule, seed):
+    """The shards as one more stage: every rank holds one more microbatch-chunk, each chunk's
+    drift stays within the bound of that window, and a rank's shard drifts no more than its
+    first chunk (its VF follows the chunk's forward, its VB precedes the step after the
+    chunk's backward); no bubble under the default rule (the fixed order pays for the memory
+    cap as without the split)."""
+    schedule = with_vocab_passes(paci_interleaved.paci_interleaved(None, rule), split_input=True)
+    result = simulate(schedule, num_stages=n, microbatches_per_step=a, steps=STEPS,
+                      chunks_per_rank=v, forward_cost=F, backward_cost=B, vocab_forward_cost=0.4,
+                      vocab_backward_cost=0.2, record_timeline=True,
+                      noise=None if seed is None else CostNoise(0.3, seed=seed))  # fmt: skip
+    peaks = result.to_dict()["virtual_stages"]["peak_activation_chunks_per_rank"]
+    assert peaks == [paci_interleaved.window(r, n, a, v, extra=1) for r in range(n)]
+    for (rank, chunk), worst in per_chunk_drift(result, n).items():
+        assert worst <= paci_interleaved.drift_bound(rank, chunk, n, a, v, extra=1)
+    for rank, worst in enumerate(result.max_shard_drift_per_stage):
+        assert worst <= paci_interleaved.drift_bound(rank, 0, n, a, v, extra=1)
+    assert max(result.max_shard_drift_per_stage) >= 1
+    if rule == "forward-first" and seed is None:
+        assert STEPS * a * (v * (F + B) + 0.6) / result.makespan >= 0.97

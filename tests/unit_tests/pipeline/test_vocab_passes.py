@@ -149,6 +149,33 @@ def test_paci_reaches_the_physical_limit_on_gpt2_medium():
         assert flush_split.pace > flush.pace
 
 
+@pytest.mark.parametrize("model", ["gpt2-medium", "llama-70b"])
+@pytest.mark.parametrize("name, chunks", [("paci", 1), ("2bw", 1), ("pipedream", 1),
+                                          ("paci-interleaved", None)])  # fmt: skip
+def test_the_asynchronous_schedules_reach_the_limit_with_the_split(model, name, chunks):
+    """No bubble added: without a flush every schedule that takes the passes runs at the
+    physical limit (2BW and PipeDream in 1F1B's order, the virtual stages one more
+    microbatch-chunk in flight); whole, the slowest stage caps them."""
+    split = dataclasses.replace(MODELS[model], vocab_parallel=True)
+    for m in (8, 16):
+        whole, passes = compare(MODELS[model], name, chunks, m), compare(split, name, chunks, m)
+        assert passes.pace >= 0.99 > whole.pace, (m, whole.pace, passes.pace)
+
+
+@pytest.mark.parametrize("model", ["gpt2-medium", "llama-70b"])
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "dualpipe-v"])
+def test_the_flushes_gain_from_the_split(model, name):
+    """No bubble added where the pipeline is full: with the split every flush schedule is
+    faster than with the slowest stage holding the output layer (the virtual-stage tables in
+    their variant that hides the shards' round trip)."""
+    split = dataclasses.replace(MODELS[model], vocab_parallel=True)
+    chunks = {"1f1b": 1, "zb-h1": 1, "zb-v": 2, "dualpipe-v": 2}.get(name)
+    for m in (16, 32):
+        whole = compare(MODELS[model], name, chunks, m)
+        passes = compare(split, name, chunks, m)
+        assert passes.pace > whole.pace + 0.01, (m, whole.pace, passes.pace)
+
+
 def test_2bw_needs_a_batch_per_window_one_stage_deeper():
     schedule = with_vocab_passes(get_schedule("2bw"))
     assert schedule.min_microbatches_per_step(4) == 4  # N - 1 on N + 1 stages

@@ -95,7 +95,7 @@ def test_pipedream_versions_and_delays_equal_the_simulators(num_stages):
     m, steps = 4, 3
     runtimes = run_pipeline("pipedream", num_stages, m, steps)
     schedule = get_schedule("pipedream")
-    simulated = simulate(schedule.fixed_order, num_stages=num_stages, microbatches_per_step=m,
+    simulated = simulate(schedule, num_stages=num_stages, microbatches_per_step=m,
                          steps=steps, forward_cost=1.0, backward_cost=2.0)  # fmt: skip
     for s, runtime in enumerate(runtimes):
         stats = runtime.stats
