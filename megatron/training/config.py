@@ -86,6 +86,17 @@ class ModelConfig(_Section):
     cross_entropy_loss_fusion: bool = False
     cross_entropy_fusion_impl: str = "native"
     test_mode: bool = False
+    # multi-latent attention (mla.py; Megatron's defaults)
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: str | None = None
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     # activation recomputation (recompute.py)
     recompute_granularity: str | None = None
     recompute_method: str | None = None

@@ -122,12 +122,6 @@ NOT_SUPPORTED = [
     Flag("--cp-comm-type", str, nargs="+", supported=(["p2p"],)),
     Flag("--hierarchical-context-parallel-sizes", str, nargs="+"),
     # other attention variants (MoE: moe/flags.py)
-    Flag("--multi-latent-attention"),
-    Flag("--q-lora-rank", int),
-    Flag("--kv-lora-rank", int),
-    Flag("--qk-head-dim", int),
-    Flag("--qk-pos-emb-head-dim", int),
-    Flag("--v-head-dim", int),
     Flag("--experimental-attention-variant", str),
     Flag("--attention-output-gate"),
     Flag("--linear-attention-freq", int),
@@ -225,7 +219,7 @@ NOT_YET_BY_GROUP = {
         "--decrease-batch-size-if-needed --gpu-sniff-test-interval= --train-sync-interval= "
         "--exit-signal= --exit-signal-handler-for-dataloader --exit-signal-handler-for-training "
         "--iterations-to-skip=* --no-check-for-nan-in-loss-and-grad --check-for-large-grads "
-        "--result-rejected-tracker-filename= --rope-type= --optimizer-cpu-offload "
+        "--result-rejected-tracker-filename= --optimizer-cpu-offload "
         "--optimizer-offload-fraction= --use-torch-optimizer-for-cpu-offload "
         "--overlap-cpu-optimizer-d2h-h2d --dump-param-to-param-group-map= "
     ),
@@ -294,10 +288,7 @@ NOT_YET_BY_GROUP = {
         "--null-tokenizer-pad-id= --chat-template= --use-gigatoken "
     ),
     "autoresume": ("--adlr-autoresume --adlr-autoresume-interval= "),
-    "mla": (
-        "--rotary-scaling-factor= --mscale= --mscale-all-dim= --cache-mla-latents "
-        "--mla-down-proj-fusion "
-    ),
+    "mla": ("--cache-mla-latents " "--mla-down-proj-fusion "),
     "heterogeneous architecture": (
         "--heterogeneous-layers-config-path= --heterogeneous-layers-config-encoded-json= "
     ),

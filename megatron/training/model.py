@@ -22,6 +22,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -42,6 +43,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.pipeline.vocab_parallel import InputShard, OutputShard
+from megatron.training.mla import with_mla
 from megatron.training.recompute import use_host_rng_states
 from megatron.training.ring_attention import ring_attention
 
@@ -64,6 +66,8 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal:
@@ -75,7 +79,7 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
-        head_dim = config.kv_channels
+        head_dim = config.kv_channels if k_channels is None else k_channels  # MLA: its own
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         )
@@ -280,6 +284,30 @@ class HostRNGStatesTracker(CudaRNGStatesTracker):
             torch.set_rng_state(outside)
 
 
+# megatron-core 0.16.1 builds MLA's rotary embeddings without its CPU-initialization switch and
+# moves their frequencies to the CUDA device at the first forward.
+_MLA_ROTARY_MODULES = (
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+)
+
+
+def _torch_on_host(module_names) -> None:
+    """The named modules' `torch` names the host as CUDA's current device."""
+    for name in module_names:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _TorchOnHost):
+            module.torch = _TorchOnHost("torch")
+
+
+def run_mla_on_host() -> None:
+    """A CPU run without CUDA with multi-latent attention: its rotary embeddings, and the
+    tensor-parallel gather of its latents (whose buffer megatron-core allocates on CUDA's
+    current device), on the host."""
+    if not torch.cuda.is_available():
+        _torch_on_host(_MLA_ROTARY_MODULES + _CUDA_BUFFER_MODULES)
+
+
 def run_sequence_parallel_on_host(seed: int, tensor_rank: int, *, moe: bool = False) -> None:
     """A CPU run without CUDA, with --sequence-parallel or MoE layers (megatron-core 0.16.1
     assumes CUDA there): its buffers become host tensors (only the `torch` of the modules that
@@ -288,10 +316,7 @@ def run_sequence_parallel_on_host(seed: int, tensor_rank: int, *, moe: bool = Fa
     and its RNG tracker a host one (the experts fork the expert-parallel state)."""
     if torch.cuda.is_available():
         return
-    for name in _CUDA_BUFFER_MODULES + (_MOE_MODULES if moe else ()):
-        module = importlib.import_module(name)
-        if not isinstance(module.torch, _TorchOnHost):
-            module.torch = _TorchOnHost("torch")
+    _torch_on_host(_CUDA_BUFFER_MODULES + (_MOE_MODULES if moe else ()))
     tracker = HostRNGStatesTracker()
     tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tensor_rank)
@@ -325,6 +350,8 @@ def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: b
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     own_norms = config.layernorm_zero_centered_gamma or config.sequence_parallel
     spec = portable_layer_spec(config.normalization, qk_layernorm, own_norms)
+    if config.multi_latent_attention:
+        spec = with_mla(spec, _latent_norm(config, own_norms))
     if not own_norms:
         return spec
     layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
@@ -358,9 +385,22 @@ def moe_block_spec(device: torch.device, config: TransformerConfig, *, use_te: b
             layer.submodules.pre_mlp_layernorm = PortableNorm
             if config.qk_layernorm:
                 attention.q_layernorm = attention.k_layernorm = PortableNorm
+        if config.multi_latent_attention:
+            layer = with_mla(layer, _latent_norm(config, own_norms))
         layers.append(layer)
     norm = PortableNorm if own_norms else block.layer_norm
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
+
+
+def _latent_norm(config: TransformerConfig, own_norms: bool) -> type | None:
+    """MLA's latent norms with --qk-layernorm: the layer's own kind of norm."""
+    if not config.qk_layernorm:
+        return None
+    return (
+        PortableNorm
+        if own_norms
+        else LocalSpecProvider().layer_norm(rms_norm=config.normalization == "RMSNorm")
+    )
 
 
 class HostRotaryEmbedding(RotaryEmbedding):
@@ -672,6 +712,8 @@ def groups_as_pipeline_rank(pipeline_rank: int):
 
 def _prepare_megatron_core(config: TransformerConfig) -> None:
     """What megatron-core needs before it builds this config's model on any device."""
+    if config.multi_latent_attention:
+        run_mla_on_host()
     if config.recompute_granularity is not None:
         use_host_rng_states()  # megatron-core's checkpoint reads the CUDA generator otherwise
     if config.num_moe_experts:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron.pipeline.audit import (
     CollectiveAudit,
@@ -53,6 +53,7 @@ from megatron.training.divergence import check_replicas_match
 from megatron.training.emulated_stage import EmulatedStage
 from megatron.training.errors import RunFailed, UserError
 from megatron.training.host_memory import unmap_large_blocks_when_freed
+from megatron.training.mla import mla_config_fields
 from megatron.training.model import (
     ModelChunks,
     StageLayout,
@@ -193,7 +194,8 @@ def transformer_config(config, device: torch.device) -> TransformerConfig:
     """megatron-core's TransformerConfig of the run (`RunConfig`)."""
     model, layout = config.model, config.parallel
     dtype, chunks = model.dtype, layout.chunks_per_rank
-    return TransformerConfig(
+    config_class = MLATransformerConfig if model.multi_latent_attention else TransformerConfig
+    return config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -227,6 +229,7 @@ def transformer_config(config, device: torch.device) -> TransformerConfig:
         persist_layer_norm=False,
         calculate_per_token_loss=model.calculate_per_token_loss,
         sequence_parallel=layout.sequence_parallel,
+        **mla_config_fields(model),
         **moe_config_fields(config.moe, config.parallel,
                             grouped_gemm_available=_grouped_gemm_available(device)),  # fmt: skip
     )

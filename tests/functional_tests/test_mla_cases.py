@@ -1,0 +1,44 @@
+"""Multi-latent attention (--multi-latent-attention, DeepSeek's MLA with YaRN) on real
+multi-process runs (gloo, torchrun): megatron-core's MLASelfAttention in the portable spec,
+compressed queries, latent norms (--qk-layernorm).
+
+Reference: the same model on one process. Under 1F1B-flush four pipeline stages, and two
+tensor x two pipeline ranks with sequence parallelism (the latents gathered over the tensor
+ranks), change no number beyond float tolerance; under PACI each stage's drift stays within
+its bound and the loss falls, also with DeepSeek-style MoE layers at EP 2 x PP 2."""
+
+import pytest
+import run_cases
+from test_gpt_cases import drift_bound
+
+REFERENCE = "gpt_mla_pp1_1f1b"
+
+
+@pytest.mark.parametrize("name", ["gpt_mla_pp4_1f1b", "gpt_mla_tp2pp2_1f1b_sp"])
+def test_flush_equals_one_process(case_results, name):
+    losses, expected = case_results[name]["loss"], case_results[REFERENCE]["loss"]
+    assert len(losses) == len(expected) == 4
+    assert run_cases.relative_difference(losses, expected) <= 1e-5
+    validation = [v["lm loss"] for v in case_results[name]["validation"]]
+    reference = [v["lm loss"] for v in case_results[REFERENCE]["validation"]]
+    assert validation and run_cases.relative_difference(validation, reference) <= 1e-5
+
+
+def test_paci_keeps_its_drift_bound(case_results):
+    summary = case_results["gpt_mla_pp4_paci"]
+    n, a = summary["pipeline_stages"], summary["num_microbatches"]
+    for report in summary["stages"]:
+        assert report["max_drift"] <= drift_bound(report["stage"], n, a)
+    assert max(report["max_drift"] for report in summary["stages"]) >= 1  # it is asynchronous
+    assert summary["loss"][:2] == pytest.approx(case_results[REFERENCE]["loss"][:2], rel=1e-5)
+    assert summary["loss"][-1] < summary["loss"][0]
+
+
+def test_deepseek_style_moe_under_paci(case_results):
+    """MLA with MoE layers after a dense first one (sigmoid routing, expert bias, a shared
+    expert) at EP 2 x PP 2: every stage within PACI's drift bound, the loss falls."""
+    summary = case_results["moe_mla_ep2pp2_paci"]
+    n, a = summary["pipeline_stages"], summary["num_microbatches"]
+    for report in summary["stages"]:
+        assert report["max_drift"] <= drift_bound(report["stage"], n, a)
+    assert summary["loss"][-1] < summary["loss"][0]
