@@ -27,7 +27,7 @@ from megatron.training.config import check_vocabulary_split, pipeline_plan
 from megatron.training.data.sources import add_data_source_args, validate_sample_options
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
-from megatron.training.mla import add_mla_args, validate_mla_args
+from megatron.training.mla import add_mla_args, add_yarn_args, validate_mla_args
 from megatron.training.moe import add_moe_args, add_moe_unsupported_args, validate_moe_args
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
 from megatron.training.tracking.wandb_run import add_wandb_args, validate_wandb_args
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_position_embedding_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("position embeddings").add_argument
     add("--position-embedding-type", default="learned_absolute",
-        choices=["learned_absolute", "rope", "none"])  # fmt: skip
+        choices=["learned_absolute", "rope", "yarn", "none"])  # fmt: skip
     add("--rotary-percent", type=float, default=1.0)
     add("--rotary-base", type=int, default=10000)
     add("--rotary-interleaved", action="store_true")
@@ -81,6 +81,7 @@ def _add_position_embedding_args(parser: argparse.ArgumentParser) -> None:
     add("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
     add("--rotary-seq-len-interpolation-factor", type=int, default=None,
         help="RoPE positions divided by this factor (linear sequence-length interpolation)")  # fmt: skip
+    add_yarn_args(parser)
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:

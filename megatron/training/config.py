@@ -97,6 +97,11 @@ class ModelConfig(_Section):
     rotary_scaling_factor: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # --position-embedding-type yarn (mla.py)
+    yarn_original_max_position_embeddings: int | None = None
+    yarn_beta_fast: float | None = None
+    yarn_beta_slow: float | None = None
+    yarn_correction_range_round_to_int: bool | None = None
     # activation recomputation (recompute.py)
     recompute_granularity: str | None = None
     recompute_method: str | None = None

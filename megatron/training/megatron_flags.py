@@ -204,8 +204,6 @@ NOT_YET_BY_GROUP = {
     ),
     "network size": (
         "--encoder-num-layers= --decoder-num-layers= --window-size= --window-attn-skip-freq= "
-        "--yarn-original-max-position-embeddings= --yarn-beta-fast= --yarn-beta-slow= "
-        "--yarn-correction-range-round-to-int --no-yarn-correction-range-round-to-int "
         "--relative-attention-num-buckets= --relative-attention-max-distance= --no-rope-freq= "
         "--quick-geglu --onnx-safe= "
     ),

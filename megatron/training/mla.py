@@ -1,5 +1,6 @@
 """Multi-latent attention (DeepSeek-V2/V3's MLA): megatron-core's `MLASelfAttention` under
-Megatron's flags, with the portable layer spec on any device.
+Megatron's flags, with the portable layer spec on any device; and YaRN for the GPT model's own
+rotary embedding (--position-embedding-type yarn).
 
 MLA compresses the keys and values of every head into one latent of `--kv-lora-rank` per
 token (and the queries into `--q-lora-rank`, or not at all by default), expands them per head
@@ -7,7 +8,7 @@ to `--qk-head-dim` (queries, keys) and `--v-head-dim` (values), and carries the 
 a separate `--qk-pos-emb-head-dim` part of each query and key, rotated by RoPE or YaRN
 (`--rope-type`, YaRN by default as in Megatron, scaled by `--rotary-scaling-factor`,
 `--mscale`, `--mscale-all-dim`). The rotary embedding lives inside the attention, not in the
-GPT model (off CUDA its frequencies stay on the host: `model.run_mla_on_host`).
+GPT model (off CUDA its frequencies stay on the host: `model.run_rotary_on_host`).
 
 The flags and their defaults are Megatron-LM's (`--kv-lora-rank 32`, head dims 128 / 64 /
 128). megatron-core's local spec for MLA asks its local backend for a plain `linear`, which
@@ -55,8 +56,52 @@ def add_mla_args(parser: argparse.ArgumentParser) -> None:
     add("--mscale-all-dim", type=float, default=0.0, help="YaRN's mscale over all dims (MLA)")
 
 
+def add_yarn_args(parser: argparse.ArgumentParser) -> None:
+    """YaRN for the GPT model's own rotary embedding (--position-embedding-type yarn); its
+    scaling factor and mscales are the MLA group's flags, as in Megatron."""
+    add = parser.add_argument_group("YaRN").add_argument
+    add("--yarn-original-max-position-embeddings", type=int, default=None,
+        help="the context length the model was trained at (default 4096)")  # fmt: skip
+    add("--yarn-beta-fast", type=float, default=None, help="default 32")
+    add("--yarn-beta-slow", type=float, default=None, help="default 1")
+    add("--yarn-correction-range-round-to-int", action="store_true", default=None,
+        help="round the correction range to integers (the default)")  # fmt: skip
+    add("--no-yarn-correction-range-round-to-int", action="store_false",
+        dest="yarn_correction_range_round_to_int")  # fmt: skip
+
+
+def yarn_config_attributes(model) -> dict:
+    """The `yarn_*` attributes megatron-core's GPT model reads off its config for
+    --position-embedding-type yarn (Megatron sets them the same way, defaults included); none
+    with MLA, whose attention takes its own."""
+    if model.position_embedding_type != "yarn" or model.multi_latent_attention:
+        return {}
+    given = {
+        "yarn_rotary_scaling_factor": (model.rotary_scaling_factor, 1.0),
+        "yarn_original_max_position_embeddings": (
+            model.yarn_original_max_position_embeddings,
+            4096,
+        ),
+        "yarn_beta_fast": (model.yarn_beta_fast, 32.0),
+        "yarn_beta_slow": (model.yarn_beta_slow, 1.0),
+        "yarn_mscale": (model.mscale, 1.0),
+        "yarn_mscale_all_dim": (model.mscale_all_dim, 0.0),
+        "yarn_correction_range_round_to_int": (model.yarn_correction_range_round_to_int, True),
+    }
+    return {name: default if value is None else value for name, (value, default) in given.items()}
+
+
 def validate_mla_args(args: argparse.Namespace) -> None:
     """Megatron's checks, and what is not built yet, one line each."""
+    if args.position_embedding_type == "yarn":
+        if args.multi_latent_attention:  # the GPT model would pass MLA a rotary embedding
+            raise UserError("--position-embedding-type yarn with --multi-latent-attention: MLA "
+                            "rotates its own position part, choose it with --rope-type yarn")  # fmt: skip
+        if args.context_parallel_size > 1:
+            raise UserError(
+                "--position-embedding-type yarn with --context-parallel-size > 1 is not "
+                "supported yet"
+            )
     if not args.multi_latent_attention:
         if args.rope_type == "yarn":  # Megatron: common attention only supports rope
             raise UserError("--rope-type yarn needs --multi-latent-attention")

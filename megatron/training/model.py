@@ -284,9 +284,10 @@ class HostRNGStatesTracker(CudaRNGStatesTracker):
             torch.set_rng_state(outside)
 
 
-# megatron-core 0.16.1 builds MLA's rotary embeddings without its CPU-initialization switch and
-# moves their frequencies to the CUDA device at the first forward.
-_MLA_ROTARY_MODULES = (
+# megatron-core 0.16.1 builds MLA's rotary embeddings without its CPU-initialization switch, and
+# its YaRN (MLA's or the GPT model's) moves the frequencies to the CUDA device at the first
+# forward.
+_ROTARY_MODULES = (
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
 )
@@ -300,12 +301,12 @@ def _torch_on_host(module_names) -> None:
             module.torch = _TorchOnHost("torch")
 
 
-def run_mla_on_host() -> None:
-    """A CPU run without CUDA with multi-latent attention: its rotary embeddings, and the
-    tensor-parallel gather of its latents (whose buffer megatron-core allocates on CUDA's
+def run_rotary_on_host() -> None:
+    """A CPU run without CUDA with multi-latent attention or YaRN: the rotary embeddings, and
+    the tensor-parallel gather of MLA's latents (whose buffer megatron-core allocates on CUDA's
     current device), on the host."""
     if not torch.cuda.is_available():
-        _torch_on_host(_MLA_ROTARY_MODULES + _CUDA_BUFFER_MODULES)
+        _torch_on_host(_ROTARY_MODULES + _CUDA_BUFFER_MODULES)
 
 
 def run_sequence_parallel_on_host(seed: int, tensor_rank: int, *, moe: bool = False) -> None:
@@ -712,8 +713,8 @@ def groups_as_pipeline_rank(pipeline_rank: int):
 
 def _prepare_megatron_core(config: TransformerConfig) -> None:
     """What megatron-core needs before it builds this config's model on any device."""
-    if config.multi_latent_attention:
-        run_mla_on_host()
+    if config.multi_latent_attention or hasattr(config, "yarn_rotary_scaling_factor"):
+        run_rotary_on_host()
     if config.recompute_granularity is not None:
         use_host_rng_states()  # megatron-core's checkpoint reads the CUDA generator otherwise
     if config.num_moe_experts:
@@ -724,10 +725,8 @@ def _prepare_megatron_core(config: TransformerConfig) -> None:
 
 def _finish_megatron_core_model(model: GPTModel, layout: StageLayout, device: torch.device) -> None:
     """megatron-core's assignment of layers to the stage and ours must agree; off CUDA the
-    rotary embedding is the host one."""
-    if device.type != "cuda" and isinstance(
-        getattr(model, "rotary_pos_emb", None), RotaryEmbedding
-    ):
+    RoPE embedding is the host one (YaRN's stays on the host by `run_rotary_on_host`)."""
+    if device.type != "cuda" and type(getattr(model, "rotary_pos_emb", None)) is RotaryEmbedding:
         model.rotary_pos_emb.__class__ = HostRotaryEmbedding
     built = len(model.decoder.layers)
     if built != layout.layers_per_stage:

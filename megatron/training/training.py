@@ -53,7 +53,7 @@ from megatron.training.divergence import check_replicas_match
 from megatron.training.emulated_stage import EmulatedStage
 from megatron.training.errors import RunFailed, UserError
 from megatron.training.host_memory import unmap_large_blocks_when_freed
-from megatron.training.mla import mla_config_fields
+from megatron.training.mla import mla_config_fields, yarn_config_attributes
 from megatron.training.model import (
     ModelChunks,
     StageLayout,
@@ -195,7 +195,7 @@ def transformer_config(config, device: torch.device) -> TransformerConfig:
     model, layout = config.model, config.parallel
     dtype, chunks = model.dtype, layout.chunks_per_rank
     config_class = MLATransformerConfig if model.multi_latent_attention else TransformerConfig
-    return config_class(
+    built = config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -233,6 +233,9 @@ def transformer_config(config, device: torch.device) -> TransformerConfig:
         **moe_config_fields(config.moe, config.parallel,
                             grouped_gemm_available=_grouped_gemm_available(device)),  # fmt: skip
     )
+    for name, value in yarn_config_attributes(model).items():  # read off the config, as Megatron
+        setattr(built, name, value)
+    return built
 
 
 def _grouped_gemm_available(device: torch.device) -> bool:

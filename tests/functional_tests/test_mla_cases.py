@@ -5,7 +5,9 @@ compressed queries, latent norms (--qk-layernorm).
 Reference: the same model on one process. Under 1F1B-flush four pipeline stages, and two
 tensor x two pipeline ranks with sequence parallelism (the latents gathered over the tensor
 ranks), change no number beyond float tolerance; under PACI each stage's drift stays within
-its bound and the loss falls, also with DeepSeek-style MoE layers at EP 2 x PP 2."""
+its bound and the loss falls, also with DeepSeek-style MoE layers at EP 2 x PP 2. YaRN for
+the GPT model's own rotary embedding (--position-embedding-type yarn): two pipeline stages
+equal one process."""
 
 import pytest
 import run_cases
@@ -42,3 +44,9 @@ def test_deepseek_style_moe_under_paci(case_results):
     for report in summary["stages"]:
         assert report["max_drift"] <= drift_bound(report["stage"], n, a)
     assert summary["loss"][-1] < summary["loss"][0]
+
+
+def test_yarn_on_two_stages_equals_one_process(case_results):
+    losses = case_results["gpt_yarn_pp2_1f1b"]["loss"]
+    expected = case_results["gpt_yarn_pp1_1f1b"]["loss"]
+    assert len(losses) == 4 and run_cases.relative_difference(losses, expected) <= 1e-5

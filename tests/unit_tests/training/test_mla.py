@@ -71,3 +71,30 @@ def test_yarn_needs_mla():
     with pytest.raises(UserError, match="--rope-type yarn needs --multi-latent-attention"):
         validated(["--rope-type", "yarn"])
     assert validated(["--rope-type", "rope"]).rope_type == "rope"
+
+
+def test_yarn_reaches_the_gpt_models_config_with_megatrons_defaults():
+    config = transformer_config(configured(["--position-embedding-type", "yarn"]), CPU)
+    assert config.yarn_rotary_scaling_factor == 1.0 and config.yarn_mscale_all_dim == 0.0
+    assert config.yarn_original_max_position_embeddings == 4096
+    assert (config.yarn_beta_fast, config.yarn_beta_slow) == (32.0, 1.0)
+    assert config.yarn_correction_range_round_to_int is True
+    flags = ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+             "--yarn-original-max-position-embeddings", "16", "--yarn-beta-fast", "8",
+             "--no-yarn-correction-range-round-to-int", "--mscale", "0.5"]  # fmt: skip
+    config = transformer_config(configured(flags), CPU)
+    assert (config.yarn_rotary_scaling_factor, config.yarn_original_max_position_embeddings) == (
+        4.0, 16)  # fmt: skip
+    assert (config.yarn_beta_fast, config.yarn_mscale) == (8.0, 0.5)
+    assert config.yarn_correction_range_round_to_int is False
+    assert not hasattr(transformer_config(configured([]), CPU), "yarn_beta_fast")
+
+
+@pytest.mark.parametrize("extra, world_size, message", [
+    (["--multi-latent-attention"], 1, "MLA rotates its own position part"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0"], 2,
+     "--position-embedding-type yarn with --context-parallel-size > 1 is not supported yet"),
+])  # fmt: skip
+def test_yarn_refuses_in_one_line(extra, world_size, message):
+    with pytest.raises(UserError, match=message):
+        validated(["--position-embedding-type", "yarn"] + extra, world_size=world_size)
