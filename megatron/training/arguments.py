@@ -27,7 +27,7 @@ from megatron.training.config import check_vocabulary_split, pipeline_plan
 from megatron.training.data.sources import add_data_source_args, validate_sample_options
 from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
-from megatron.training.mla import add_mla_args, add_yarn_args, validate_mla_args
+from megatron.training.mla import add_mla_args, add_yarn_args, validate_mla_and_yarn_args
 from megatron.training.moe import add_moe_args, add_moe_unsupported_args, validate_moe_args
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
 from megatron.training.tracking.wandb_run import add_wandb_args, validate_wandb_args
@@ -374,7 +374,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_moe_args(args, world_size=world_size)
     _validate_model_shape(args)
     _validate_model_checks(args)
-    validate_mla_args(args)
+    validate_mla_and_yarn_args(args)
     validate_recompute_args(args, args.stage_layers)
     _validate_batch_and_run_length(args)
     if check_files:

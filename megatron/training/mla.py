@@ -22,7 +22,6 @@ layer-norm linears of Transformer Engine's spec do.
 
 import argparse
 import copy
-import importlib.util
 
 from megatron.training.errors import UserError
 
@@ -91,7 +90,7 @@ def yarn_config_attributes(model) -> dict:
     return {name: default if value is None else value for name, (value, default) in given.items()}
 
 
-def validate_mla_args(args: argparse.Namespace) -> None:
+def validate_mla_and_yarn_args(args: argparse.Namespace) -> None:
     """Megatron's checks, and what is not built yet, one line each."""
     if args.position_embedding_type == "yarn":
         if args.multi_latent_attention:  # the GPT model would pass MLA a rotary embedding
@@ -143,7 +142,6 @@ def mla_attention_spec(core_attention: type, latent_norm: type | None):
     query and key/value latents (--qk-layernorm), None: no norm. (megatron-core imported here:
     parsing the flags does not load it.)"""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.multi_latent_attention import (
@@ -153,10 +151,6 @@ def mla_attention_spec(core_attention: type, latent_norm: type | None):
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     norm = latent_norm or IdentityOp
-    if importlib.util.find_spec("transformer_engine") is None:
-        # megatron-core 0.16.1 counts Transformer Engine as present once its extension module
-        # imports, which it does without TE too (TELinear a mock): isinstance(x, mock) raises
-        multi_latent_attention.HAVE_TE = False
     return ModuleSpec(
         module=MLASelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},

@@ -715,6 +715,12 @@ def _prepare_megatron_core(config: TransformerConfig) -> None:
     """What megatron-core needs before it builds this config's model on any device."""
     if config.multi_latent_attention or hasattr(config, "yarn_rotary_scaling_factor"):
         run_rotary_on_host()
+    if config.multi_latent_attention and not transformer_engine_available():
+        # megatron-core 0.16.1 counts Transformer Engine as present once its extension module
+        # imports, which it does without TE too (TELinear a mock): isinstance(x, mock) raises
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
     if config.recompute_granularity is not None:
         use_host_rng_states()  # megatron-core's checkpoint reads the CUDA generator otherwise
     if config.num_moe_experts:
