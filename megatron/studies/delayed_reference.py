@@ -73,11 +73,14 @@ def build_local_stage(config, layout, device):
         build_optimizer,
         stage_lr_scale,
     )
+    from megatron.training.optimizer.delay_lookahead import for_stage
     from megatron.training.optimizer.lr_per_iteration import per_iteration
     from megatron.training.training import build_chunk, transformer_config
 
     model = build_chunk(config, transformer_config(config, device), layout, device)
-    optimizer = build_optimizer(model, config.optimizer)
+    stage_config = for_stage(config.optimizer, config.pipeline, config.training,
+                             layout.pipeline_rank)  # fmt: skip
+    optimizer = build_optimizer(model, stage_config)
     # --paci-stage-lr-scale
     scale = stage_lr_scale(config.pipeline, config.training, layout.pipeline_rank)
     scheduler = build_lr_scheduler(optimizer, config.lr, lr_scale=scale)

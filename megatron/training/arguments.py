@@ -1048,6 +1048,12 @@ def _add_optimizer_suite_args(parser: argparse.ArgumentParser) -> None:
         help="update-level error feedback x(t+1) = x(t) - 2u(t) + u(t-1), decay outside u")  # fmt: skip
     add("--delay-compensation-lambda", type=float, default=0.0,
         help="DC-ASGD: g += lambda * g * g * (x now - x at the gradient), 0 = off")  # fmt: skip
+    add("--async-nesterov-lookahead", action="store_true",
+        help="Muon/AdamW: Nesterov look-ahead stretched over each stage's gradient delay d, "
+        "m + (1 + d) beta (m - m_old)")  # fmt: skip
+    add("--async-delay-momentum", type=float, default=None,
+        help="Muon/AdamW first-moment coefficient raised with each stage's delay, up to this "
+        "value on the most delayed stage")  # fmt: skip
     add("--async-sync-warmup-iters", type=int, default=0,
         help="1F1B-flush for the first K iterations, then the asynchronous schedule")  # fmt: skip
     add("--async-sync-cooldown-iters", type=int, default=0,
@@ -1084,6 +1090,34 @@ def _validate_muon_args(args: argparse.Namespace) -> None:
             )
 
 
+def _validate_delay_lookahead(args: argparse.Namespace) -> None:
+    """--async-nesterov-lookahead and --async-delay-momentum: per-stage settings by the
+    asynchronous schedule's delay bound, for Muon's momentum and AdamW's first moment."""
+    momentum = getattr(args, "async_delay_momentum", None)
+    flags = [flag for flag, on in (("--async-nesterov-lookahead",
+                                    getattr(args, "async_nesterov_lookahead", False)),
+                                   ("--async-delay-momentum", momentum is not None)) if on]  # fmt: skip
+    if momentum is not None and not (math.isfinite(momentum) and 0.0 <= momentum < 1.0):
+        raise UserError(f"--async-delay-momentum must be a number >= 0 and < 1, got {momentum}")
+    for flag in flags:
+        if args.pipeline_schedule == "1f1b":
+            raise UserError(f"{flag} needs an asynchronous --pipeline-schedule: under 1f1b no "
+                            "gradient is stale")  # fmt: skip
+        unsupported = (
+            (f"--optimizer {args.optimizer}", args.optimizer not in ("adam", "muon")),
+            ("--muon-scalar-optimizer lion",
+             args.optimizer == "muon" and args.muon_scalar_optimizer == "lion"),
+            ("--use-precision-aware-optimizer", getattr(args, "use_precision_aware_optimizer",
+                                                        False)),
+            ("--use-distributed-optimizer", args.use_distributed_optimizer),
+            ("virtual pipeline stages", (getattr(args, "virtual_pipeline_model_parallel_size",
+                                                 None) or 1) > 1),
+        )  # fmt: skip
+        for what, on in unsupported:
+            if on:
+                raise UserError(f"{flag} with {what} is not supported yet")
+
+
 def _validate_optimizer_suite_args(args: argparse.Namespace) -> None:
     if args.optimizer not in OPTIMIZER_NAMES:
         known = ", ".join(OPTIMIZER_NAMES)
@@ -1103,6 +1137,7 @@ def _validate_optimizer_suite_args(args: argparse.Namespace) -> None:
             "--delay-compensation-lambda needs an asynchronous --pipeline-schedule: "
             "under 1f1b no gradient is stale"
         )
+    _validate_delay_lookahead(args)
     for flag in ("async_sync_warmup_iters", "async_sync_cooldown_iters"):
         name = "--" + flag.replace("_", "-")
         if getattr(args, flag) < 0:

@@ -77,6 +77,7 @@ from megatron.training.optimizer.build import (
     build_optimizer,
     stage_lr_scale,
 )
+from megatron.training.optimizer.delay_lookahead import for_stage
 from megatron.training.optimizer.delay_mitigation import (
     plan_of_iteration,
     synchronous_phase_ends,
@@ -506,8 +507,11 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
     _note_inflight_window(config)
     tokenizer, config = _build_checked_tokenizer(config)
     model = build_stage_model(config, device)
-    optimizer = build_optimizer(model, config.optimizer, expert_group=_expert_shard_group(config))
     stage = parallel_state.get_pipeline_model_parallel_rank()
+    optimizer = build_optimizer(
+        model, for_stage(config.optimizer, config.pipeline, config.training, stage),
+        expert_group=_expert_shard_group(config),
+    )  # fmt: skip
     scheduler = build_lr_scheduler(
         optimizer, config.lr, lr_scale=stage_lr_scale(config.pipeline, config.training, stage)
     )

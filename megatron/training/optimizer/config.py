@@ -70,6 +70,12 @@ class OptimizerConfig:
     exp_avg_sq_dtype: str = "fp32"
     async_error_feedback: bool = False  # delay mitigation (delay_mitigation.py)
     delay_compensation_lambda: float = 0.0
+    # --async-nesterov-lookahead, --async-delay-momentum (delay_lookahead.py), and the stage's
+    # gradient delay bound and the pipeline's largest, which they read (set by `for_stage`)
+    async_nesterov_lookahead: bool = False
+    async_delay_momentum: float | None = None
+    stage_delay: int = 0
+    max_stage_delay: int = 0
 
     @property
     def needs_main_params(self) -> bool:
@@ -90,7 +96,13 @@ class OptimizerConfig:
         )
 
 
-_DERIVED = ("steps_with_microbatches_in_flight", "params_dtype", "delay_compensation_lambda")
+_DERIVED = (
+    "steps_with_microbatches_in_flight",
+    "params_dtype",
+    "delay_compensation_lambda",
+    "stage_delay",
+    "max_stage_delay",
+)
 _FLAG_FIELDS = [name for name in OptimizerConfig.__dataclass_fields__ if name not in _DERIVED]
 
 

@@ -21,6 +21,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron.training.optimizer.delay_lookahead import step_moment
+
 COEFFICIENT_SETS = {
     "simple": [(3.4445, -4.7750, 2.0315)],
     "quintic": [
@@ -84,7 +86,8 @@ def orthogonalize(matrix: torch.Tensor, coefficients, eps: float = 1e-7) -> torc
 class Muon(torch.optim.Optimizer):
     """torch's Muon update with per-step Newton-Schulz coefficients (module docstring). The
     momentum buffer is kept under torch's name, `momentum_buffer`, so torch Muon checkpoints
-    load; the coefficients are the command line's, not part of the saved groups."""
+    load; the coefficients are the command line's, not part of the saved groups. A group's
+    `lookahead_steps` (delay_lookahead.py) replaces Nesterov's one-step look-ahead."""
 
     def __init__(self, params, *, lr, weight_decay, momentum, nesterov, coefficients, eps=1e-7):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -104,8 +107,12 @@ class Muon(torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(grad)
                 buf = state["momentum_buffer"]
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                steps = group.get("lookahead_steps")  # --async-nesterov-lookahead
+                if steps is not None:
+                    update = step_moment(buf, grad, momentum, steps)
+                else:
+                    buf.lerp_(grad, 1 - momentum)
+                    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 update = orthogonalize(update, self.coefficients, group.get("eps", 1e-7))
                 rows, cols = param.shape[:2]
                 param.mul_(1 - lr * group["weight_decay"])

@@ -175,11 +175,23 @@ def adamw(groups: list[dict], config: OptimizerConfig) -> torch.optim.AdamW:
     # of the stage's parameters at once; where the step runs beside in-flight activations
     # they would add to the activation peak, so the step goes parameter by parameter there
     # (on CPU torch steps that way anyway). docs/memory.md.
+    from megatron.training.optimizer.delay_lookahead import (
+        LookaheadAdamW,
+        stage_lookahead_steps,
+        stage_momentum,
+    )
+
+    betas = (stage_momentum(config.adam_beta1, config), config.adam_beta2)
+    if config.async_nesterov_lookahead:
+        return LookaheadAdamW(
+            groups, lr=config.lr, betas=betas, eps=config.adam_eps,
+            weight_decay=config.weight_decay, lookahead_steps=stage_lookahead_steps(config),
+        )  # fmt: skip
     foreach = False if config.steps_with_microbatches_in_flight else None
     return torch.optim.AdamW(
         groups,
         lr=config.lr,
-        betas=(config.adam_beta1, config.adam_beta2),
+        betas=betas,
         eps=config.adam_eps,
         weight_decay=config.weight_decay,
         foreach=foreach,
@@ -342,6 +354,7 @@ def _gathered_matrices(matrices, config: OptimizerConfig, tp_group):
 def build_muon(matrices, config: OptimizerConfig, query_groups: tuple[int, int], tp_group=None):
     """query_groups: (local query groups, query heads per group) of the attention layers;
     tp_group: the tensor-parallel group (--muon-tp-mode duplicated)."""
+    from megatron.training.optimizer.delay_lookahead import stage_lookahead_steps, stage_momentum
     from megatron.training.optimizer.muon import Muon, coefficient_schedule
 
     matrices, gathered = _gathered_matrices(matrices, config, tp_group)
@@ -356,10 +369,13 @@ def build_muon(matrices, config: OptimizerConfig, query_groups: tuple[int, int],
         muon_groups(matrices, config, qkv_splits),
         lr=config.lr,
         weight_decay=config.weight_decay,
-        momentum=config.muon_momentum,
+        momentum=stage_momentum(config.muon_momentum, config),
         nesterov=config.muon_nesterov,
         coefficients=coefficient_schedule(config.muon_coefficient_type, config.muon_num_ns_steps),
     )
+    if (steps := stage_lookahead_steps(config)) is not None:  # a group key only when asked
+        for group in muon.param_groups:
+            group["lookahead_steps"] = steps
     return muon, StandIns(gathered, list(qkv_splits.values()))
 
 
