@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron.training.mtp import set_mtp_loss_scale
+
 
 @dataclass
 class DelayedRun:
@@ -165,6 +167,8 @@ def run_delayed(args, *, delay: int, sync_warmup_iters: int = 0, sync_cooldown_i
     model, step, train, valid = _build(config)
     iterations, microbatches = config.training.train_iters, config.training.num_microbatches
     moe = _MoE(model, config.moe is not None, microbatches)
+    if config.model.mtp_num_layers:  # the MTP loss's gradient scale is the main loss's
+        set_mtp_loss_scale(1.0 / microbatches)
     # a version: the trainable weights and, with MoE, the expert bias that routes (as the
     # weight stash of 2BW keeps it)
     params = [p for p in model.parameters() if p.requires_grad] + moe.routing_buffers

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.training.errors import UserError
+from megatron.training.mtp import set_mtp_loss_scale
 
 # Flags whose runtime behaviour the engine does not reproduce.
 UNSUPPORTED = {
@@ -170,6 +171,8 @@ class _Stages:
         self.runtimes = _executors(config, self.models, device)
         if config.moe is not None:
             self.steps = _with_moe(self.runtimes, self.models, self.steps)
+        for runtime in self.runtimes if config.model.mtp_num_layers else ():
+            runtime.backward_scale_listeners.append(set_mtp_loss_scale)  # the main loss's
         self.tied = _tied_exchanges(config, self.models, self.steps) if self.count > 1 else []
         for s, exchange in zip((0, self.count - 1), self.tied):
             self.steps[s] = _around(self.steps[s], exchange)

@@ -29,6 +29,7 @@ from megatron.training.errors import UserError
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
 from megatron.training.mla import add_mla_args, add_yarn_args, validate_mla_and_yarn_args
 from megatron.training.moe import add_moe_args, add_moe_unsupported_args, validate_moe_args
+from megatron.training.mtp import add_mtp_args, validate_mtp_args
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
 from megatron.training.tracking.wandb_run import add_wandb_args, validate_wandb_args
 from megatron.training.validation import add_reliability_args, validate_reliability
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_recompute_args(parser)
     add_reliability_args(parser)
     add_mla_args(parser)
+    add_mtp_args(parser)
     add_moe_args(parser)
     add_moe_unsupported_args(parser)
     add_compatibility_flags(parser)
@@ -375,6 +377,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     _validate_model_shape(args)
     _validate_model_checks(args)
     validate_mla_and_yarn_args(args)
+    validate_mtp_args(args, placement_v=get_schedule(args.pipeline_schedule).placement is not None)
     validate_recompute_args(args, args.stage_layers)
     _validate_batch_and_run_length(args)
     if check_files:

@@ -97,6 +97,9 @@ class ModelConfig(_Section):
     rotary_scaling_factor: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # multi-token prediction (mtp.py; Megatron's defaults)
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
     # --position-embedding-type yarn (mla.py)
     yarn_original_max_position_embeddings: int | None = None
     yarn_beta_fast: float | None = None

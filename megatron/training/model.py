@@ -44,6 +44,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.pipeline.vocab_parallel import InputShard, OutputShard
 from megatron.training.mla import with_mla
+from megatron.training.mtp import mtp_block_spec
 from megatron.training.recompute import use_host_rng_states
 from megatron.training.ring_attention import ring_attention
 
@@ -438,14 +439,20 @@ class GPTStageModel(GPTModel):
     layout-independent initialization draws both copies from the same generator instead, so
     here only the attributes are set: `shared_embedding` on both copies (their gradients are
     summed over the embedding group every step, see training.py) and `shared` on the last
-    stage's copy (counted once in the gradient norm)."""
+    stage's copy (counted once in the gradient norm). With multi-token prediction the last
+    stage holds that copy, tied or not (mtp.py); tied, its output layer has no weight of its
+    own, as megatron-core's checkpoint keys expect."""
 
     def setup_embeddings_and_output_layer(self) -> None:
-        if self.pre_process:
+        tied = self.share_embeddings_and_output_weights
+        if self.mtp_process and tied and not self.pre_process:
+            self.output_layer.weight = None  # the tied output layer uses the embedding copy
+        if self.pre_process or self.mtp_process:
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         if self.post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
-        if not self.share_embeddings_and_output_weights:
+        holds_copy = self.pre_process or self.mtp_process or (self.post_process and tied)
+        if not holds_copy or not (tied or self.config.mtp_num_layers):
             return
         weight = self.shared_embedding_or_output_weight()
         if self.config.pipeline_model_parallel_size == 1:
@@ -727,6 +734,8 @@ def _prepare_megatron_core(config: TransformerConfig) -> None:
         from megatron.training.moe import patch_megatron_core_moe
 
         patch_megatron_core_moe()
+    if config.mtp_num_layers and not torch.cuda.is_available():
+        _torch_on_host(("megatron.core.transformer.multi_token_prediction",))  # its loss tracker
 
 
 def _finish_megatron_core_model(model: GPTModel, layout: StageLayout, device: torch.device) -> None:
@@ -780,6 +789,7 @@ def build_gpt_stage(
     model = GPTStageModel(
         config=config,
         transformer_layer_spec=spec,
+        mtp_block_spec=_mtp_spec(config, spec, layout, device, use_transformer_engine),
         pg_collection=groups,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
@@ -801,6 +811,18 @@ def build_gpt_stage(
                                   xavier_uniform=xavier_uniform)  # fmt: skip
     _mark_expert_parameters(model)
     return model.to(device)
+
+
+def _mtp_spec(config: TransformerConfig, decoder_spec, layout: StageLayout, device: torch.device,
+              use_te: bool):  # fmt: skip
+    """The MTP block spec of the last stage (--mtp-num-layers), None elsewhere: its layers
+    around the decoder's last layer, with the decoder's kind of norms."""
+    if not config.mtp_num_layers or not layout.is_last:
+        return None
+    te = use_te and device.type == "cuda" and transformer_engine_available()
+    own_norms = config.layernorm_zero_centered_gamma or config.sequence_parallel
+    norm = PortableNorm if own_norms and not te else None
+    return mtp_block_spec(decoder_spec, config.mtp_num_layers, norm=norm, use_te=te)
 
 
 def _mark_expert_parameters(model: torch.nn.Module) -> None:
@@ -846,14 +868,14 @@ def is_expert_parameter(name: str) -> bool:
 def global_parameter_name(name: str, layout: StageLayout, *, tied: bool = False) -> str:
     """`decoder.layers.<local>.x` -> `decoder.layers.<global>.x`, and a routed expert's
     `local_experts.<local>` -> `local_experts.<global expert index>`; a tied output layer is
-    the input embedding (both copies are drawn alike); other names unchanged."""
+    the input embedding (both copies are drawn alike); other names unchanged (the MTP layers'
+    `mtp.layers.<k>` are on the last stage whatever the layout)."""
     if tied and name == "output_layer.weight":
         return "embedding.word_embeddings.weight"
     match = _LOCAL_LAYER.match(name)
-    if match is None:
-        return name
-    global_index = int(match.group(1)) + layout.layer_offset
-    name = f"decoder.layers.{global_index}." + name[match.end() :]
+    if match is not None:
+        global_index = int(match.group(1)) + layout.layer_offset
+        name = f"decoder.layers.{global_index}." + name[match.end() :]
     expert = _LOCAL_EXPERT.search(name)
     if expert is not None:
         index = layout.expert_rank * layout.local_experts + int(expert.group(1))

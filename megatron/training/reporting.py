@@ -220,6 +220,9 @@ def _stage_report(config, runtime, step_func, optimizer) -> dict:
     moe_stats = getattr(step_func, "moe_stats", None)  # MoE: aux losses, load imbalance
     if moe_stats is not None and moe_stats.report():
         report["moe"] = moe_stats.report()
+    mtp_losses = getattr(step_func, "mtp_losses", None)  # multi-token prediction, by interval
+    if mtp_losses is not None and mtp_losses.history:
+        report["mtp_losses"] = mtp_losses.history
     return report
 
 

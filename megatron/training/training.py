@@ -70,6 +70,7 @@ from megatron.training.moe import (
     routing_buffers,
     set_aux_loss_scale,
 )
+from megatron.training.mtp import MTPLossLog, mtp_config_fields, set_mtp_loss_scale
 from megatron.training.optimizer.build import (
     ExpertGroups,
     StageOptimizerStep,
@@ -231,6 +232,7 @@ def transformer_config(config, device: torch.device) -> TransformerConfig:
         calculate_per_token_loss=model.calculate_per_token_loss,
         sequence_parallel=layout.sequence_parallel,
         **mla_config_fields(model),
+        **mtp_config_fields(model),
         **moe_config_fields(config.moe, config.parallel,
                             grouped_gemm_available=_grouped_gemm_available(device)),  # fmt: skip
     )
@@ -638,6 +640,8 @@ def _build_stage_runtime(config, model, device) -> RankRuntime:
     if config.moe is not None:  # megatron-core's aux losses: scaled as each backward's loss
         runtime.backward_scale_listeners.append(set_aux_loss_scale)
         runtime.versioned_buffers.extend(routing_buffers(model))  # 2BW, PipeDream: stashed
+    if config.model.mtp_num_layers:  # the MTP loss too
+        runtime.backward_scale_listeners.append(set_mtp_loss_scale)
     attach_stage_runtime(model, runtime, plan)
     return runtime
 
@@ -718,6 +722,7 @@ class MegatronStep:
         self.moe_hooks = MoEStepHooks(model)
         moe = config.moe is not None and config.pipeline.emulated_forward_ms is None
         self.moe_stats = MoELoadStats(model) if moe else None
+        self.mtp_losses = MTPLossLog(model) if config.model.mtp_num_layers else None
         self.num_zeros, self.params_norm_squared = (0.0, 0.0), (0.0, 0.0)  # dense, experts
         self.step_seconds = 0.0
 
@@ -856,6 +861,16 @@ def moe_log_fields(config, step_func: MegatronStep, iteration: int) -> dict:
     return fields if is_logging_rank(config.pipeline.plan) else {}
 
 
+def mtp_log_fields(config, step_func: MegatronStep) -> dict:
+    """Multi-token prediction: each MTP layer's loss over the interval on the last stage, averaged
+    over its data x context-parallel ranks, as Megatron logs it (`mtp_1 loss`, ...)."""
+    losses = getattr(step_func, "mtp_losses", None)
+    if losses is None:
+        return {}
+    fields = losses.collect(parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return fields if is_logging_rank(config.pipeline.plan) else {}
+
+
 def _eval_samples(training) -> int:
     """Validation samples the run reads (`training`: its `TrainingConfig`)."""
     evaluations = training.train_iters // training.eval_interval + int(training.skip_train)
@@ -952,6 +967,7 @@ def train(config, forward_step_func, model, runtime, step_func, train_iter, vali
             elapsed = time.perf_counter() - interval_start
             fields = megatron_log_fields(config, step_func)
             fields.update(moe_log_fields(config, step_func, iteration))
+            fields.update(mtp_log_fields(config, step_func))
             log_iteration(config, state, runtime, step_func, interval_losses, elapsed, writer,
                           fields)  # fmt: skip
             step_func.step_seconds = 0.0
