@@ -38,6 +38,7 @@ TOKENIZER_CHOICES = [
     "GPT2BPETokenizer",
     "GPTSentencePieceTokenizer",
     "SentencePieceTokenizer",
+    "Llama2Tokenizer",
     "HuggingFaceTokenizer",
     "NullTokenizer",
 ]

@@ -9,6 +9,9 @@ Types:
 
 - ``SentencePieceTokenizer`` (alias ``GPTSentencePieceTokenizer``): ``--tokenizer-model``;
   ``eod`` is the model's eos id.
+- ``Llama2Tokenizer``: a SentencePiece model as Megatron's Llama-2 tokenizer reads it: every
+  text starts with the model's bos id (when it has one), ``eod`` is its eos id, ``pad`` its pad
+  id (-1: none).
 - ``GPT2BPETokenizer``: ``--vocab-file`` (vocab.json) and ``--merge-file`` (merges.txt), GPT-2's
   byte-level BPE, implemented here; ``eod`` is ``<|endoftext|>``.
 - ``HuggingFaceTokenizer``: ``--tokenizer-model`` is a local ``tokenizer.json`` or a directory
@@ -33,6 +36,7 @@ from megatron.training.errors import UserError
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
+    "Llama2Tokenizer",
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
     "NullTokenizer",
@@ -56,6 +60,9 @@ def build_tokenizer(
     if kind == "SentencePieceTokenizer":
         _require(tokenizer_model, "--tokenizer-model", tokenizer_type)
         return SentencePieceTokenizer(tokenizer_model)
+    if kind == "Llama2Tokenizer":
+        _require(tokenizer_model, "--tokenizer-model", tokenizer_type)
+        return Llama2Tokenizer(tokenizer_model)
     if kind == "GPT2BPETokenizer":
         _require(vocab_file, "--vocab-file", tokenizer_type)
         _require(merge_file, "--merge-file", tokenizer_type)
@@ -194,6 +201,17 @@ class SentencePieceTokenizer(Tokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """A SentencePiece model with Llama-2's framing: each text begins with the bos id."""
+
+    def tokenize(self, text: str) -> List[int]:
+        ids = self._sp.encode(text, out_type=int)
+        return [self.bos] + ids if self.bos >= 0 else ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids if int(i) != self.bos])
 
 
 class NullTokenizer(Tokenizer):

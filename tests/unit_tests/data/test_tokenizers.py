@@ -7,6 +7,7 @@ from megatron.training.errors import UserError
 from megatron.training.tokenizer import sentencepiece_training
 from megatron.training.tokenizer.tokenizer import (
     GPT2BPETokenizer,
+    Llama2Tokenizer,
     NullTokenizer,
     SentencePieceTokenizer,
     build_tokenizer,
@@ -32,6 +33,22 @@ def test_sentencepiece_round_trip(sp_model):
         assert all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids)
         assert tok.detokenize(ids) == text
     json.dumps(tok.unique_identifiers)  # hashed into megatron-core's dataset cache names
+
+
+def test_llama2_tokenizer_starts_each_text_with_bos(sp_model):
+    """Megatron's Llama2Tokenizer: the SentencePiece ids with the model's bos first; eod is its
+    eos, and decoding drops the bos."""
+    tok = build_tokenizer("Llama2Tokenizer", tokenizer_model=sp_model)
+    plain = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
+    assert isinstance(tok, Llama2Tokenizer) and tok.bos == 1 and tok.eod == plain.eod == 2
+    assert tok.vocab_size == plain.vocab_size and tok.pad == -1
+    for text in TEXTS:
+        ids = tok.tokenize(text)
+        assert ids == [tok.bos] + plain.tokenize(text)
+        assert tok.detokenize(ids) == text
+    assert tok.unique_identifiers["class"] == "Llama2Tokenizer"  # its own dataset cache
+    with pytest.raises(UserError, match="--tokenizer-type Llama2Tokenizer needs --tokenizer-model"):
+        build_tokenizer("Llama2Tokenizer")
 
 
 def test_train_tokenizer_is_deterministic(tiny_corpus, sp_model, tmp_path):
