@@ -31,6 +31,7 @@ from megatron.training.mla import add_mla_args, add_yarn_args, validate_mla_and_
 from megatron.training.moe import add_moe_args, add_moe_unsupported_args, validate_moe_args
 from megatron.training.mtp import add_mtp_args, validate_mtp_args
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
+from megatron.training.tokenizer.tokenizer import add_tiktoken_args
 from megatron.training.tracking.wandb_run import add_wandb_args, validate_wandb_args
 from megatron.training.validation import add_reliability_args, validate_reliability
 
@@ -40,6 +41,7 @@ TOKENIZER_CHOICES = [
     "SentencePieceTokenizer",
     "Llama2Tokenizer",
     "HuggingFaceTokenizer",
+    "TikTokenizer",
     "NullTokenizer",
 ]
 
@@ -256,7 +258,9 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     add("--tokenizer-model", default=None)
     add("--vocab-file", default=None)
     add("--merge-file", default=None)
-    add("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    add("--vocab-size", type=int, default=None,
+        help="NullTokenizer's ids; TikTokenizer's whole vocabulary (default 2**17)")  # fmt: skip
+    add_tiktoken_args(parser.add_argument_group("TikTokenizer"))
     add("--data-cache-path", default=None)
 
 

@@ -253,6 +253,9 @@ class DataConfig(_Section):
     vocab_file: str | None = None
     merge_file: str | None = None
     vocab_size: int | None = None
+    tiktoken_pattern: str | None = None  # TikTokenizer (tokenizer/tiktoken_tokenizer.py)
+    tiktoken_num_special_tokens: int = 1000
+    special_tokens: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -330,7 +333,11 @@ class RunConfig:
             training=TrainingConfig.from_flags(
                 args, rampup_batch_size=_tuple(getattr(args, "rampup_batch_size", None))
             ),
-            data=DataConfig.from_flags(args, source=None if mock else data_source(args)),
+            data=DataConfig.from_flags(
+                args,
+                source=None if mock else data_source(args),
+                special_tokens=_tuple(getattr(args, "special_tokens", None)),
+            ),
             checkpoint=CheckpointConfig.from_flags(args),
             logging=LoggingConfig.from_flags(args, flags=plain_flags(args)),
             optimizer=OptimizerConfig.from_args(args),

@@ -144,7 +144,6 @@ NOT_SUPPORTED = [
     Flag("--fim-data"),
     Flag("--fim-rate", float),
     Flag("--fim-spm-rate", float),
-    Flag("--tiktoken-pattern", str),
     # checkpoints, fault tolerance, testing hooks
     Flag("--save-retain-interval", int),
     Flag("--error-injection-rate", int, 0),
@@ -279,7 +278,7 @@ NOT_YET_BY_GROUP = {
     ),
     "tokenizer": (
         "--padded-vocab-size= --no-pad-vocab-size --disable-pad-vocab-size --vocab-extra-ids= "
-        "--tokenizer-metadata= --tokenizer-special-tokens=* --tiktoken-num-special-tokens= "
+        "--tokenizer-metadata= "
         "--tokenizer-sentencepiece-legacy --no-tokenizer-sentencepiece-ignore-extra-whitespaces "
         "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces --tokenizer-hf-no-use-fast "
         "--tokenizer-hf-no-include-special-tokens --trust-remote-code --null-tokenizer-eod-id= "

@@ -51,9 +51,11 @@ def flags(model_args: dict, output: str) -> list[str]:
 
 def prepare_gpt2_data(output: str) -> None:
     """A GPT-2 BPE vocab.json/merges.txt pair trained on a slice of the default corpus (the
-    Python standard library's sources) and that slice tokenized with it, under output/gpt2."""
+    Python standard library's sources) and that slice tokenized with it, under output/gpt2;
+    and the same BPE as a Megatron TikToken vocabulary (tiktoken.json, 1,023 ranks after
+    TikTokenizer's 1,000 special ids) with the slice tokenized by it (stdlib_tiktoken_*)."""
     directory = os.path.join(output, "gpt2")
-    if os.path.exists(os.path.join(directory, "stdlib_text_document.idx")):
+    if os.path.exists(os.path.join(directory, "stdlib_tiktoken_text_document.idx")):
         return
     corpus = os.path.join(directory, "stdlib.jsonl")
     steps = [
@@ -64,6 +66,12 @@ def prepare_gpt2_data(output: str) -> None:
          os.path.join(directory, "stdlib"), "--tokenizer-type", "GPT2BPETokenizer",
          "--vocab-file", os.path.join(directory, "vocab.json"), "--merge-file",
          os.path.join(directory, "merges.txt"), "--append-eod", "--workers", "1"],
+        ["build_tiktoken_vocab.py", "--vocab-file", os.path.join(directory, "vocab.json"),
+         "--output", os.path.join(directory, "tiktoken.json")],
+        ["preprocess_data.py", "--input", corpus, "--json-keys", "text", "--output-prefix",
+         os.path.join(directory, "stdlib_tiktoken"), "--tokenizer-type", "TikTokenizer",
+         "--tokenizer-model", os.path.join(directory, "tiktoken.json"), "--vocab-size", "2023",
+         "--append-eod", "--workers", "1"],
     ]  # fmt: skip
     for tool, *arguments in steps:
         command = [sys.executable, os.path.join(REPO, "tools", tool), *arguments]

@@ -27,7 +27,11 @@ from dataclasses import dataclass
 import numpy
 
 from megatron.training.errors import UserError
-from megatron.training.tokenizer.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from megatron.training.tokenizer.tokenizer import (
+    TOKENIZER_TYPES,
+    add_tiktoken_args,
+    build_tokenizer,
+)
 from megatron.training.validation import STATS_SUFFIX
 
 _worker = {}  # per-process state: the tokenizer and what to encode
@@ -151,7 +155,9 @@ def get_args(argv=None):
     group.add_argument("--tokenizer-model", default=None, help="sentencepiece model file")
     group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
-    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocab size")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="NullTokenizer's ids; TikTokenizer's whole vocabulary")  # fmt: skip
+    add_tiktoken_args(group)
     group.add_argument("--append-eod", action="store_true", help="end each document with eod")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="prefix of the output files")
@@ -196,6 +202,9 @@ class PreprocessOptions:
     vocab_file: str | None
     merge_file: str | None
     vocab_size: int | None
+    tiktoken_pattern: str | None  # TikTokenizer
+    tiktoken_num_special_tokens: int
+    special_tokens: tuple[str, ...] | None
     append_eod: bool
     output_prefix: str
     workers: int  # tokenizer processes (1: tokenize in this process)
@@ -211,6 +220,9 @@ class PreprocessOptions:
             vocab_file=args.vocab_file,
             merge_file=args.merge_file,
             vocab_size=args.vocab_size,
+            tiktoken_pattern=args.tiktoken_pattern,
+            tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+            special_tokens=tuple(args.special_tokens) if args.special_tokens else None,
             append_eod=args.append_eod,
             output_prefix=args.output_prefix,
             workers=args.workers,
@@ -225,6 +237,9 @@ class PreprocessOptions:
             vocab_file=self.vocab_file,
             merge_file=self.merge_file,
             vocab_size=self.vocab_size,
+            tiktoken_pattern=self.tiktoken_pattern,
+            tiktoken_num_special_tokens=self.tiktoken_num_special_tokens,
+            special_tokens=self.special_tokens,
         )
 
 

@@ -18,6 +18,10 @@ Types:
   holding one, read with the ``tokenizers`` package (nothing is downloaded); ``eod`` is the
   ``eos_token`` of a ``tokenizer_config.json`` beside it, else the first of ``</s>``,
   ``<|endoftext|>``, ``<|end_of_text|>``, ``<eos>`` in the vocabulary.
+- ``TikTokenizer``: a Megatron-format TikToken vocabulary (``--tokenizer-model``, ``.json``)
+  run by the ``tiktoken`` package (``pip install -e .[tiktoken]``), ``--tiktoken-pattern``,
+  ``--tiktoken-num-special-tokens``, ``--tokenizer-special-tokens``, ``--vocab-size``:
+  ``tiktoken_tokenizer.py``.
 - ``NullTokenizer``: ``--vocab-size N``; text is whitespace-separated integer ids. As in
   Megatron, ``eod`` is ``N`` and ``vocab_size`` is ``N + 1``.
 
@@ -29,16 +33,17 @@ import json
 import os
 import re
 import unicodedata
-from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.training.errors import UserError
+from megatron.training.tokenizer.base import Tokenizer
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
     "Llama2Tokenizer",
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
+    "TikTokenizer",
     "NullTokenizer",
 )
 _ALIASES = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
@@ -51,6 +56,9 @@ def build_tokenizer(
     vocab_file: Optional[str] = None,
     merge_file: Optional[str] = None,
     vocab_size: Optional[int] = None,
+    tiktoken_pattern: Optional[str] = None,
+    tiktoken_num_special_tokens: int = 1000,
+    special_tokens: Optional[List[str]] = None,
 ):
     """Build the tokenizer named by ``tokenizer_type`` (Megatron's ``--tokenizer-type``).
 
@@ -70,11 +78,28 @@ def build_tokenizer(
     if kind == "HuggingFaceTokenizer":
         _require(tokenizer_model, "--tokenizer-model", tokenizer_type)
         return HuggingFaceTokenizer(tokenizer_model)
+    if kind == "TikTokenizer":
+        _require(tokenizer_model, "--tokenizer-model", tokenizer_type)
+        from megatron.training.tokenizer.tiktoken_tokenizer import TikTokenizer
+
+        return TikTokenizer(tokenizer_model, pattern=tiktoken_pattern, vocab_size=vocab_size,
+                            num_special_tokens=tiktoken_num_special_tokens,
+                            special_tokens=special_tokens)  # fmt: skip
     if kind == "NullTokenizer":
         _require(vocab_size, "--vocab-size", tokenizer_type)
         return NullTokenizer(vocab_size)
     known = ", ".join(TOKENIZER_TYPES)
     raise UserError(f"unknown --tokenizer-type {tokenizer_type!r} (known: {known})")
+
+
+def add_tiktoken_args(group) -> None:
+    """TikTokenizer's flags (Megatron's names and defaults), for pretraining and preprocessing."""
+    group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
+                       help="the word-splitting pattern (default v2)")  # fmt: skip
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                       help="ids before the vocabulary's first rank")  # fmt: skip
+    group.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
+                       dest="special_tokens", help="TikTokenizer's named special tokens")  # fmt: skip
 
 
 def build_tokenizer_of_run(data):
@@ -85,6 +110,9 @@ def build_tokenizer_of_run(data):
         vocab_file=data.vocab_file,
         merge_file=data.merge_file,
         vocab_size=data.vocab_size,
+        tiktoken_pattern=data.tiktoken_pattern,
+        tiktoken_num_special_tokens=data.tiktoken_num_special_tokens,
+        special_tokens=data.special_tokens,
     )
 
 
@@ -101,51 +129,6 @@ def _read_text(path: str, flag: str) -> str:
         raise UserError(f"{flag} file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"cannot read {flag} file {path}: {err}") from None
-
-
-class Tokenizer:
-    """What every tokenizer here offers; megatron-core's datasets use the properties."""
-
-    def __init__(self, *paths: str, **options) -> None:
-        identifiers = OrderedDict()
-        identifiers["class"] = type(self).__name__
-        identifiers["tokenizer_path"] = list(paths)
-        for key, value in options.items():
-            identifiers[key] = str(value)
-        self._unique_identifiers = identifiers
-
-    @property
-    def unique_identifiers(self) -> "OrderedDict[str, object]":
-        """JSON-serializable description; megatron-core hashes it into dataset cache names."""
-        return self._unique_identifiers
-
-    @property
-    def unique_description(self) -> str:
-        return json.dumps(self._unique_identifiers, indent=4)
-
-    @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def eod(self) -> int:
-        """The end-of-document id, appended to documents by ``preprocess_data --append-eod``."""
-        raise NotImplementedError
-
-    @property
-    def eos(self) -> int:
-        return self.eod
-
-    @property
-    def pad(self) -> int:
-        """The padding id; -1 means none (megatron-core then pads with -1 and masks it)."""
-        return -1
-
-    def tokenize(self, text: str) -> List[int]:
-        raise NotImplementedError
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        raise NotImplementedError
 
 
 class SentencePieceTokenizer(Tokenizer):

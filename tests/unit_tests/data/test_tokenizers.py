@@ -233,3 +233,80 @@ def test_two_merges_swapped_are_rejected(tmp_path):
     vocab_file, merge_file = _write_pair(tmp_path, symbols, [merges[1], merges[0], merges[2]])
     with pytest.raises(UserError, match=r"merge 2 \(h e\) makes id 256, below id 257 of merge 1"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+
+
+# ---------------------------------------------------------------------------- TikTokenizer
+@pytest.fixture(scope="module")
+def tiktoken_vocab(trained_pair, tmp_path_factory):
+    """A Megatron-format TikToken vocabulary converted from the GPT-2 BPE trained above."""
+    from megatron.training.tokenizer import tiktoken_vocab
+
+    path = str(tmp_path_factory.mktemp("tiktoken") / "vocab.json")
+    assert tiktoken_vocab.main(["--vocab-file", trained_pair[0], "--output", path]) == 0
+    return path
+
+
+def test_tiktoken_vocabulary_is_megatrons_format(tiktoken_vocab, trained_pair):
+    """Ranks 0..255 the bytes in order, then one token per merged GPT-2 token, each decodable
+    from base64 and made of two lower-ranked tokens' bytes."""
+    import base64
+
+    entries = json.load(open(tiktoken_vocab))
+    tokens = [base64.b64decode(e["token_bytes"]) for e in entries]
+    assert [e["rank"] for e in entries] == list(range(len(entries)))
+    assert tokens[:256] == [bytes([i]) for i in range(256)]
+    assert len(entries) == len(json.load(open(trained_pair[0]))) - 1  # <|endoftext|> left out
+    known = set(tokens[:256])
+    for token in tokens[256:]:
+        assert any(token[:k] in known and token[k:] in known for k in range(1, len(token)))
+        known.add(token)
+
+
+@pytest.mark.parametrize("pattern", ["v1", "v2"])
+def test_tiktokenizer_round_trip_and_megatrons_ids(tiktoken_vocab, pattern):
+    """Megatron's ids: 1000 special tokens first (<unk> <s> </s> <mask> <pad> ...), rank r at
+    r + 1000; eod is </s>, pad <pad>; every text round-trips, and merges are used."""
+    tok = build_tokenizer("TikTokenizer", tokenizer_model=tiktoken_vocab, tiktoken_pattern=pattern)
+    assert (tok.vocab_size, tok.bos, tok.eod, tok.pad) == (2**17, 1, 2, 4)
+    for text in TEXTS + tiny_documents()[:3]:
+        ids = tok.tokenize(text)
+        assert all(1000 <= i < 1000 + 400 for i in ids)
+        assert tok.detokenize(ids) == text
+    words = "def return self " * 4
+    assert len(tok.tokenize(words)) < len(words.encode())  # merged, not byte by byte
+    assert tok.detokenize([tok.bos, 1000 + ord("a")]) == "<s>a"
+
+
+def test_tiktokenizer_options(tiktoken_vocab):
+    """--vocab-size cuts the ranks, --tiktoken-num-special-tokens moves them, and custom special
+    tokens keep Megatron's required ones."""
+    tok = build_tokenizer("TikTokenizer", tokenizer_model=tiktoken_vocab, vocab_size=300,
+                          tiktoken_num_special_tokens=10)  # fmt: skip
+    ids = tok.tokenize("def return")
+    assert tok.vocab_size == 300 and all(10 <= i < 300 for i in ids)
+    special = ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>", "<x>"]
+    tok = build_tokenizer(
+        "TikTokenizer", tokenizer_model=tiktoken_vocab, special_tokens=special[::-1]
+    )
+    assert tok.eod == 5 and tok.pad == 3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tiktoken_num_special_tokens": 3}, "must be at least the 7 special tokens"),
+    ({"special_tokens": ["<s>", "</s>"]}, "must hold <unk> <s> </s>"),
+    ({"tiktoken_pattern": "v3"}, "--tiktoken-pattern must be v1 or v2"),
+])  # fmt: skip
+def test_tiktokenizer_bad_options_are_one_line(tiktoken_vocab, kwargs, message):
+    with pytest.raises(UserError, match=message):
+        build_tokenizer("TikTokenizer", tokenizer_model=tiktoken_vocab, **kwargs)
+
+
+def test_tiktokenizer_bad_files_are_one_line(tmp_path):
+    with pytest.raises(UserError, match="--tokenizer-model file not found"):
+        build_tokenizer("TikTokenizer", tokenizer_model=str(tmp_path / "missing.json"))
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps([{"rank": 1, "token_bytes": "AA==", "token_str": ""}] * 300))
+    with pytest.raises(UserError, match="entry 0 is out of order"):
+        build_tokenizer("TikTokenizer", tokenizer_model=str(wrong))
+    with pytest.raises(UserError, match="--tokenizer-type TikTokenizer needs --tokenizer-model"):
+        build_tokenizer("TikTokenizer")
