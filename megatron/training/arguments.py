@@ -1006,6 +1006,7 @@ def layout_config(args: argparse.Namespace, chunks: int | None = None):
             account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
             pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
             virtual_pipeline_model_parallel_size=chunks,
+            mtp_num_layers=getattr(args, "mtp_num_layers", None) or None,  # a layout's m
         )
     except (AssertionError, ValueError, KeyError) as error:
         layout = args.pipeline_model_parallel_layout

@@ -822,6 +822,9 @@ def _mtp_spec(config: TransformerConfig, decoder_spec, layout: StageLayout, devi
     te = use_te and device.type == "cuda" and transformer_engine_available()
     own_norms = config.layernorm_zero_centered_gamma or config.sequence_parallel
     norm = PortableNorm if own_norms and not te else None
+    if getattr(decoder_spec, "layer_specs", None) == []:  # an MTP-only stage ("...|mL")
+        last = max(s for s in range(layout.pipeline_size) if layout.layers_on(s))
+        decoder_spec = layer_spec_for(device, config, use_te=use_te, pp_rank=last)
     return mtp_block_spec(decoder_spec, config.mtp_num_layers, norm=norm, use_te=te)
 
 

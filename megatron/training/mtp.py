@@ -146,8 +146,6 @@ def mtp_block_spec(
     )
 
     layer_specs = getattr(decoder_spec, "layer_specs", None)
-    if layer_specs is not None and not layer_specs:
-        raise UserError("--mtp-num-layers needs a transformer layer on the last pipeline stage")
     layer = layer_specs[-1] if layer_specs is not None else decoder_spec
     if use_te:
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider

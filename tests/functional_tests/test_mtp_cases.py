@@ -19,6 +19,8 @@ FLUSH = {  # case -> its one-process reference
     "gpt_mtp_pp4_1f1b": "gpt_mtp_pp1_1f1b",
     "gpt_mtp_untied_pp2_1f1b": "gpt_mtp_untied_pp1_1f1b",
     "moe_deepseek_proxy_ep2pp2_1f1b": "moe_deepseek_proxy_pp1_1f1b",
+    # the MTP layer on a stage of its own ("Etttt|mL"): built around the last decoder layer's kind
+    "moe_deepseek_proxy_ep2pp2_mtpstage_1f1b": "moe_deepseek_proxy_pp1_1f1b",
 }
 ASYNCHRONOUS = ["gpt_mtp_pp4_paci", "gpt_mtp_untied_pp4_2bw", "moe_deepseek_proxy_ep2pp2_paci",
                 "moe_deepseek_proxy_ep2pp2_2bw"]  # fmt: skip

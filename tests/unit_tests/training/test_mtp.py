@@ -65,3 +65,11 @@ def test_a_negative_count_is_refused():
 def test_mtp_goes_beside_the_loss_in_a_layout():
     assert _mtp_beside_loss("Et|tt|tmL") and _mtp_beside_loss("Ett|ttL")
     assert not _mtp_beside_loss("Etm|ttL")
+    flags = ROPE + ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"]
+    args = validated(flags + ["--pipeline-model-parallel-layout", "Etttt|mL"], world_size=2)
+    assert args.stage_layers == [4, 0]  # the MTP layer on a stage of its own
+    with pytest.raises(UserError, match="decoder layers must be placed before MTP layers"):
+        validated(flags + ["--pipeline-model-parallel-layout", "Ettm|ttL"], world_size=2)
+    three = ROPE + ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "3"]
+    with pytest.raises(UserError, match="other than the loss's .m beside L. is not supported yet"):
+        validated(three + ["--pipeline-model-parallel-layout", "Ett|ttm|L"], world_size=3)
