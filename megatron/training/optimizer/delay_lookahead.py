@@ -8,7 +8,8 @@ ceil((N-1-s)/a); PipeDream-2BW: 1; flush: 0), and the stage knows `d_s` from the
   `m(t) + beta (m(t) - m(t-1))` (for Muon this equals torch's `lerp(g, m(t), beta)`). A
   gradient that is `d` steps late describes the weights `d` steps back, so the look-ahead is
   stretched over the steps the gradient lags: `m(t) + (1 + d) beta (m(t) - m(t-1))`. The last
-  stage (`d = 0`) runs plain Nesterov. For AdamW the extrapolated moment replaces Adam's first
+  stage (`d = 0`) runs plain Nesterov. (This stretch is the project's own rule in the paper's
+  spirit, not a transcription of its equations.) For AdamW the extrapolated moment replaces Adam's first
   moment, bias-corrected by the weight its gradients carry (`lookahead_bias_correction`).
 * **Momentum by delay** (`--async-delay-momentum B`): the public code of that paper raises
   the momentum with a stage's delay; here the first-moment coefficient `beta` of stage s goes
