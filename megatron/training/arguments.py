@@ -234,6 +234,7 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     add("--lr-decay-iters", type=int, default=None)
     add("--lr-decay-samples", type=int, default=None)
     add("--lr-warmup-iters", type=int, default=0)
+    add("--lr-warmup-init", type=float, default=0.0, help="the LR the warmup starts from")
     add("--lr-warmup-samples", type=int, default=0)
     add("--lr-warmup-fraction", type=float, default=None)
     add("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
@@ -267,6 +268,8 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("logging").add_argument
     add("--log-interval", type=int, default=100)
+    add("--logging-level", type=int, default=None,
+        help="the root Python logger's level (10 debug ... 40 error); default: left as it is")  # fmt: skip
     add("--eval-interval", type=int, default=1000)
     add("--eval-iters", type=int, default=100)
     add("--tensorboard-dir", default=None)
@@ -291,6 +294,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("checkpoints").add_argument
     add("--save", default=None)
     add("--save-interval", type=int, default=None)
+    add("--save-retain-interval", type=int, default=None,
+        help="keep only the checkpoints of its multiples, and the newest")  # fmt: skip
     add("--load", default=None)
     add("--ckpt-step", type=int, default=None,
         help="load the checkpoint of this iteration from --load, not the newest one")  # fmt: skip
@@ -399,6 +404,10 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         raise UserError("--verify-integrity is only supported with --ckpt-format torch_dist")
     if args.save_interval is not None and args.save is None:
         raise UserError("--save-interval needs --save DIR")
+    retain = args.save_retain_interval
+    if retain is not None and (retain < 1 or not args.save_interval or retain % args.save_interval):
+        raise UserError(f"--save-retain-interval {retain} must be a positive multiple of "
+                        f"--save-interval ({args.save_interval})")  # fmt: skip
     _validate_ckpt_step(args)
     if args.emulated_forward_ms is not None and (args.save or args.load):
         if args.ckpt_format == "torch_dist":  # its keys come from megatron-core's model

@@ -262,6 +262,7 @@ class DataConfig(_Section):
 class CheckpointConfig(_Section):
     save: str | None = None
     save_interval: int | None = None
+    save_retain_interval: int | None = None
     load: str | None = None
     ckpt_format: str = "torch"
     ckpt_step: int | None = None
@@ -282,6 +283,7 @@ class CheckpointConfig(_Section):
 @dataclass(frozen=True)
 class LoggingConfig(_Section):
     log_interval: int = 100
+    logging_level: int | None = None  # --logging-level: the root logger's level
     log_throughput: bool = False
     log_params_norm: bool = False
     log_num_zeros_in_grad: bool = False

@@ -76,6 +76,7 @@ OUR_BEHAVIOUR = [
         "--disable-manual-gc-eval",
         "--no-pin-cpu-grads",
         "--no-pin-cpu-params",
+        "--no-check-for-nan-in-loss-and-grad",
     ),
     Flag("--local-rank", int, None, supported=None),
     Flag("--ddp-bucket-size", int, None, supported=None),
@@ -145,7 +146,6 @@ NOT_SUPPORTED = [
     Flag("--fim-rate", float),
     Flag("--fim-spm-rate", float),
     # checkpoints, fault tolerance, testing hooks
-    Flag("--save-retain-interval", int),
     Flag("--error-injection-rate", int, 0),
     Flag("--error-injection-type", str),
     Flag("--export-te-mcore-model"),
@@ -215,14 +215,14 @@ NOT_YET_BY_GROUP = {
     "training": (
         "--decrease-batch-size-if-needed --gpu-sniff-test-interval= --train-sync-interval= "
         "--exit-signal= --exit-signal-handler-for-dataloader --exit-signal-handler-for-training "
-        "--iterations-to-skip=* --no-check-for-nan-in-loss-and-grad --check-for-large-grads "
+        "--iterations-to-skip=* --check-for-large-grads "
         "--result-rejected-tracker-filename= --optimizer-cpu-offload "
         "--optimizer-offload-fraction= --use-torch-optimizer-for-cpu-offload "
         "--overlap-cpu-optimizer-d2h-h2d --dump-param-to-param-group-map= "
     ),
     "RNG and initialization": ("--te-rng-tracker --data-parallel-random-init "),
     "learning rate and weight decay": (
-        "--lr-wsd-decay-style= --lr-wsd-decay-iters= --lr-wsd-decay-samples= --lr-warmup-init= "
+        "--lr-wsd-decay-style= --lr-wsd-decay-iters= --lr-wsd-decay-samples= "
         "--start-weight-decay= --end-weight-decay= --weight-decay-incr-style= --freeze-all-layers "
     ),
     "checkpointing": (
@@ -293,7 +293,7 @@ NOT_YET_BY_GROUP = {
         "--log-progress --timing-log-option= --tensorboard-log-interval= "
         "--no-log-loss-scale-to-tensorboard --disable-log-loss-scale-to-tensorboard "
         "--log-memory-interval= --log-device-memory-used --log-max-attention-logit "
-        "--no-barrier-with-level-1-timing --log-world-size-to-tensorboard --logging-level= "
+        "--no-barrier-with-level-1-timing --log-world-size-to-tensorboard "
         "--log-energy "
     ),
     "opentelemetry": ("--otel-enabled --otel-service-name= --otel-span-groups= "),

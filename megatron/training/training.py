@@ -9,6 +9,7 @@ import contextlib
 import datetime
 import gc
 import itertools
+import logging
 import math
 import os
 import time
@@ -440,6 +441,7 @@ def pretrain(args, forward_step_func) -> TrainingState:
     (`RunConfig`) is built from them; everything below reads the configuration."""
     wall_start = time.perf_counter()
     config = RunConfig.from_args(args)
+    set_logging_level(config.logging.logging_level)
     # Installed first, so that a SIGTERM during set-up is caught too (--exit-signal-handler).
     requests = None
     if run_control.requested(config.training):
@@ -450,6 +452,18 @@ def pretrain(args, forward_step_func) -> TrainingState:
     finally:
         if requests is not None:
             requests.release()
+
+
+def set_logging_level(level: int | None) -> None:
+    """--logging-level, else the MEGATRON_LOGGING_LEVEL environment variable, as Megatron: the
+    root logger's level (Python's numbers: 10 debug ... 40 error); unset leaves it alone."""
+    if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL"):
+        try:
+            level = int(os.environ["MEGATRON_LOGGING_LEVEL"])
+        except ValueError:
+            raise UserError("MEGATRON_LOGGING_LEVEL must be an integer logging level") from None
+    if level is not None:
+        logging.getLogger().setLevel(level)
 
 
 def _pretrain(config, forward_step_func, wall_start, requests) -> TrainingState:

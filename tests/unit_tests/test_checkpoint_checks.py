@@ -592,3 +592,25 @@ def test_changed_decoupled_lr_is_named_or_honoured(tmp_path):
         "which changes the optimizer's parameter groups; resume with the checkpoint's "
         "setting, or add --no-load-optim"
     )
+
+
+def test_save_retain_interval_keeps_its_multiples_and_the_newest(tmp_path):
+    """--save-retain-interval 4 with --save-interval 2, as Megatron: a save deletes the
+    checkpoint it replaces unless that one's iteration is a multiple of 4."""
+    args = make_args("--save", str(tmp_path), "--save-interval", "2", "--save-retain-interval", "4")
+    for iteration in (2, 4, 6, 8):
+        save_at(tmp_path, iteration, args)
+    kept = sorted(name for name in os.listdir(tmp_path) if name.startswith("iter_"))
+    assert kept == ["iter_0000004", "iter_0000008"]  # 2 and 6 deleted once replaced
+    save_at(tmp_path, 9, args)  # the newest is kept whatever its iteration
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("iter_"))[-1] == "iter_0000009"
+    assert load(tmp_path, args)[0] == 9
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--save-retain-interval", "3"], "must be a positive multiple of --save-interval .2."),
+    (["--save-retain-interval", "0"], "must be a positive multiple"),
+])  # fmt: skip
+def test_save_retain_interval_is_checked(tmp_path, extra, message):
+    with pytest.raises(UserError, match=message):
+        make_args("--save", str(tmp_path), "--save-interval", "2", *extra)

@@ -23,6 +23,7 @@ loaded instead.
 import errno
 import os
 import re
+import shutil
 import signal
 
 import torch
@@ -144,8 +145,30 @@ def save(root: str, state, model, optimizer, scheduler, config=None) -> None:
         minutes = None if config is None else config.parallel.distributed_timeout_minutes
         raise UserError(_save_timeout(root, state.iteration, minutes)) from None
     if dist.get_rank() == 0:
+        previous = _tracked_iteration(root)
         atomic_write_text(os.path.join(root, TRACKER), str(state.iteration))
         print(f"> saved checkpoint at iteration {state.iteration} to {root}", flush=True)
+        _drop_unretained(root, previous, state.iteration, checkpoint.save_retain_interval)
+
+
+def _tracked_iteration(root: str) -> int | None:
+    try:
+        with open(os.path.join(root, TRACKER)) as handle:
+            return int(handle.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _drop_unretained(root: str, previous: int | None, saved: int, retain: int | None) -> None:
+    """--save-retain-interval N, as Megatron: once a new checkpoint is complete and named, the
+    one it replaces is deleted unless its iteration is a multiple of N (or it is a link)."""
+    if retain is None or not previous or previous == saved or previous % retain == 0:
+        return
+    directory = os.path.join(root, f"iter_{previous:07d}")
+    if os.path.isdir(directory) and not os.path.islink(directory):
+        shutil.rmtree(directory)
+        print(f"> deleted the checkpoint of iteration {previous} (--save-retain-interval "
+              f"{retain})", flush=True)  # fmt: skip
 
 
 def _save_torch(root: str, state, model, optimizer, scheduler, config) -> None:

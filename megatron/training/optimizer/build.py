@@ -131,7 +131,7 @@ def build_lr_scheduler(
                     group[key] *= lr_scale
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0,
+        init_lr=config.warmup_init * lr_scale,
         max_lr=config.max_lr * lr_scale,
         min_lr=config.min_lr * lr_scale,
         lr_warmup_steps=config.warmup_steps,

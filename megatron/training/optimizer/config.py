@@ -117,6 +117,7 @@ class LRScheduleConfig:
     decay_steps: float
     decay_style: str = "linear"
     weight_decay: float = 0.01
+    warmup_init: float = 0.0  # --lr-warmup-init: the LR the warmup starts from
     use_checkpoint_opt_param_scheduler: bool = False
     override_opt_param_scheduler: bool = False
 
@@ -130,6 +131,7 @@ class LRScheduleConfig:
             decay_steps=decay,
             decay_style=args.lr_decay_style,
             weight_decay=args.weight_decay,
+            warmup_init=getattr(args, "lr_warmup_init", 0.0),
             use_checkpoint_opt_param_scheduler=getattr(
                 args, "use_checkpoint_opt_param_scheduler", False
             ),

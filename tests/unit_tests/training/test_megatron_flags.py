@@ -378,3 +378,23 @@ def test_disable_gloo_process_groups_reaches_megatron_core():
     torch.multiprocessing.start_processes(_initialize, args=(port, found), nprocs=1,
                                           start_method="spawn")  # fmt: skip
     assert dict(found) == {False: True, True: False}
+
+
+def test_logging_level_sets_the_root_logger(monkeypatch):
+    """--logging-level N (or MEGATRON_LOGGING_LEVEL), as Megatron: the root logger's level."""
+    import logging
+
+    from small_run_flags import configured
+
+    from megatron.training.training import set_logging_level
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", root.level)  # restored after the test
+    set_logging_level(configured(["--logging-level", "40"]).logging.logging_level)
+    assert root.level == 40
+    monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", "10")
+    set_logging_level(configured([]).logging.logging_level)
+    assert root.level == 10
+    monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", "loud")
+    with pytest.raises(UserError, match="MEGATRON_LOGGING_LEVEL must be an integer"):
+        set_logging_level(None)

@@ -251,3 +251,28 @@ def test_without_decoupled_lr_every_parameter_follows_lr():
     optimizer = build_optimizer(model, optimizer_config("adam"))
     assert not any(g.get("is_decoupled_lr") for g in optimizer.param_groups)
     assert [g["wd_mult"] for g in optimizer.param_groups] == [1.0, 0.0]
+
+
+def test_lr_warmup_init_starts_the_warmup_there():
+    """--lr-warmup-init 1e-4 with 4 warmup steps to 1e-3: 1e-4 at step 0, linear up to 1e-3
+    (megatron-core's scheduler, as Megatron builds it); the default starts at 0."""
+    from small_run_flags import configured
+
+    flags = [
+        "--lr-warmup-iters",
+        "4",
+        "--lr-warmup-init",
+        "1e-4",
+        "--lr-decay-iters",
+        "8",
+        "--lr-decay-style",
+        "constant",
+    ]
+    config = configured(flags).lr
+    assert config.warmup_init == 1e-4 and configured([]).lr.warmup_init == 0.0
+    scheduler = build_lr_scheduler(build_optimizer(TinyGPT(), optimizer_config("adam")), config)
+    lrs = []
+    for _ in range(6):
+        lrs.append(scheduler.optimizer.param_groups[0]["lr"])
+        scheduler.step(1)
+    assert lrs == pytest.approx([1e-4, 3.25e-4, 5.5e-4, 7.75e-4, 1e-3, 1e-3])
