@@ -26,8 +26,16 @@ setup(
         "einops",  # megatron-core's partial data-parallel groups (distributed optimizer copies)
     ],
     extras_require={
-        "dev": ["pytest>=8", "pyyaml", "black", "isort", "matplotlib", "tokenizers", "tiktoken",
-                "wandb>=0.31"],
+        "dev": [
+            "pytest>=8",
+            "pyyaml",
+            "black",
+            "isort",
+            "matplotlib",
+            "tokenizers",
+            "tiktoken",
+            "wandb>=0.31",
+        ],
         "hf": ["tokenizers"],  # --tokenizer-type HuggingFaceTokenizer
         "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
         "wandb": ["wandb>=0.31"],  # --wandb-project (Weights & Biases logging)
