@@ -88,12 +88,8 @@ def model_sharded_state_dict(model) -> dict:
             f"--ckpt-format {FORMAT} needs megatron-core's model ({type(model).__name__} has no "
             "sharded_state_dict): pass --ckpt-format torch"
         )
-    from megatron.core import parallel_state
-
-    # One key per global layer ("decoder.layers.<global>.…"), as Megatron's current checkpoints;
-    # the data x context group marks the MTP stage's embedding copy a replica (megatron-core's).
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return model.sharded_state_dict(metadata={"non_homogeneous_layers": True, "dp_cp_group": group})
+    # One key per global layer ("decoder.layers.<global>.…"), as Megatron's current checkpoints.
+    return model.sharded_state_dict(metadata={"non_homogeneous_layers": True})
 
 
 def sharded_parameters(model_sharded: dict) -> dict[int, ShardedTensor]:
