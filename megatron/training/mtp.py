@@ -65,7 +65,7 @@ def validate_mtp_args(args: argparse.Namespace, *, placement_v: bool) -> None:
 
 def _mtp_beside_loss(layout: str) -> bool:
     """Whether a layout string puts every `m` in the last stage, the one with `L`."""
-    stages = layout.replace(",", "|").split("|")
+    stages = layout.split("|")
     return all("m" not in stage for stage in stages[:-1])
 
 
