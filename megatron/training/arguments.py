@@ -31,6 +31,7 @@ from megatron.training.mla import add_mla_args, add_yarn_args, validate_mla_and_
 from megatron.training.moe import add_moe_args, add_moe_unsupported_args, validate_moe_args
 from megatron.training.mtp import add_mtp_args, validate_mtp_args
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
+from megatron.training.rerun import add_rerun_args, validate_rerun_args
 from megatron.training.tokenizer.tokenizer import add_tiktoken_args
 from megatron.training.tracking.wandb_run import add_wandb_args, validate_wandb_args
 from megatron.training.validation import add_reliability_args, validate_reliability
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_wandb_args(parser)
     add_recompute_args(parser)
     add_reliability_args(parser)
+    add_rerun_args(parser)
     add_mla_args(parser)
     add_mtp_args(parser)
     add_moe_args(parser)
@@ -389,6 +391,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_mla_and_yarn_args(args)
     validate_mtp_args(args, placement_v=get_schedule(args.pipeline_schedule).placement is not None)
     validate_recompute_args(args, args.stage_layers)
+    validate_rerun_args(args, synchronous=get_schedule(args.pipeline_schedule).flushes_every_call)
     _validate_batch_and_run_length(args)
     if check_files:
         _validate_data_args(args)

@@ -237,6 +237,14 @@ class TrainingConfig(_Section):
     clip_grad: float = 1.0
     max_consecutive_skips: int | None = None
     check_weight_hash_across_dp_replicas_interval: int | None = None
+    # result validation (rerun.py)
+    rerun_mode: str = "disabled"
+    error_injection_rate: int = 0
+    error_injection_type: str = "transient_error"
+    check_for_nan_in_loss_and_grad: bool = True
+    check_for_spiky_loss: bool = False
+    check_for_large_grads: bool = False
+    result_rejected_tracker_filename: str | None = None
 
 
 @dataclass(frozen=True)

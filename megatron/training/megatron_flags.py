@@ -76,7 +76,6 @@ OUR_BEHAVIOUR = [
         "--disable-manual-gc-eval",
         "--no-pin-cpu-grads",
         "--no-pin-cpu-params",
-        "--no-check-for-nan-in-loss-and-grad",
     ),
     Flag("--local-rank", int, None, supported=None),
     Flag("--ddp-bucket-size", int, None, supported=None),
@@ -94,7 +93,6 @@ OUR_BEHAVIOUR = [
     Flag("--async-strategy", str, "nvrx", supported=None),
     Flag("--num-workers", int, 2, supported=None),
     Flag("--empty-unused-memory-level", int, 0, supported=(1, 2)),
-    Flag("--rerun-mode", str, "disabled"),
     Flag("--timing-log-level", int, 0),
 ]
 
@@ -146,8 +144,6 @@ NOT_SUPPORTED = [
     Flag("--fim-rate", float),
     Flag("--fim-spm-rate", float),
     # checkpoints, fault tolerance, testing hooks
-    Flag("--error-injection-rate", int, 0),
-    Flag("--error-injection-type", str),
     Flag("--export-te-mcore-model"),
     Flag("--export-kd-teacher-load", str),
     Flag("--export-kd-cfg", str),
@@ -215,8 +211,7 @@ NOT_YET_BY_GROUP = {
     "training": (
         "--decrease-batch-size-if-needed --gpu-sniff-test-interval= --train-sync-interval= "
         "--exit-signal= --exit-signal-handler-for-dataloader --exit-signal-handler-for-training "
-        "--iterations-to-skip=* --check-for-large-grads "
-        "--result-rejected-tracker-filename= --optimizer-cpu-offload "
+        "--iterations-to-skip=* --optimizer-cpu-offload "
         "--optimizer-offload-fraction= --use-torch-optimizer-for-cpu-offload "
         "--overlap-cpu-optimizer-d2h-h2d --dump-param-to-param-group-map= "
     ),
@@ -324,7 +319,6 @@ NOT_YET_BY_GROUP = {
         "--inprocess-active-world-size= --inprocess-empty-cuda-cache "
     ),
     "ft_package": ("--enable-ft-package --calc-ft-timeouts --ft-num-warmup-iters= "),
-    "rerun engine": ("--check-for-spiky-loss "),
     "msc": ("--enable-msc --disable-msc "),
     "sft": ("--sft --sft-tokenizer-prompt-format= "),
     "fault injector": (

@@ -21,6 +21,7 @@ on CPU too (tested: losses equal those without recomputation).
 """
 
 import argparse
+import os
 
 import torch
 
@@ -80,7 +81,12 @@ def validate_recompute_args(args: argparse.Namespace, layers_by_stage: list[int]
 
 
 def _reject_without_granularity(args: argparse.Namespace) -> None:
-    for flag in ("recompute_method", "recompute_num_layers", "recompute_modules"):
+    if args.recompute_num_layers is not None:  # Megatron reads it only with a granularity
+        if os.environ.get("RANK", "0") == "0":
+            print("> --recompute-num-layers has no effect without --recompute-granularity (as "
+                  "in Megatron): nothing is recomputed", flush=True)  # fmt: skip
+        args.recompute_num_layers = None
+    for flag in ("recompute_method", "recompute_modules"):
         if getattr(args, flag) is not None:
             name = "--" + flag.replace("_", "-")
             raise UserError(f"{name} needs --recompute-granularity (or --recompute-activations)")

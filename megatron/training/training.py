@@ -75,8 +75,10 @@ from megatron.training.mtp import MTPLossLog, mtp_config_fields, set_mtp_loss_sc
 from megatron.training.optimizer.build import (
     ExpertGroups,
     StageOptimizerStep,
+    StepReport,
     build_lr_scheduler,
     build_optimizer,
+    logged_learning_rate,
     stage_lr_scale,
 )
 from megatron.training.optimizer.delay_lookahead import for_stage
@@ -102,6 +104,7 @@ from megatron.training.reporting import (
     write_summary,
     write_timelines,
 )
+from megatron.training.rerun import Phase, ReplayableIterator, ResultValidation
 from megatron.training.tokenizer.tokenizer import build_tokenizer_of_run
 from megatron.training.validation import check_token_ids
 
@@ -360,6 +363,7 @@ class TrainingState:
     global_batch_size: int = 0  # of the last iteration (--rampup-batch-size changes it)
     exit_reason: str | None = None  # why training stopped before --train-iters
     weight_hash_checks: list = field(default_factory=list)  # iterations whose check passed
+    validation_exit: tuple | None = None  # (exit code, why): --rerun-mode validate_results
 
 
 def build_step(config, model, optimizer, scheduler) -> "MegatronStep":
@@ -543,7 +547,7 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
         )
     runtime = _build_stage_runtime(config, model, device)
     runtime.loss_scaler = step_func.loss_scaler  # fp16: the stage's scale, on its messages
-    train_iter, valid_iter = _build_train_valid_iterators(config, tokenizer, state)
+    train_iter, valid_iter = _build_train_valid_iterators(config, tokenizer, state, step_func)
     train_iter, valid_iter = _per_chunk_data(model, train_iter), _per_chunk_data(model, valid_iter)
     writer = tensorboard_writer(config)
     faults.register_peers()
@@ -660,9 +664,10 @@ def _build_stage_runtime(config, model, device) -> RankRuntime:
     return runtime
 
 
-def _build_train_valid_iterators(config, tokenizer, state: TrainingState):
-    """The (train, valid) microbatch iterators of this data-parallel rank."""
-    return data_iterators_of_run(
+def _build_train_valid_iterators(config, tokenizer, state: TrainingState, step_func):
+    """The (train, valid) microbatch iterators of this data-parallel rank (the training data
+    able to replay an iteration with --rerun-mode validate_results)."""
+    train_iter, valid_iter = data_iterators_of_run(
         config,
         tokenizer,
         train_samples=total_train_samples(config),
@@ -671,6 +676,22 @@ def _build_train_valid_iterators(config, tokenizer, state: TrainingState):
         data_parallel_size=config.parallel.data_parallel_size,
         consumed_train_samples=state.consumed_train_samples,
     )
+    return _with_result_validation(config, step_func, train_iter, state), valid_iter
+
+
+def _with_result_validation(config, step_func, train_iter, state):
+    """--rerun-mode validate_results: the step's `validation`, resumed from the checkpoint's
+    rerun state if it has one; the data able to replay an iteration."""
+    if config.training.rerun_mode != "validate_results":
+        return train_iter
+    device = next(step_func.model.parameters(), torch.zeros(0)).device
+    validation = ResultValidation(config.training, device=device, rank=dist.get_rank())
+    if config.checkpoint.load and state.iteration:
+        validation.load(config.checkpoint.load, state.iteration)
+    if train_iter is not None:
+        train_iter = validation.data = ReplayableIterator(train_iter)
+    step_func.validation = validation
+    return train_iter
 
 
 def _per_chunk_data(model, iterator):
@@ -695,6 +716,9 @@ def _finish_run(config, state, runtime, step_func, optimizer, writer, wall_start
     parallel_state.destroy_model_parallel()
     if state.diverged:
         raise RunFailed(f"training diverged: {state.diverged}", exit_code=3)
+    if state.validation_exit is not None:
+        code, why = state.validation_exit
+        raise RunFailed(f"--rerun-mode validate_results: {why}", exit_code=code)
 
 
 @contextlib.contextmanager
@@ -739,8 +763,13 @@ class MegatronStep:
         self.mtp_losses = MTPLossLog(model) if config.model.mtp_num_layers else None
         self.num_zeros, self.params_norm_squared = (0.0, 0.0), (0.0, 0.0)  # dense, experts
         self.step_seconds = 0.0
+        self.validation: ResultValidation | None = None  # --rerun-mode validate_results
 
     def __call__(self):
+        if self.validation is not None and not self.validation.at_step(
+            self.step_func.gradient_of, self.step_func.params
+        ):
+            return self._drop_gradients()
         if len(self.tied_weights) == 2:  # both copies on this rank (the V placement)
             first, second = (self.step_func.gradient_of(w) for w in self.tied_weights)
             first.add_(second)
@@ -760,6 +789,14 @@ class MegatronStep:
         if self.norm:
             self.params_norm_squared = _squared_norm(self.step_func.params)
         return report
+
+    def _drop_gradients(self) -> StepReport:
+        """The iteration runs again (or the run ends): no update, no LR step, the MoE token
+        counts of the dropped run forgotten."""
+        self.step_func.optimizer.zero_grad(set_to_none=True)
+        self.moe_hooks.forget_counts()
+        learning_rate = logged_learning_rate(self.step_func.optimizer.param_groups)
+        return StepReport(grad_norm=float("nan"), learning_rate=learning_rate, skipped=True)
 
     def at_drain(self) -> None:
         """The pipeline is empty: the last stage's tied copy catches up with the first's."""
@@ -965,6 +1002,10 @@ class IterationPlan:
 def train(config, forward_step_func, model, runtime, step_func, train_iter, valid_iter, state,
           writer, audit, control=None) -> None:  # fmt: skip
     plan = IterationPlan(config, state)
+    validation = step_func.validation
+    training_step_func = forward_step_func
+    if validation is not None:  # evaluation is not validated
+        training_step_func = _checking_losses(forward_step_func, validation)
     interval_start, interval_losses = time.perf_counter(), []
     train_start = time.perf_counter()
     hash_interval = config.training.check_weight_hash_across_dp_replicas_interval
@@ -973,9 +1014,12 @@ def train(config, forward_step_func, model, runtime, step_func, train_iter, vali
     while state.iteration < plan.stop:
         iteration = state.iteration + 1
         if control is not None:
-            _agree_on_stop(control, plan, iteration, runtime)
-        loss_dicts = _train_iteration(config, forward_step_func, model, train_iter, step_func,
+            _agree_on_stop(control, plan, iteration, runtime, validation)
+        loss_dicts = _train_iteration(config, training_step_func, model, train_iter, step_func,
                                       plan, iteration)  # fmt: skip
+        if validation is not None and validation.exit is not None:
+            _stop_for_validation(config, state, model, step_func, audit)
+            break
         _account_iteration(config, state, plan, iteration, loss_dicts, interval_losses)
         if iteration % config.logging.log_interval == 0:
             elapsed = time.perf_counter() - interval_start
@@ -1030,13 +1074,15 @@ def _check_weight_hashes(state, model, iteration: int) -> None:
               f"{stages}, {replicas})", flush=True)  # fmt: skip
 
 
-def _agree_on_stop(control, plan: IterationPlan, iteration: int, runtime) -> None:
+def _agree_on_stop(control, plan: IterationPlan, iteration: int, runtime, validation) -> None:
     """Before `iteration`: adopt an agreed early stop as the next drain point."""
     agreed = control.stop_before(iteration, plan.cumulative)
     if agreed is None or agreed >= plan.stop:
         return
-    # microbatches this rank has started: its first chunk's forwards with virtual stages
+    # microbatches this rank has started: its first chunk's forwards with virtual stages (an
+    # iteration validated again forwarded its microbatches twice)
     started = getattr(runtime.state, "chunks", [runtime.state])[0].forwards
+    started -= validation.replayed_microbatches if validation is not None else 0
     if agreed < iteration or started > plan.cumulative(agreed):
         # the agreement's margin rules this out: a bug if it happens
         raise RuntimeError(
@@ -1048,6 +1094,55 @@ def _agree_on_stop(control, plan: IterationPlan, iteration: int, runtime) -> Non
 
 
 def _train_iteration(config, forward_step_func, model, train_iter, step_func, plan, iteration):
+    """One iteration (run again while --rerun-mode validate_results asks); the last stage's
+    loss dicts."""
+    validation = step_func.validation
+    if validation is None:
+        return _run_iteration(config, forward_step_func, model, train_iter, step_func, plan,
+                              iteration)  # fmt: skip
+    validation.begin(iteration)
+    while True:
+        loss_dicts = _run_iteration(config, forward_step_func, model, train_iter, step_func,
+                                    plan, iteration)  # fmt: skip
+        if not validation.again(plan.microbatches(iteration)):
+            return loss_dicts
+
+
+def _checking_losses(forward_step_func, validation: ResultValidation):
+    """The forward step whose loss function hands each microbatch's loss to `validation`."""
+
+    def forward_step(data_iterator, model):
+        output, loss_func = forward_step_func(data_iterator, model)
+
+        def checked_loss_func(output_tensor):
+            result = loss_func(output_tensor)
+            validation.check_loss(result[0])
+            return result
+
+        return output, checked_loss_func
+
+    return forward_step
+
+
+def _stop_for_validation(config, state, model, step_func, audit) -> None:
+    """The validation ends the run: save the state before the iteration if it asks (with its
+    rerun state when a resume is to compare again), and exit with its code."""
+    validation = step_func.validation
+    code, why, save = validation.exit
+    state.validation_exit = (code, why)
+    if not (save and config.checkpoint.save):
+        return
+    saved = checkpointing.read_tracker(config.checkpoint.save, quiet=True)
+    if saved != state.iteration:  # the iteration before, unless saved already
+        _save_checkpoint(config, state, model, step_func, audit)
+    if validation.phase is Phase.SAVE_TO_RESUME:
+        validation.save(config.checkpoint.save, state.iteration)
+        dist.barrier()
+        print_rank_0(f"> saved the rerun state beside the checkpoint of iteration "
+                     f"{state.iteration} in {config.checkpoint.save}")  # fmt: skip
+
+
+def _run_iteration(config, forward_step_func, model, train_iter, step_func, plan, iteration):
     """One iteration of the schedule (flush during synchronous phases); the last stage's
     loss dicts."""
     pipeline = plan_of_iteration(config.pipeline, config.training.train_iters, iteration)
@@ -1087,9 +1182,10 @@ def _end_of_training(config, state, model, step_func, audit) -> None:
     saved_last = (
         config.checkpoint.save_interval and state.iteration % config.checkpoint.save_interval == 0
     )
-    if config.checkpoint.save and not saved_last and not state.diverged:
+    ended = state.diverged or state.validation_exit
+    if config.checkpoint.save and not saved_last and not ended:
         _save_checkpoint(config, state, model, step_func, audit)
-    if state.iteration < config.training.train_iters and not state.diverged:
+    if state.iteration < config.training.train_iters and not ended:
         reason = state.exit_reason or "--exit-interval"
         print_rank_0(f"> exiting at iteration {state.iteration} ({reason})")
 

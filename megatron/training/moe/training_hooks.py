@@ -71,6 +71,14 @@ class MoEStepHooks:
             _update_router_expert_bias(self.chunks, self.config)
         reset_model_temporary_tensors(self.config, self.chunks)
 
+    def forget_counts(self) -> None:
+        """A step that is not taken (its iteration runs again): reset the counters unused."""
+        if not self.active:
+            return
+        from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
+
+        reset_model_temporary_tensors(self.config, self.chunks)
+
 
 # ---------------------------------------------------------------------------- load statistics
 # megatron-core's names in its aux-loss tracker -> ours in the log

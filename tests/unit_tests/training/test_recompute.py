@@ -18,8 +18,6 @@ from megatron.training.errors import UserError
          "stage)"),
         (["--recompute-method", "block"], 1,
          "--recompute-method needs --recompute-granularity (or --recompute-activations)"),
-        (["--recompute-num-layers", "1"], 1,
-         "--recompute-num-layers needs --recompute-granularity (or --recompute-activations)"),
         (["--recompute-modules", "core_attn"], 1,
          "--recompute-modules needs --recompute-granularity (or --recompute-activations)"),
         (["--recompute-activations", "--recompute-method", "uniform"], 1,
@@ -119,3 +117,11 @@ def test_megatron_core_checkpoint_redraws_the_same_dropout_masks_on_cpu():
     assert torch.equal(recomputed.detach(), expected[0])
     assert torch.equal(x.grad, expected[1]) and torch.equal(weight.grad, expected[2])
     assert torch.equal(after, expected[3])
+
+
+def test_recompute_num_layers_alone_has_no_effect_as_in_megatron(capsys):
+    args = validated(["--recompute-num-layers", "1"])
+    assert args.recompute_num_layers is None and args.recompute_granularity is None
+    assert "--recompute-num-layers has no effect without --recompute-granularity" in (
+        capsys.readouterr().out
+    )
