@@ -368,11 +368,13 @@ class ResultValidation:
             # Megatron's rule: the first iteration of a process steps unchecked
             if self.rejection is not None or not self.first_iteration_done:
                 return
-            if self.injector.maybe_inject() or rejects():
+            injected = self.injector.maybe_inject()
+            if injected or rejects():
                 self.rejection = Rejection(message, sequence, value, tolerance, fatal)
                 self.asks.rerun = True
                 self._record("INITIAL_RUN", value, message)
-                self._say(f"unexpected result {value} (message='{message}')")
+                how = " (an injected error)" if injected else ""
+                self._say(f"unexpected result {value} (message='{message}'){how}")
         elif self.rejection is not None and (message, sequence) == (
             self.rejection.message,
             self.rejection.sequence,
