@@ -269,41 +269,42 @@ def test_typed_config_holds_the_steps_in_samples():
     assert training.global_batch_size == 16 and training.num_microbatches == 8
 
 
+STEP = "--step-batch-size-schedule"
+PP2 = ["--pipeline-model-parallel-size", "2"]
+PACI = [*PP2, "--pipeline-schedule", "paci"]
+
+
 @pytest.mark.parametrize(
-    "schedule, extra, message",
+    "schedule, extra, world_size, message",
     [
-        ("0:4 256", [], "--step-batch-size-schedule: entry '256' is not THRESHOLD:BATCH"),
-        ("0:4 2x:8", [], "--step-batch-size-schedule: '2x' is not a number (K, M, B, T "
-         "suffixes allowed)"),
-        ("0:4 nan:8", [], "--step-batch-size-schedule: 'nan' is not a number (K, M, B, T "
-         "suffixes allowed)"),
-        ("0:4 256:0", [], "--step-batch-size-schedule: the batch of '256:0' must be a whole "
-         "number >= 1"),
-        ("0:4 256:7.5", [], "--step-batch-size-schedule: the batch of '256:7.5' must be a whole "
-         "number >= 1"),
-        (" , ", [], "--step-batch-size-schedule needs at least one THRESHOLD:BATCH entry"),
-        ("32:4 256:8", [], "--step-batch-size-schedule: the smallest threshold must be 0 (under "
-         "one sequence of 32 tokens), got '32:4'"),
-        ("0:4 256:8 270:16", [], "--step-batch-size-schedule: thresholds must rise from entry "
-         "to entry in samples (tokens // --seq-length 32): '256:8' and '270:16' are both "
-         "sample 8"),
-        ("0:4 256:6", ["--data-parallel-size-check", "4"], "--step-batch-size-schedule: the batch "
-         "of '256:6' is not divisible by --micro-batch-size x data-parallel size = 2 x 2"),
-        ("0:4 256:8", ["--rampup-batch-size", "4", "4", "8"], "--step-batch-size-schedule and "
+        ("0:4 256", [], 1, f"{STEP}: entry '256' is not THRESHOLD:BATCH"),
+        ("0:4 2x:8", [], 1, f"{STEP}: '2x' is not a number (K, M, B, T suffixes allowed)"),
+        ("0:4 nan:8", [], 1, f"{STEP}: 'nan' is not a number (K, M, B, T suffixes allowed)"),
+        ("0:4 256:0", [], 1, f"{STEP}: the batch of '256:0' must be a whole number >= 1"),
+        ("0:4 256:7.5", [], 1, f"{STEP}: the batch of '256:7.5' must be a whole number >= 1"),
+        (" , ", [], 1, f"{STEP} needs at least one THRESHOLD:BATCH entry"),
+        ("32:4 256:8", [], 1, f"{STEP}: the smallest threshold must be 0 (under one sequence of "
+         "32 tokens), got '32:4'"),
+        ("0:4 256:8 270:16", [], 1, f"{STEP}: thresholds must rise from entry to entry in "
+         "samples (tokens // --seq-length 32): '256:8' and '270:16' are both sample 8"),
+        ("0:4 256:6", [], 2, f"{STEP}: the batch of '256:6' is not divisible by "
+         "--micro-batch-size x data-parallel size = 2 x 2"),
+        ("0:4 256:8", ["--rampup-batch-size", "4", "4", "8"], 1, f"{STEP} and "
          "--rampup-batch-size cannot both be given"),
-        ("0:4 256:8", ["--num-virtual-stages-per-pipeline-rank", "2"], "--step-batch-size-"
-         "schedule with virtual pipeline stages is not supported yet"),
+        ("0:4 256:8", [*PP2, "--num-virtual-stages-per-pipeline-rank", "2"], 2, f"{STEP} with "
+         "virtual pipeline stages is not supported yet"),
+        ("0:4 256:8", [*PP2, "--pipeline-schedule", "zb-v"], 2, f"{STEP} with "
+         "--pipeline-schedule zb-v is not supported yet"),
+        ("0:4 256:8", [*PACI, "--paci-stage-lr-scale", "0.5"], 2, f"--paci-stage-lr-scale with "
+         f"{STEP} is not supported yet"),
+        ("0:4 256:8", [*PACI, "--paci-accumulation-schedule", "2:2", "--train-iters", "8"], 2,
+         f"--paci-accumulation-schedule with {STEP} is not supported yet"),
     ],
 )  # fmt: skip
-def test_bad_step_schedule_is_one_error_line(schedule, extra, message):
-    world_size = 1
-    if extra[:1] == ["--data-parallel-size-check"]:
-        extra, world_size = [], 2
-    if extra[:1] == ["--num-virtual-stages-per-pipeline-rank"]:
-        extra = extra + ["--pipeline-model-parallel-size", "2"]
-        world_size = 2
+def test_bad_step_schedule_is_one_error_line(schedule, extra, world_size, message):
+    run_length = [] if "--train-iters" in extra else ["--train-samples", "200"]
     with pytest.raises(UserError) as caught:
-        step_args(schedule, ["--train-samples", "200", *extra], dp=world_size)
+        step_args(schedule, [*run_length, *extra], dp=world_size)
     assert str(caught.value) == message
 
 
