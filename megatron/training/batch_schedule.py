@@ -30,7 +30,7 @@ entries are separated by spaces or commas and sorted by threshold, the first at 
 The global batch of the run (`--global-batch-size`) is the last entry's. With --train-samples
 the run counts iterations as Megatron's `update_train_iters` does (until the samples are
 reached, the last batch whole) and its LR schedule is in samples, as a ramp's; with
---train-iters the LR schedule counts iterations (`step_schedule_lr_in_samples`).
+--train-iters the LR schedule counts iterations (`lr_in_samples`).
 """
 
 import argparse
