@@ -51,6 +51,7 @@ UNSUPPORTED = {
     "async_sync_warmup_iters": "--async-sync-warmup-iters",
     "async_sync_cooldown_iters": "--async-sync-cooldown-iters",
     "rampup_batch_size": "--rampup-batch-size",
+    "step_batch_size_schedule": "--step-batch-size-schedule",
     "fp16": "--fp16",
     "bf16": "--bf16",
     "use_distributed_optimizer": "--use-distributed-optimizer",

@@ -22,7 +22,12 @@ from megatron.pipeline.schedules.paci import (
 )
 from megatron.pipeline.schedules.vocab_passes import cannot_take
 from megatron.pipeline.simulation.costs import stage_values
-from megatron.training.batch_schedule import validate_accumulation_schedule, validate_rampup
+from megatron.training.batch_schedule import (
+    set_step_schedule_iterations,
+    validate_accumulation_schedule,
+    validate_rampup,
+    validate_step_schedule,
+)
 from megatron.training.config import check_vocabulary_split, pipeline_plan
 from megatron.training.data.sources import add_data_source_args, validate_sample_options
 from megatron.training.errors import UserError
@@ -208,6 +213,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     add("--rampup-batch-size", nargs="*", default=None, metavar="N",
         help="START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over "
         "SAMPLES samples (needs --train-samples)")  # fmt: skip
+    add("--step-batch-size-schedule", nargs="+", default=None, metavar="THRESHOLD:BATCH",
+        help="'0:384 200B:768 ...': the global batch from each threshold of consumed tokens on "
+        "(K/M/B/T suffixes); sets --global-batch-size to its last batch")  # fmt: skip
     add("--calculate-per-token-loss", action="store_true",
         help="scale the summed loss by the step's token count (over its microbatches and "
         "data-parallel ranks) instead of averaging per microbatch")  # fmt: skip
@@ -580,6 +588,7 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
         )
     for flag, value in (
         ("--rampup-batch-size", args.rampup_batch_size),
+        ("--step-batch-size-schedule", args.step_batch_size_schedule),
         ("--async-sync-warmup-iters", getattr(args, "async_sync_warmup_iters", 0)),
         ("--async-sync-cooldown-iters", getattr(args, "async_sync_cooldown_iters", 0)),
         ("--paci-accumulation-schedule", getattr(args, "paci_accumulation_schedule", None)),
@@ -616,6 +625,7 @@ def _validate_v_placement(args, pp: int, given: list[str], chunks, per_chunk) ->
         ("--account-for-embedding-in-pipeline-split", args.account_for_embedding_in_pipeline_split),
         ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split),
         ("--rampup-batch-size", args.rampup_batch_size),
+        ("--step-batch-size-schedule", args.step_batch_size_schedule),
     ):  # fmt: skip
         if value:
             raise UserError(f"{flag} with --pipeline-schedule {name} is not supported yet")
@@ -823,6 +833,7 @@ def _validate_batch_and_run_length(args: argparse.Namespace) -> None:
     for flag in ("micro_batch_size", "seq_length", "log_interval", "eval_interval"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
+    validate_step_schedule(args)  # sets the global batch: the schedule's last
     per_microbatch = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_microbatch
@@ -836,6 +847,7 @@ def _validate_batch_and_run_length(args: argparse.Namespace) -> None:
     check_virtual_microbatches(args)
     _validate_run_length(args)
     validate_rampup(args)
+    set_step_schedule_iterations(args)
     if args.exit_interval is not None and args.exit_interval < 1:
         raise UserError("--exit-interval must be >= 1")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins < 0:
@@ -854,7 +866,11 @@ def _validate_run_length(args: argparse.Namespace) -> None:
         args.train_iters = args.train_samples // args.global_batch_size
     elif args.lr_decay_samples is not None or args.lr_warmup_samples:
         raise UserError("--lr-decay-samples / --lr-warmup-samples need --train-samples")
-    if args.train_iters < 1 and args.rampup_batch_size is None:  # a ramp counts its own
+    # a ramp counts its own iterations, and so does a step schedule by samples
+    counts_own = args.rampup_batch_size is not None or (
+        args.step_batch_size_schedule is not None and args.train_samples is not None
+    )
+    if args.train_iters < 1 and not counts_own:
         raise UserError("--train-iters must be >= 1 (or --train-samples >= --global-batch-size)")
     _validate_emulation_and_rule(args)
 
@@ -893,6 +909,7 @@ def _validate_stage_lr_scale(args: argparse.Namespace) -> None:
     for flag, value in (
         ("--paci-accumulation-schedule", getattr(args, "paci_accumulation_schedule", None)),
         ("--rampup-batch-size", args.rampup_batch_size),
+        ("--step-batch-size-schedule", args.step_batch_size_schedule),
         ("virtual pipeline stages", (getattr(args, "virtual_pipeline_model_parallel_size", None)
                                      or 1) > 1),
     ):  # fmt: skip

@@ -225,6 +225,8 @@ class TrainingConfig(_Section):
     global_batch_size: int = 1
     num_microbatches: int = 1
     rampup_batch_size: tuple | None = None
+    # ((first sample, batch), ...) (validated by batch_schedule.validate_step_schedule)
+    step_batch_size_schedule: tuple | None = None
     train_iters: int = 0
     train_samples: int | None = None
     eval_interval: int = 1000
@@ -341,7 +343,9 @@ class RunConfig:
                 args, plan=pipeline_plan(args), paci_accumulation_schedule=tuple(accumulation)
             ),
             training=TrainingConfig.from_flags(
-                args, rampup_batch_size=_tuple(getattr(args, "rampup_batch_size", None))
+                args,
+                rampup_batch_size=_tuple(getattr(args, "rampup_batch_size", None)),
+                step_batch_size_schedule=_pairs(getattr(args, "step_batch_size_schedule", None)),
             ),
             data=DataConfig.from_flags(
                 args,
@@ -411,3 +415,7 @@ def pipeline_plan(args, *, vocab_passes: bool | None = None) -> PipelinePlan:
 
 def _tuple(values):
     return None if values is None else tuple(values)
+
+
+def _pairs(values):
+    return None if values is None else tuple(tuple(pair) for pair in values)

@@ -137,7 +137,6 @@ NOT_SUPPORTED = [
     Flag("--use-mup"),
     Flag("--mup-base-hidden-size", int),
     # optimizer and batch schedule variants
-    Flag("--step-batch-size-schedule", str),
     Flag("--eval-global-batch-size", int),
     # data variants
     Flag("--fim-data"),

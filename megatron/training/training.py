@@ -42,7 +42,7 @@ from megatron.training import divergence, faults, launch, run_control
 from megatron.training.batch_schedule import (
     BatchSchedule,
     accumulation_phase_ends,
-    accumulation_phases,
+    lr_in_samples,
     total_train_samples,
 )
 from megatron.training.checkpointing import save_load as checkpointing
@@ -360,7 +360,7 @@ class TrainingState:
     rollbacks: list = field(default_factory=list)  # {"iteration", "to"} per rollback
     fit_to_save: bool = True  # as agreed at the last drain point
     diverged: str | None = None  # why the run ended diverged
-    global_batch_size: int = 0  # of the last iteration (--rampup-batch-size changes it)
+    global_batch_size: int = 0  # of the last iteration (a ramp or step schedule changes it)
     exit_reason: str | None = None  # why training stopped before --train-iters
     weight_hash_checks: list = field(default_factory=list)  # iterations whose check passed
     validation_exit: tuple | None = None  # (exit code, why): --rerun-mode validate_results
@@ -809,8 +809,7 @@ class MegatronStep:
 
 def _tied_exchange(weight, step_func: StageOptimizerStep, config) -> TiedEmbeddingExchange:
     """This rank's side of the tied-embedding exchange with its embedding-group peer. The lag
-    is set for the fewest microbatches per step of the run (a batch ramp's first, or the
-    smallest a of --paci-accumulation-schedule)."""
+    is set for the fewest microbatches per step of the run (`tied_lag`)."""
     group = parallel_state.get_embedding_group()
     peer = next(r for r in dist.get_process_group_ranks(group) if r != dist.get_rank())
     return TiedEmbeddingExchange(
@@ -825,13 +824,9 @@ def _tied_exchange(weight, step_func: StageOptimizerStep, config) -> TiedEmbeddi
 
 def tied_lag(config) -> int:
     """The tied copy's lag bound, for the fewest microbatches per step of the run (a batch
-    ramp's first, or the smallest a of --paci-accumulation-schedule)."""
-    microbatches = min(a for a, _ in accumulation_phases(config))
-    if config.training.rampup_batch_size is not None:
-        start = int(config.training.rampup_batch_size[0])
-        microbatches = start // (
-            config.training.micro_batch_size * config.parallel.data_parallel_size
-        )
+    ramp's first, a step schedule's smallest batch, or the smallest a of
+    --paci-accumulation-schedule)."""
+    microbatches = BatchSchedule.of(config).fewest_microbatches()
     per_update = config.pipeline.plan.microbatches_per_update(microbatches)
     return lag_bound(config.parallel.pipeline_model_parallel_size, per_update)
 
@@ -954,7 +949,8 @@ def drain_points(config, start_iteration: int) -> list[int]:
 
 class IterationPlan:
     """What the loop knows ahead of each iteration: its global batch and number of
-    microbatches (constant, or growing with --rampup-batch-size), and the drain points
+    microbatches (constant, or following --rampup-batch-size or --step-batch-size-schedule
+    from the samples consumed, a resumed run's included), and the drain points
     (evaluation, checkpoint, the end, and an agreed early stop)."""
 
     def __init__(self, config, state: TrainingState):
@@ -965,7 +961,7 @@ class IterationPlan:
         self.per_microbatch = schedule.per_microbatch
         self.sizes = schedule.batches(state.consumed_train_samples, self.stop - state.iteration,
                                       first_iteration=self.first)  # fmt: skip
-        self.ramp = schedule.ramp is not None
+        self.lr_in_samples = lr_in_samples(config.training)
         self.final_microbatches = config.training.num_microbatches
         # microbatches of the first i iterations, for O(1) sums over any range
         self.prefix = [0, *itertools.accumulate(b // self.per_microbatch for b in self.sizes)]
@@ -1150,7 +1146,7 @@ def _run_iteration(config, forward_step_func, model, train_iter, step_func, plan
         schedule_function = get_forward_backward_func()
     else:  # a synchronous phase of an asynchronous run
         schedule_function = forward_backward_func_for(pipeline.schedule)
-    if plan.ramp:  # Megatron's LR schedule of a ramp is in samples
+    if plan.lr_in_samples:  # Megatron's LR schedule of a ramp (or a step schedule) in samples
         getattr(step_func, "step_func", step_func).scheduler_increment = plan.batch(iteration)
     return schedule_function(
         forward_step_func=forward_step_func,

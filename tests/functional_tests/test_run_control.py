@@ -1,6 +1,6 @@
 """Run control on real multi-process runs: SIGTERM (--exit-signal-handler) sent as a launcher
-and as Slurm would, a tiny --exit-duration-in-mins, --rampup-batch-size and
---calculate-per-token-loss, under 1F1B-flush and PACI.
+and as Slurm would, a tiny --exit-duration-in-mins, --rampup-batch-size,
+--step-batch-size-schedule and --calculate-per-token-loss, under 1F1B-flush and PACI.
 
 References: megatron-core's ramp-up calculator for the batch of each iteration, a one-process
 run for the pipelined per-token loss, an uninterrupted run for a stopped-and-resumed one."""
@@ -112,6 +112,91 @@ def test_agreed_stop_and_resume_equal_the_uninterrupted_ramp(case_results):
         assert payload["iteration"] == 5 and payload["consumed_train_samples"] == consumed == 44
     assert logged_batches(resumed, "gpt_pp4_rampup_paci_3_resume") == reference_batches(10)[5:]
     assert resumed["loss"] == full["loss"][5:]
+
+
+# ---------------------------------------------------------------------------- step schedule
+# The stepbatch cases' --step-batch-size-schedule "0:4 256:8 640:16" in (tokens, batch), at
+# --seq-length 32, with --train-samples 100 and --lr-warmup-samples 16 on 2 stages
+STEPS = [(0, 4), (256, 8), (640, 16)]
+
+
+def step_reference(iterations: int, consumed: int = 0) -> list[int]:
+    """Megatron-LM's definition (megatron-core 0.16.1 has no step calculator): the batch of the
+    largest threshold, tokens // --seq-length, that the samples consumed reached."""
+    sizes = []
+    for _ in range(iterations):
+        sizes.append(max((tokens // 32, batch) for tokens, batch in STEPS
+                         if tokens // 32 <= consumed)[1])  # fmt: skip
+        consumed += sizes[-1]
+    return sizes
+
+
+def logged_field(summary: dict, name: str, field: str) -> list[float]:
+    return [float(v) for v in re.findall(rf"{field}: +([-0-9.E+]+) \|", case_log(summary, name))]
+
+
+def reference_learning_rates(batches: list[int]) -> list[float]:
+    """megatron-core's scheduler in samples (warmup 16, decay --train-samples 100, cosine),
+    advanced by each iteration's batch: the LR each iteration steps with."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=16,
+        lr_decay_steps=100, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+        wd_incr_steps=100, wd_incr_style="constant",
+    )  # fmt: skip
+    rates = []
+    for batch in batches:
+        rates.append(optimizer.param_groups[0]["lr"])
+        scheduler.step(increment=batch)
+    return rates
+
+
+@pytest.mark.parametrize("name", ["gpt_pp2_stepbatch_1f1b", "gpt_pp2_stepbatch_paci_1_full"])
+def test_step_schedule_batches_samples_and_lr_follow_megatron(case_results, name):
+    """9 iterations for 100 samples (the last batch whole, as Megatron counts): the batch
+    changes at samples 8 and 20, mid-run; the LR schedule counts samples."""
+    summary = case_results[name]
+    expected = step_reference(9)
+    assert expected == [4, 4, 8, 8, 16, 16, 16, 16, 16]
+    assert summary["iterations"] == 9 and logged_batches(summary, name) == expected
+    consumed = logged_field(summary, name, "consumed samples")
+    assert consumed == [sum(expected[: i + 1]) for i in range(9)] and consumed[-1] == 104
+    rates = logged_field(summary, name, "learning rate")
+    assert rates == pytest.approx(reference_learning_rates(expected), rel=1e-6, abs=1e-12)
+    assert all(r["optimizer_steps"] == 9 for r in summary["stages"])
+    losses = summary["loss"]
+    assert all(math.isfinite(loss) for loss in losses) and max(losses[-3:]) < losses[0]
+
+
+def test_step_schedule_under_paci_starts_as_flush_without_collectives(case_results):
+    flush = case_results["gpt_pp2_stepbatch_1f1b"]["loss"]
+    paci = case_results["gpt_pp2_stepbatch_paci_1_full"]
+    assert paci["loss"][0] == pytest.approx(flush[0], rel=1e-6)  # the same initial weights
+    smallest_a = 4 // 2  # the first batch / micro batch
+    for report in paci["stages"]:
+        assert report["max_drift"] <= drift_bound(report["stage"], 2, smallest_a)
+    assert paci["cross_stage_collectives"] == 0
+
+
+def test_step_schedule_resumes_from_the_samples_consumed(case_results):
+    """Stopped after iteration 3 (16 samples: inside the step of batch 8), the resumed run
+    picks the step up from the checkpoint's consumed samples and equals the uninterrupted run
+    (both drain at 3: --save-interval 3)."""
+    full = case_results["gpt_pp2_stepbatch_paci_1_full"]
+    stopped = case_results["gpt_pp2_stepbatch_paci_2_stop"]
+    resumed = case_results["gpt_pp2_stepbatch_paci_3_resume"]
+    assert stopped["iterations"] == 3 and stopped["loss"] == full["loss"][:3]
+    directory = os.path.join(os.path.dirname(stopped["metrics_dir"]), "stepbatch_stop")
+    files = glob.glob(os.path.join(directory, "iter_0000003", "*", "*.pt"))
+    assert len(files) == 2
+    for path in files:
+        payload = torch.load(path, weights_only=False)
+        assert payload["iteration"] == 3 and payload["consumed_train_samples"] == 16
+    assert logged_batches(resumed, "gpt_pp2_stepbatch_paci_3_resume") == step_reference(9)[3:]
+    assert step_reference(6, consumed=16) == [8, 16, 16, 16, 16, 16]
+    assert resumed["loss"] == full["loss"][3:]
 
 
 # ---------------------------------------------------------------------------- duration

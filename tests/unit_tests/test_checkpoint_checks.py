@@ -566,6 +566,35 @@ def test_changed_batch_ramp_is_named_or_honoured(tmp_path):
     )
 
 
+def steps_args(schedule: str | None, extra=()):
+    """A run by samples with --step-batch-size-schedule SCHEDULE (or a constant batch of 32)."""
+    flags = [f for f in FLAGS if f not in ("--train-iters", "10")]
+    batch = ["--step-batch-size-schedule", schedule] if schedule else ["--global-batch-size", "32"]
+    flags += ["--train-samples", "160", "--ckpt-format", current["format"], *batch, *extra]
+    args = build_parser().parse_args(flags)
+    validate_args(args, world_size=1)
+    return RunConfig.from_args(args, vocab_size=128)
+
+
+@pytest.mark.parametrize("ckpt_format", FORMATS, indirect=True)
+def test_changed_step_schedule_is_named_or_honoured(tmp_path):
+    """Compared in samples (--seq-length 8): 512 tokens and 64 samples are the same step."""
+    save_at(tmp_path, 2, steps_args("0:8 512:32"))
+    with pytest.raises(UserError) as caught:
+        load(tmp_path, steps_args("0:16 512:32"))
+    assert str(caught.value) == (
+        f"--load {tmp_path}: the batch-size steps differ: --step-batch-size-schedule 0:16 64:32 "
+        "(checkpoint 0:8 64:32, thresholds in samples); pass --override-opt_param-scheduler to "
+        "use the new one, or the checkpoint's"
+    )
+    with pytest.raises(UserError) as caught:
+        load(tmp_path, steps_args(None))
+    assert "--step-batch-size-schedule none (checkpoint 0:8 64:32" in str(caught.value)
+    assert load(tmp_path, steps_args("0:8, 0.512K:32"))[0] == 2
+    extra = ["--override-opt_param-scheduler"]
+    assert load(tmp_path, steps_args("0:16 512:32", extra=extra))[0] == 2
+
+
 def decoupled_lrs(scheduler) -> set[tuple[float, float]]:
     groups = scheduler.optimizer.param_groups
     return {(g["max_lr"], g["min_lr"]) for g in groups if g.get("is_decoupled_lr")}

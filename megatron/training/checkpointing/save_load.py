@@ -94,7 +94,9 @@ def _rank_file(root: str, iteration: int) -> str:
 
 
 # Recorded too, and checked with the learning-rate schedule (`check_schedule`).
-RECORDED_SCHEDULE_ARGS = ("rampup_batch_size", "decoupled_lr", "decoupled_min_lr")
+RECORDED_SCHEDULE_ARGS = (
+    "rampup_batch_size", "step_batch_size_schedule", "decoupled_lr", "decoupled_min_lr"
+)  # fmt: skip
 
 
 # Recorded, not compared here: where torch_dist keeps optimizer state per data-parallel rank
@@ -106,6 +108,7 @@ def recorded_flags(config) -> dict:
     """The flags a checkpoint records, by flag name, read from the run's `RunConfig` (lists
     where the flags are lists, as checkpoints have always recorded them)."""
     model, layout, ramp = config.model, config.parallel, config.training.rampup_batch_size
+    steps = config.training.step_batch_size_schedule
     sections = {"model shape": model, "layout": layout, "info": layout}
     recorded = {
         name: getattr(sections[what], name)
@@ -117,6 +120,7 @@ def recorded_flags(config) -> dict:
         "stage_layers": list(layout.stage_layers),
         "pipeline_schedule": config.pipeline.plan.name,
         "rampup_batch_size": None if ramp is None else list(ramp),
+        "step_batch_size_schedule": None if steps is None else [list(step) for step in steps],
         "decoupled_lr": config.optimizer.decoupled_lr,
         "decoupled_min_lr": config.optimizer.decoupled_min_lr,
     }
@@ -544,6 +548,25 @@ def _check_batch_ramp(payload: dict, config, path: str) -> None:
             f"--load {path}: the batch-size ramp differs: --rampup-batch-size {spell(now)} "
             f"(checkpoint {spell(saved)}); pass --override-opt_param-scheduler to use the new "
             f"one, or the checkpoint's"
+        )
+    _check_batch_steps(recorded, config, path)
+
+
+def _check_batch_steps(recorded: dict, config, path: str) -> None:
+    """As a ramp, a step schedule is compared in samples (so the same thresholds spelled in
+    other units are the same schedule); checkpoints from before it was recorded are not."""
+    if "step_batch_size_schedule" not in recorded:
+        return
+    saved = recorded["step_batch_size_schedule"]
+    now = recorded_flags(config)["step_batch_size_schedule"]
+    if saved != now:
+        spell = lambda steps: (
+            " ".join(f"{s}:{b}" for s, b in steps) if steps else "none"
+        )  # noqa: E731
+        raise UserError(
+            f"--load {path}: the batch-size steps differ: --step-batch-size-schedule "
+            f"{spell(now)} (checkpoint {spell(saved)}, thresholds in samples); pass "
+            f"--override-opt_param-scheduler to use the new one, or the checkpoint's"
         )
 
 

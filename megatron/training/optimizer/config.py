@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.training.batch_schedule import lr_in_samples
+
 
 def model_dtype(args) -> torch.dtype:
     """The dtype of the model's parameters and activations: --bf16, --fp16 or fp32."""
@@ -109,7 +111,8 @@ _FLAG_FIELDS = [name for name in OptimizerConfig.__dataclass_fields__ if name no
 @dataclass(frozen=True)
 class LRScheduleConfig:
     """megatron-core's OptimizerParamScheduler settings; warmup and decay in scheduler steps
-    (iterations, or samples under --rampup-batch-size)."""
+    (iterations, or samples under --rampup-batch-size or a sample-based
+    --step-batch-size-schedule)."""
 
     max_lr: float
     min_lr: float
@@ -142,9 +145,12 @@ class LRScheduleConfig:
 def _schedule_lengths(args) -> tuple[float, float]:
     """(warmup, decay) in iterations. A sample-based run (--train-samples) gives them in
     samples; with a constant global batch, samples / batch is Megatron's sample schedule.
-    With --rampup-batch-size they stay in samples, and each step advances the schedule by
-    its iteration's global batch (the training loop sets `scheduler_increment`), as Megatron."""
-    if getattr(args, "rampup_batch_size", None) is not None:
+    With --rampup-batch-size, or --step-batch-size-schedule by --train-samples, they stay in
+    samples, and each step advances the schedule by its iteration's global batch (the training
+    loop sets `scheduler_increment`), as Megatron. (A step schedule by --train-iters counts
+    iterations: Megatron's would count --lr-decay-iters x micro batch x data parallel samples,
+    its global batch then, and end the decay early.)"""
+    if lr_in_samples(args):
         decay = args.lr_decay_samples or args.train_samples
         fraction = args.lr_warmup_fraction
         return (fraction * decay if fraction is not None else args.lr_warmup_samples), decay

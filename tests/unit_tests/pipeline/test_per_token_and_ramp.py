@@ -6,8 +6,9 @@ the public schedule entry points.
   stages equals the same model in one piece trained by hand on the summed loss divided by the
   step's token count (not the mean of per-microbatch means); PACI's first step, which no
   microbatch can cross, equals it too.
-* --rampup-batch-size: with m changing between calls, every stage steps once per call, after
-  exactly that call's microbatches, and PACI's drift stays within ceil((N - 1 - s) / a_min).
+* --rampup-batch-size and --step-batch-size-schedule: with m changing between calls (growing,
+  or also shrinking), every stage steps once per call, after exactly that call's microbatches,
+  and PACI's drift stays within ceil((N - 1 - s) / a_min).
 """
 
 import copy
@@ -155,8 +156,12 @@ def test_token_counts_survive_a_bf16_gradient():
 
 
 @pytest.mark.parametrize("schedule_name", ["1f1b", "paci"])
-def test_changing_microbatches_per_step(schedule_name):
-    sizes = [1, 1, 2, 2, 3, 4, 4]  # a ramp: a grows from 1 to 4
+@pytest.mark.parametrize(
+    "sizes",
+    [[1, 1, 2, 2, 3, 4, 4],  # a ramp: a grows from 1 to 4
+     [4, 4, 1, 1, 2, 2, 3]],  # a step schedule may also shrink the batch
+)  # fmt: skip
+def test_changing_microbatches_per_step(schedule_name, sizes):
     runtimes = build(linears(4), per_token=False)
     data = microbatches(sum(sizes))
 

@@ -92,14 +92,20 @@ def test_sequence_parallel_without_tensor_parallelism_is_turned_off(capsys, monk
     assert kept.sequence_parallel is True  # with tensor parallelism it runs
 
 
-def test_step_batch_size_schedule_parses_as_megatron_then_is_not_supported():
-    """One string of threshold:batch pairs, as Megatron's str flag (quoted on a shell)."""
+def test_step_batch_size_schedule_parses_as_megatron_and_runs():
+    """One string of threshold:batch pairs, as Megatron's str flag (quoted on a shell); the
+    schedule sets the global batch, so Megatron refuses --global-batch-size with it (accepted
+    here when it is the schedule's last batch, as Megatron's own 175B example passes it)."""
     schedule = "0:384 200B:768 400B:1152"
     args = build_parser().parse_args(BASE + ["--step-batch-size-schedule", schedule])
-    assert args.step_batch_size_schedule == schedule
+    assert args.step_batch_size_schedule == [schedule]
     assert error_of(["--step-batch-size-schedule", schedule]) == (
-        "--step-batch-size-schedule is not supported yet"
+        "cannot specify both --step-batch-size-schedule and --global-batch-size 8: the schedule "
+        "sets the global batch (its last is 1152)"
     )
+    args = validated(["--step-batch-size-schedule", "0:4 200B:6 400B:8"])
+    assert args.step_batch_size_schedule == [[0, 4], [6250000000, 6], [12500000000, 8]]
+    assert args.global_batch_size == 8
 
 
 def test_megatron_defaults():
