@@ -221,6 +221,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "data-parallel ranks) instead of averaging per microbatch")  # fmt: skip
     add("--skip-train", action="store_true", help="only evaluate")
     add("--seed", type=int, default=1234)
+    add("--enable-experimental", action="store_true",
+        help="megatron-core's experimental features (its process-wide flag, as Megatron sets it)")  # fmt: skip
     add("--deterministic-mode", action="store_true",
         help="reproducible runs: PACI follows the fixed 1F1B order instead of reacting to "
         "arrivals")  # fmt: skip
@@ -575,7 +577,9 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
     if get_schedule(args.pipeline_schedule).placement is not None:
         _validate_v_placement(args, pp, given, chunks, per_chunk)
         return
-    if per_chunk is not None:
+    if args.pipeline_model_parallel_layout is not None:
+        chunks = args.layout_chunks
+    elif per_chunk is not None:
         chunks = _chunks_from_layers_per_chunk(args, pp, per_chunk)
     elif chunks is not None and chunks < 1:
         raise UserError("--num-virtual-stages-per-pipeline-rank must be >= 1")
@@ -643,7 +647,8 @@ def layers_by_chunk(args: argparse.Namespace, pp: int, chunks: int) -> list[list
     (`get_num_layers_to_build` with `vp_stage`); one line where they do not split evenly."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    uneven = args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers
+    uneven = (args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers
+              or args.pipeline_model_parallel_layout)  # fmt: skip
     accounted = (
         args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
     )
@@ -654,8 +659,16 @@ def layers_by_chunk(args: argparse.Namespace, pp: int, chunks: int) -> list[list
             f"--pipeline-model-parallel-size {pp} x {chunks} virtual stages per pipeline rank"
         )
     config = layout_config(args, chunks)
-    layers = [[get_num_layers_to_build(config, vp_stage=c, pp_rank=r) for c in range(chunks)]
-              for r in range(pp)]  # fmt: skip
+    count = get_num_layers_to_build
+    if config.pipeline_model_parallel_layout is not None:  # megatron-core's functions would ask
+        # the process groups for the ranks: the layout's table answers for any chunk and rank
+        from megatron.core.transformer.enums import LayerType
+
+        def count(config, vp_stage, pp_rank):
+            table = config.pipeline_model_parallel_layout.layout  # [pp rank][vp stage]
+            return table[pp_rank][vp_stage].count(LayerType.decoder)
+
+    layers = [[count(config, vp_stage=c, pp_rank=r) for c in range(chunks)] for r in range(pp)]
     if sum(map(sum, layers)) != args.num_layers:
         raise UserError(
             f"--num-layers {args.num_layers} does not split over {pp} pipeline ranks x {chunks} "
@@ -940,7 +953,9 @@ def _validate_layer_split(args: argparse.Namespace, pp: int) -> None:
                 f"--pipeline-model-parallel-layout cannot be set with other pipeline layout "
                 f"arguments: {', '.join(others)}"
             )
-        _validate_layout_stages(args.pipeline_model_parallel_layout, pp)
+        args.layout_chunks = _validate_layout_stages(args.pipeline_model_parallel_layout, pp)
+        if args.layout_chunks > 1:  # the interleaved pipeline: its chunks' layers come later
+            return
     elif given and accounted:
         raise UserError(
             f"{' and '.join(accounted)} cannot be set at the same time as {' and '.join(given)}"
@@ -958,9 +973,10 @@ def _validate_layer_split(args: argparse.Namespace, pp: int) -> None:
     args.stage_layers = layers_by_stage(args)
 
 
-def _validate_layout_stages(layout: str, pp: int) -> None:
-    """Megatron's first check of a layout string: its stages fill the pipeline ranks, one
-    chunk each (several chunks per rank would be the interleaved pipeline)."""
+def _validate_layout_stages(layout: str, pp: int) -> int:
+    """Megatron's first check of a layout string: its stages fill the pipeline ranks, the same
+    number on each (more than one: the interleaved pipeline's virtual stages). Returns that
+    number, the model chunks per rank."""
     from megatron.core.transformer.pipeline_parallel_layer_layout import (
         PipelineParallelLayerLayout,
     )
@@ -974,11 +990,7 @@ def _validate_layout_stages(layout: str, pp: int) -> None:
             f"--pipeline-model-parallel-layout {layout!r}: the length of the layout ({stages} "
             f"stages) must be divisible by --pipeline-model-parallel-size {pp}"
         )
-    if stages != pp:
-        raise UserError(
-            f"--pipeline-model-parallel-layout with {stages // pp} virtual stages per pipeline "
-            "rank is not supported yet"
-        )
+    return stages // pp
 
 
 def _validate_uneven_split(args: argparse.Namespace, pp: int, given: dict) -> None:

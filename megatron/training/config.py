@@ -239,6 +239,7 @@ class TrainingConfig(_Section):
     clip_grad: float = 1.0
     max_consecutive_skips: int | None = None
     check_weight_hash_across_dp_replicas_interval: int | None = None
+    enable_experimental: bool = False
     # result validation (rerun.py)
     rerun_mode: str = "disabled"
     error_injection_rate: int = 0

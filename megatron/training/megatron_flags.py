@@ -303,7 +303,7 @@ NOT_YET_BY_GROUP = {
     ),
     "workload inspector": ("--run-workload-inspector-server "),
     "Transformer-Engine": ("--fp4-param-gather --te-precision-config-file= "),
-    "experimental": ("--enable-experimental --spec=* --yaml-cfg=  " "    "),
+    "experimental": ("--spec=* --yaml-cfg=  " "    "),
     "one logger": (
         "--no-one-logger --one-logger-project= --one-logger-run-name= --one-logger-async "
         "--app-tag-run-name= --app-tag-run-version= "

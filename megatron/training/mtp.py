@@ -52,8 +52,7 @@ def validate_mtp_args(args: argparse.Namespace, *, placement_v: bool) -> None:
         )
     unsupported = [
         (args.context_parallel_size > 1, "with --context-parallel-size > 1"),
-        (args.virtual_pipeline_model_parallel_size is not None or placement_v,
-         "with virtual pipeline stages"),
+        (placement_v, f"with --pipeline-schedule {args.pipeline_schedule}"),
         (bool(args.pipeline_model_parallel_layout)
          and not _mtp_beside_loss(args.pipeline_model_parallel_layout),
          "on a stage of --pipeline-model-parallel-layout other than the loss's (m beside L)"),

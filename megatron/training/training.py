@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.config import set_experimental_flag
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron.pipeline.audit import (
@@ -307,11 +308,25 @@ def build_stage_model(config, device: torch.device) -> torch.nn.Module:
         built = [build_chunk(config, transformer, chunk, device, built_as_other_rank=True)
                  for chunk in layouts]  # fmt: skip
         return ModelChunks(built)
-    chunks = [
-        build_chunk(config, transformer, chunk_layout(layout, transformer, c), device)
-        for c in range(config.parallel.chunks_per_rank)
-    ]
+    with virtual_stages_known(config.parallel.chunks_per_rank):
+        chunks = [
+            build_chunk(config, transformer, chunk_layout(layout, transformer, c), device)
+            for c in range(config.parallel.chunks_per_rank)
+        ]
     return ModelChunks(chunks)
+
+
+@contextlib.contextmanager
+def virtual_stages_known(chunks: int):
+    """megatron-core's layout (`--pipeline-model-parallel-layout`) reads a chunk's layers and
+    offset for its `vp_stage` only where its process-wide virtual pipeline size is set (else it
+    takes chunk 0's): set while the chunks are built, as Megatron's own set-up would."""
+    previous = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(chunks)
+    try:
+        yield
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(previous)
 
 
 def build_chunk(config, transformer: TransformerConfig, layout, device: torch.device,
@@ -511,6 +526,7 @@ def _take_save_directory(checkpoint) -> tuple[str, WriterLock | None]:
 
 def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
                       save_lock) -> TrainingState:  # fmt: skip
+    set_experimental_flag(config.training.enable_experimental)  # process-wide, as Megatron's
     # the resident set follows live memory (host_memory.py)
     unmap_large_blocks_when_freed(device, config.parallel.cpu_mmap_threshold_kib)
     layout = config.parallel

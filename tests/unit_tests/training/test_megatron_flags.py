@@ -318,9 +318,6 @@ LAYOUT_RULES = [
     (["--num-layers", "6", "--pipeline-model-parallel-layout", "Et|tt|ttL"],
      "--pipeline-model-parallel-layout 'Et|tt|ttL': the length of the layout (3 stages) must "
      "be divisible by --pipeline-model-parallel-size 4"),
-    (["--num-layers", "14", "--pipeline-model-parallel-layout", "Et|(tt|)*6,tL"],
-     "--pipeline-model-parallel-layout with 2 virtual stages per pipeline rank is not "
-     "supported yet"),
     (["--num-layers", "8", "--pipeline-model-parallel-layout", "Et|tt|tt|tL"],
      "--pipeline-model-parallel-layout 'Et|tt|tt|tL': Number of decoder layers 6must match "
      "num_layers 8"),  # megatron-core's own words
@@ -333,6 +330,15 @@ LAYOUT_RULES = [
 @pytest.mark.parametrize("extra, message", LAYOUT_RULES)
 def test_layout_flags_follow_megatrons_rules(extra, message):
     assert error_of(["--pipeline-model-parallel-size", "4"] + extra, 4) == message
+
+
+def test_a_layout_with_more_stages_than_ranks_is_the_interleaved_pipeline():
+    """Stage i of the layout is virtual stage i // PP of rank i % PP (megatron-core's table)."""
+    args = validated(["--pipeline-model-parallel-size", "4", "--num-layers", "14",
+                      "--pipeline-model-parallel-layout", "Et|(tt|)*6,tL"], 4)  # fmt: skip
+    assert args.virtual_pipeline_model_parallel_size == 2
+    assert args.chunk_layers == [[1, 2], [2, 2], [2, 2], [2, 1]]
+    assert args.stage_layers == [3, 4, 4, 3]
 
 
 @pytest.mark.parametrize(

@@ -46,9 +46,9 @@ def test_the_block_wraps_the_decoders_last_layer():
      "--mtp-num-layers is not supported with --position-embedding-type learned_absolute"),
     (ROPE + ["--context-parallel-size", "2", "--attention-dropout", "0"], 2,
      "--mtp-num-layers with --context-parallel-size > 1 is not supported yet"),
-    (ROPE + ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
-             "2", "--num-layers", "4"], 2,
-     "--mtp-num-layers with virtual pipeline stages is not supported yet"),
+    (ROPE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+             "--num-layers", "4"], 2,
+     "--mtp-num-layers with --pipeline-schedule zbv is not supported yet"),
     (ROPE + ["--enable-vocab-parallel", "--pipeline-model-parallel-size", "2"], 2,
      "--mtp-num-layers"),
 ])  # fmt: skip
@@ -73,3 +73,17 @@ def test_mtp_goes_beside_the_loss_in_a_layout():
     three = ROPE + ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "3"]
     with pytest.raises(UserError, match="other than the loss's .m beside L. is not supported yet"):
         validated(three + ["--pipeline-model-parallel-layout", "Ett|ttm|L"], world_size=3)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--num-virtual-stages-per-pipeline-rank", "2"],
+    ["--pipeline-model-parallel-layout", "Et|t|t|tmL"],
+    ["--pipeline-model-parallel-layout", "Et|t|t|tmL", "--pipeline-schedule", "paci"],
+])  # fmt: skip
+def test_interleaved_stages_take_mtp_on_the_last_chunk(extra):
+    """Interleaved virtual stages, also from a layout with more stages than ranks: the MTP
+    layer sits on the last rank's last chunk, beside the loss."""
+    args = validated(ROPE + ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2",
+                             "--num-layers", "4"] + extra, world_size=2)  # fmt: skip
+    assert args.virtual_pipeline_model_parallel_size == 2
+    assert args.chunk_layers == [[1, 1], [1, 1]]
