@@ -35,6 +35,7 @@ from megatron.training.megatron_flags import add_compatibility_flags, reject_uns
 from megatron.training.mla import add_mla_args, add_yarn_args, validate_mla_and_yarn_args
 from megatron.training.moe import add_moe_args, add_moe_unsupported_args, validate_moe_args
 from megatron.training.mtp import add_mtp_args, validate_mtp_args
+from megatron.training.mup import add_mup_args, validate_mup_args
 from megatron.training.recompute import add_recompute_args, validate_recompute_args
 from megatron.training.rerun import add_rerun_args, validate_rerun_args
 from megatron.training.tokenizer.tokenizer import add_tiktoken_args
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_rerun_args(parser)
     add_mla_args(parser)
     add_mtp_args(parser)
+    add_mup_args(parser)
     add_moe_args(parser)
     add_moe_unsupported_args(parser)
     add_compatibility_flags(parser)
@@ -401,6 +403,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_mla_and_yarn_args(args)
     validate_mtp_args(args, placement_v=get_schedule(args.pipeline_schedule).placement is not None)
     validate_recompute_args(args, args.stage_layers)
+    validate_mup_args(args)
     validate_rerun_args(args, synchronous=get_schedule(args.pipeline_schedule).flushes_every_call)
     _validate_batch_and_run_length(args)
     if check_files:

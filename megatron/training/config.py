@@ -105,6 +105,13 @@ class ModelConfig(_Section):
     yarn_beta_fast: float | None = None
     yarn_beta_slow: float | None = None
     yarn_correction_range_round_to_int: bool | None = None
+    # muP (mup.py; Megatron's defaults)
+    use_mup: bool = False
+    mup_base_hidden_size: int | None = None
+    mup_base_head_dim: float | None = None
+    mup_embedding_mult: float = 1.0
+    mup_output_mult: float = 1.0
+    mup_attn_scale_power: float = 1.0
     # activation recomputation (recompute.py)
     recompute_granularity: str | None = None
     recompute_method: str | None = None

@@ -134,8 +134,6 @@ NOT_SUPPORTED = [
     Flag("--dsa-indexer-topk", int),
     Flag("--dsa-indexer-loss-coeff", float),
     Flag("--apply-wd-to-qk-layernorm"),
-    Flag("--use-mup"),
-    Flag("--mup-base-hidden-size", int),
     # optimizer and batch schedule variants
     Flag("--eval-global-batch-size", int),
     # data variants
@@ -176,8 +174,8 @@ NOT_YET_BY_GROUP = {
         "--disable-dsa-indexer-rotate-activation --no-dsa-indexer-scoring-relu "
         "--disable-dsa-indexer-scoring-relu --dsa-indexer-k-norm-epsilon= "
         "--dsa-indexer-k-norm-fp32 --embedding-init-method-std= --init-model-with-meta-device "
-        "--mup-width-mult= --mup-embedding-mult= --mup-output-mult= --mup-base-head-dim= "
-        "--mup-attn-scale-power= --disable-bf16-reduced-precision-matmul "
+        "--mup-width-mult= "
+        "--disable-bf16-reduced-precision-matmul "
         "--use-fused-weighted-squared-relu --fused-residual-rmsnorm "
         "--use-transformer-engine-op-fuser --distribute-saved-activations "
         "--fp8-quantizer-factory= --fp8-margin= --fp8-interval= --no-fp8-wgrad "

@@ -43,6 +43,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.pipeline.vocab_parallel import InputShard, OutputShard
+from megatron.training import mup
 from megatron.training.mla import with_mla
 from megatron.training.mtp import mtp_block_spec
 from megatron.training.recompute import use_host_rng_states
@@ -808,7 +809,9 @@ def build_gpt_stage(
     if vocab_parallel:
         _split_vocabulary(model, layout, vocab_size, config, split_input=split_input, tied=tied)
     initialize_layout_independent(model, layout, seed=seed, init_method_std=config.init_method_std,
-                                  xavier_uniform=xavier_uniform)  # fmt: skip
+                                  xavier_uniform=xavier_uniform,
+                                  mup_width_mult=getattr(config, "mup_width_mult", None))  # fmt: skip
+    mup.apply_multipliers(model, getattr(config, "mup", None))
     _mark_expert_parameters(model)
     return model.to(device)
 
@@ -907,11 +910,13 @@ def initialize_layout_independent(
     seed: int,
     init_method_std: float,
     xavier_uniform: bool = False,
+    mup_width_mult: float | None = None,
 ) -> None:
     """Megatron's init scheme (normal(std), std/sqrt(2L) on residual outputs, ones/zeros for
     norms and biases), drawn per parameter from its global name so it is layout-independent.
     `xavier_uniform`: every weight matrix Xavier-uniform over its full (unsharded) shape, as
-    Megatron's init and scaled-init methods are then."""
+    Megatron's init and scaled-init methods are then. `mup_width_mult` (--use-mup): muP's
+    width-scaled stds (mup.init_std)."""
     scaled_std = init_method_std / math.sqrt(2.0 * layout.num_layers)
     for name, param in model.named_parameters():
         kind = _init_kind(name, param)
@@ -938,6 +943,9 @@ def initialize_layout_independent(
         )
         generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{global_name}".encode()))
         std = scaled_std if kind == "scaled_normal" else init_method_std
+        if mup_width_mult is not None:
+            std = mup.init_std(kind, global_name, init_method_std, layout.num_layers,
+                               mup_width_mult)  # fmt: skip
         full = torch.empty(full_shape, dtype=torch.float32)
         if xavier_uniform and full.dim() >= 2:
             torch.nn.init.xavier_uniform_(full, generator=generator)

@@ -39,7 +39,7 @@ from megatron.pipeline.parallel import (
 )
 from megatron.pipeline.runtime import RankRuntime, plain_links
 from megatron.pipeline.transport import DistributedTransport
-from megatron.training import divergence, faults, launch, run_control
+from megatron.training import divergence, faults, launch, mup, run_control
 from megatron.training.batch_schedule import (
     BatchSchedule,
     accumulation_phase_ends,
@@ -236,12 +236,14 @@ def transformer_config(config, device: torch.device) -> TransformerConfig:
         persist_layer_norm=False,
         calculate_per_token_loss=model.calculate_per_token_loss,
         sequence_parallel=layout.sequence_parallel,
+        softmax_scale=mup.softmax_scale(model),
         **mla_config_fields(model),
         **mtp_config_fields(model),
         **moe_config_fields(config.moe, config.parallel,
                             grouped_gemm_available=_grouped_gemm_available(device)),  # fmt: skip
     )
-    for name, value in yarn_config_attributes(model).items():  # read off the config, as Megatron
+    attributes = {**yarn_config_attributes(model), **mup.config_attributes(model)}
+    for name, value in attributes.items():  # read off the config, as Megatron
         setattr(built, name, value)
     return built
 

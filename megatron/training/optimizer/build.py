@@ -69,11 +69,17 @@ def build_main_params_optimizer(model: torch.nn.Module, config: OptimizerConfig)
     from megatron.training.optimizer.delay_mitigation import with_delay_mitigation
     from megatron.training.optimizer.distributed_optimizer import ShardedMainOptimizer
     from megatron.training.optimizer.loss_scaling import build_loss_scaler
-    from megatron.training.optimizer.suite import build_suite_optimizer, decoupled_lr_of
+    from megatron.training.optimizer.suite import (
+        build_suite_optimizer,
+        decoupled_lr_of,
+        mup_settings_of,
+    )
 
     if config.use_distributed_optimizer:
         groups = _optimizer_shard_groups(config)
-        wrapper = ShardedMainOptimizer(model, *groups, decoupled_lr=decoupled_lr_of(config))
+        wrapper = ShardedMainOptimizer(
+            model, *groups, decoupled_lr=decoupled_lr_of(config), mup=mup_settings_of(config)
+        )
     else:
         wrapper = ReplicatedMainOptimizer(model)
     inner = build_suite_optimizer(wrapper.main_view(getattr(model, "config", None)), config)
@@ -91,13 +97,19 @@ def build_expert_sharded_optimizer(model: torch.nn.Module, config: OptimizerConf
         dense_and_expert_views,
     )
     from megatron.training.optimizer.loss_scaling import build_loss_scaler
-    from megatron.training.optimizer.suite import build_suite_optimizer, decoupled_lr_of
+    from megatron.training.optimizer.suite import (
+        build_suite_optimizer,
+        decoupled_lr_of,
+        mup_settings_of,
+    )
 
     scaler = build_loss_scaler(config)
     dense_group, _ = _optimizer_shard_groups(config)
     parts = []
     for view, group in zip(dense_and_expert_views(model), (dense_group, expert_group)):
-        part = ShardedMainOptimizer(view, group, decoupled_lr=decoupled_lr_of(config))
+        part = ShardedMainOptimizer(
+            view, group, decoupled_lr=decoupled_lr_of(config), mup=mup_settings_of(config)
+        )
         part.attach(build_suite_optimizer(part.main_view(view.config), config), scaler)
         parts.append(part)
     return ExpertShardedOptimizer(*parts)

@@ -55,6 +55,7 @@ class OptimizerConfig:
     # The attention shape Muon's fused-QKV split needs when the model has no config of its own.
     num_attention_heads: int | None = None
     tensor_model_parallel_size: int = 1
+    mup_width_mult: float = 1.0  # --use-mup: hidden / --mup-base-hidden-size (mup.py)
     # An asynchronous schedule steps while activations are held (PACI, 2BW, PipeDream).
     steps_with_microbatches_in_flight: bool = False
     params_dtype: torch.dtype = torch.float32  # bf16 / fp16 models get fp32 main params
@@ -90,8 +91,11 @@ class OptimizerConfig:
 
         fields = {name: getattr(args, name) for name in _FLAG_FIELDS if hasattr(args, name)}
         schedule = getattr(args, "pipeline_schedule", "1f1b")
+        base = getattr(args, "mup_base_hidden_size", None) or getattr(args, "hidden_size", 1)
+        mup = getattr(args, "use_mup", False)
         return cls(
             **fields,
+            mup_width_mult=args.hidden_size / base if mup else 1.0,
             steps_with_microbatches_in_flight=not get_schedule(schedule).flushes_every_call,
             params_dtype=model_dtype(args),
             delay_compensation_lambda=getattr(args, "delay_compensation_lambda", 0.0) or 0.0,
@@ -99,6 +103,7 @@ class OptimizerConfig:
 
 
 _DERIVED = (
+    "mup_width_mult",
     "steps_with_microbatches_in_flight",
     "params_dtype",
     "delay_compensation_lambda",

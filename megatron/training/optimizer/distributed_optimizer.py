@@ -51,12 +51,14 @@ class Piece:
 
 
 class ShardedMainOptimizer(MainParamsOptimizer):
-    def __init__(self, model: torch.nn.Module, group, replica_group=None, decoupled_lr=None):
+    def __init__(self, model: torch.nn.Module, group, replica_group=None, decoupled_lr=None,
+                 mup=None):  # fmt: skip
         """Sharded over `group`; `replica_group` (--num-distributed-optimizer-instances > 1)
         holds the ranks of the other optimizer copies that own the same range; `decoupled_lr`
-        (suite.decoupled_lr_of) groups the parameters as the inner optimizer does."""
+        (suite.decoupled_lr_of) and `mup` (suite.mup_settings_of) group the parameters as the
+        inner optimizer does."""
         self.group, self.replica_group = group, replica_group
-        self.decoupled_lr = decoupled_lr
+        self.decoupled_lr, self.mup = decoupled_lr, mup
         self.shards, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.replicas = 1 if replica_group is None else dist.get_world_size(replica_group)
         super().__init__(model, shards=self.shards)
@@ -181,7 +183,7 @@ class ShardedMainOptimizer(MainParamsOptimizer):
         """(`group_key`, parameter indices) of each optimizer group as the unsharded optimizer
         builds them (its state numbers parameters in this order)."""
         position = {id(p): i for i, p in enumerate(self.params)}
-        groups = decay_groups(self.named, self.decoupled_lr)
+        groups = decay_groups(self.named, self.decoupled_lr, self.mup)
         return [(group_key(g), [position[id(p)] for p in g["params"]]) for g in groups]
 
 

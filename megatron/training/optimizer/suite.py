@@ -39,6 +39,7 @@ Muon, as Megatron's flags describe it (`--muon-momentum`, `--muon-nesterov`,
 
 import math
 from collections import defaultdict
+from typing import Callable
 
 import torch
 
@@ -141,23 +142,29 @@ def decoupled_lr_of(config: OptimizerConfig) -> dict | None:
 
 
 def decay_groups(
-    named: list[tuple[str, torch.nn.Parameter]], decoupled_lr: dict | None = None
+    named: list[tuple[str, torch.nn.Parameter]],
+    decoupled_lr: dict | None = None,
+    mup: Callable[[str, torch.nn.Parameter], dict] | None = None,
 ) -> list[dict]:
     """Weight decay on matrices, none on 1-D parameters, biases and norms; with `decoupled_lr`
     (`decoupled_lr_of`), the embedding and output layer in groups of their own with that
-    schedule; last, a group with learning rate and weight decay 0 for a copy that follows the
-    first stage. `group_key` tells the groups apart in checkpoints."""
+    schedule; with `mup` (`mup_settings_of`), the parameters whose settings muP changes in
+    groups of their own; last, a group with learning rate and weight decay 0 for a copy that
+    follows the first stage. `group_key` tells the groups apart in checkpoints."""
     frozen = [p for _, p in named if follows_first_stage(p)]
-    stepped = [(n, p) for n, p in named if not follows_first_stage(p)]
-    own = [(n, p) for n, p in stepped if decoupled_lr and is_embedding_or_output(p)]
-    shared = [(n, p) for n, p in stepped if not (decoupled_lr and is_embedding_or_output(p))]
     own_settings = {"is_decoupled_lr": True, **(decoupled_lr or {})}
-    groups = []
-    for members, settings in ((shared, {}), (own, own_settings)):
-        for wd_mult in (1.0, 0.0):
-            params = [p for n, p in members if no_weight_decay(n, p) == (wd_mult == 0.0)]
-            groups.append({"params": params, "wd_mult": wd_mult, **settings})
-    groups = [g for g in groups if g["params"]] or groups[:1]
+    members: dict[tuple, list] = {}
+    for name, param in named:
+        if follows_first_stage(param):
+            continue
+        own = bool(decoupled_lr) and is_embedding_or_output(param)
+        wd_mult = 0.0 if no_weight_decay(name, param) else 1.0
+        scaled = tuple(sorted(mup(name, param).items())) if mup else ()
+        members.setdefault((own, -wd_mult, scaled), []).append(param)
+    groups = [
+        {"params": params, "wd_mult": -negative_wd, **(own_settings if own else {}), **dict(scaled)}
+        for (own, negative_wd, scaled), params in sorted(members.items(), key=lambda kv: kv[0])
+    ] or [{"params": [], "wd_mult": 1.0}]
     if frozen:  # the LR scheduler reads max_lr / min_lr per group: 0 throughout
         groups.append(
             {"params": frozen, "wd_mult": 0.0, "max_lr": 0.0, "min_lr": 0.0, "frozen": True}
@@ -165,9 +172,26 @@ def decay_groups(
     return groups
 
 
+def mup_settings_of(config: OptimizerConfig):
+    """--use-mup: each parameter's optimizer settings under muP (mup.py), for `decay_groups`;
+    None at width multiplier 1."""
+    if config.mup_width_mult == 1.0:
+        return None
+    from megatron.training.mup import group_overrides
+
+    def settings(name: str, param: torch.nn.Parameter) -> dict:
+        ndim = getattr(param, "model_ndim", param.ndim)  # a distributed optimizer's piece: 1-D
+        outer = is_embedding_or_output(param) or "embedding" in name or "output_layer" in name
+        return group_overrides(config, matrix=ndim == 2, vector_like=ndim <= 1 or outer,
+                               embedding_or_output=is_embedding_or_output(param))  # fmt: skip
+
+    return settings
+
+
 def group_key(group: dict) -> tuple:
     """What identifies a `decay_groups` group across ranks and checkpoints."""
-    return (group["wd_mult"], group.get("is_decoupled_lr", False), group.get("frozen", False))
+    return (group["wd_mult"], group.get("is_decoupled_lr", False), group.get("frozen", False),
+            group.get("mup"))  # fmt: skip
 
 
 def adamw(groups: list[dict], config: OptimizerConfig) -> torch.optim.AdamW:
@@ -213,7 +237,7 @@ def elementwise_optimizer(named, config: OptimizerConfig) -> torch.optim.Optimiz
     """adam, sgd, lion, adan, mars over every parameter."""
     import pytorch_optimizer
 
-    groups = decay_groups(named, decoupled_lr_of(config))
+    groups = decay_groups(named, decoupled_lr_of(config), mup_settings_of(config))
     name, lr, wd = config.optimizer, config.lr, config.weight_decay
     beta1 = config.optimizer_beta1  # set by the delay study's momentum sweep
     if name == "adam" and config.use_precision_aware_optimizer:
