@@ -808,12 +808,18 @@ def build_gpt_stage(
     _finish_megatron_core_model(model, layout, device)
     if vocab_parallel:
         _split_vocabulary(model, layout, vocab_size, config, split_input=split_input, tied=tied)
+    _initialize(model, layout, config, seed=seed, xavier_uniform=xavier_uniform)
+    _mark_expert_parameters(model)
+    return model.to(device)
+
+
+def _initialize(model: GPTModel, layout: StageLayout, config: TransformerConfig, *, seed: int,
+                xavier_uniform: bool) -> None:  # fmt: skip
+    """The layout-independent initialization (with muP's stds), then muP's factors."""
     initialize_layout_independent(model, layout, seed=seed, init_method_std=config.init_method_std,
                                   xavier_uniform=xavier_uniform,
                                   mup_width_mult=getattr(config, "mup_width_mult", None))  # fmt: skip
     mup.apply_multipliers(model, getattr(config, "mup", None))
-    _mark_expert_parameters(model)
-    return model.to(device)
 
 
 def _mtp_spec(config: TransformerConfig, decoder_spec, layout: StageLayout, device: torch.device,

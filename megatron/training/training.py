@@ -463,6 +463,7 @@ def pretrain(args, forward_step_func) -> TrainingState:
     wall_start = time.perf_counter()
     config = RunConfig.from_args(args)
     set_logging_level(config.logging.logging_level)
+    set_experimental_flag(config.training.enable_experimental)  # process-wide, as Megatron's
     # Installed first, so that a SIGTERM during set-up is caught too (--exit-signal-handler).
     requests = None
     if run_control.requested(config.training):
@@ -528,7 +529,6 @@ def _take_save_directory(checkpoint) -> tuple[str, WriterLock | None]:
 
 def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
                       save_lock) -> TrainingState:  # fmt: skip
-    set_experimental_flag(config.training.enable_experimental)  # process-wide, as Megatron's
     # the resident set follows live memory (host_memory.py)
     unmap_large_blocks_when_freed(device, config.parallel.cpu_mmap_threshold_kib)
     layout = config.parallel
