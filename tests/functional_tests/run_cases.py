@@ -78,13 +78,15 @@ def prepare_gpt2_data(output: str) -> None:
         subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True)
 
 
-def with_index_cache(args: list[str], output: str) -> list[str]:
-    """Mock-data cases share one --data-cache-path: megatron-core shuffles a whole epoch of its
-    mock corpus for each split on every rank (most of a small case's CPU time), and with a cache
-    rank 0 builds the indices once and every other rank and later case of the same data loads
-    them, as on a cluster. The batches are the same either way."""
+def with_index_cache(args: list[str], output: str, launch: str = "") -> list[str]:
+    """Mock-data cases of a launch share one --data-cache-path: megatron-core shuffles a whole
+    epoch of its mock corpus for each split on every rank (most of a small case's CPU time), and
+    with a cache rank 0 builds the indices once and every other rank and later case of the same
+    data loads them, as on a cluster. The batches are the same either way. One cache per launch
+    (`launch`): megatron-core writes its index files in place, so a launch running beside
+    another could read a file the other is still writing."""
     if "--mock-data" in args and "--data-cache-path" not in args:
-        return args + ["--data-cache-path", os.path.join(output, "index_cache")]
+        return args + ["--data-cache-path", os.path.join(output, "index_cache", launch)]
     return args
 
 
@@ -160,7 +162,7 @@ def _launch(cases: dict, key: tuple, names: list[str], output: str) -> dict[str,
     spec = [
         {
             "name": name,
-            "args": with_index_cache(flags(cases[name]["MODEL_ARGS"], output), output),
+            "args": with_index_cache(flags(cases[name]["MODEL_ARGS"], output), output, names[0]),
             "metrics_dir": os.path.join(output, name),
             "forward_step": cases[name].get("FORWARD_STEP"),
         }
