@@ -377,6 +377,35 @@ NO_EFFECT = {
     ),
 }
 
+# Not supported yet because they need a GPU (CUDA kernels, streams or graphs, Transformer
+# Engine): the one-line refusal says so. By prefix: every flag that starts with it.
+GPU_ONLY = {
+    "--fp8": "FP8 needs Transformer Engine on a Hopper or newer GPU",
+    "--tp-comm-overlap": "Transformer Engine's userbuffers overlap of tensor-parallel comms",
+    "--cuda-graph": "CUDA graphs",
+    "--use-transformer-engine-op-fuser": "Transformer Engine's fused operations",
+    "--fine-grained-activation-offloading": "activations offloaded to host memory on CUDA streams",
+    "--offload-modules": "activations offloaded to host memory on CUDA streams",
+}
+# CUDA graphs (Megatron's TransformerConfig fields), parsed so that such a command line reads
+# completely and is refused in one line
+CUDA_GRAPH_FLAGS = [
+    Flag("--cuda-graph-impl", str, "none"),
+    Flag("--cuda-graph-modules", str, nargs="*"),
+    Flag("--cuda-graph-warmup-steps", int, 3, supported=None),
+]
+
+
+def gpu_only_reason(flag: str) -> str | None:
+    return next((why for prefix, why in GPU_ONLY.items() if flag.startswith(prefix)), None)
+
+
+def not_supported_message(flag: str) -> str:
+    """`--foo is not supported yet`, with why where it needs a GPU."""
+    why = gpu_only_reason(flag)
+    return f"{flag} is not supported yet" + (f" (GPU-only: {why})" if why else "")
+
+
 # Value flags whose other values are other features (`--ckpt-format torch_dcp` and
 # `fsdp_dtensor`: other checkpoint formats). These are parsed in arguments.py.
 VALUE_NOT_SUPPORTED = {
@@ -387,7 +416,8 @@ VALUE_NOT_SUPPORTED = {
 def add_compatibility_flags(parser: argparse.ArgumentParser) -> None:
     deprecated = [Flag(name, kind) for name, (kind, _) in {**DEPRECATED, **NO_EFFECT}.items()]
     for title, flags in (("Megatron flags: our behaviour", OUR_BEHAVIOUR),
-                         ("Megatron flags: not supported yet", NOT_SUPPORTED + NOT_YET),
+                         ("Megatron flags: not supported yet",
+                          NOT_SUPPORTED + NOT_YET + CUDA_GRAPH_FLAGS),
                          ("Megatron flags: deprecated", deprecated)):  # fmt: skip
         add = parser.add_argument_group(title).add_argument
         for flag in flags:
@@ -412,7 +442,7 @@ def unsupported_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag.dest)
         if flag.type is not None and _rejected_value(flag, value):
             found.append(f"{flag.name} {value}")
-    for flag in NOT_SUPPORTED + NOT_YET:
+    for flag in NOT_SUPPORTED + NOT_YET + CUDA_GRAPH_FLAGS:
         if _rejected_value(flag, getattr(args, flag.dest)):
             found.append(flag.name)
     for name, supported in VALUE_NOT_SUPPORTED.items():
@@ -455,4 +485,4 @@ def reject_unsupported_flags(args: argparse.Namespace) -> None:
     apply_megatron_fallbacks(args)
     found = unsupported_flags(args)
     if found:
-        raise UserError(f"{found[0]} is not supported yet")
+        raise UserError(not_supported_message(found[0]))

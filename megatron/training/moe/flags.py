@@ -118,15 +118,15 @@ def add_moe_args(parser) -> None:
 
 # Parsed so that a Megatron command line reads completely; any use fails in one line.
 MOE_NOT_SUPPORTED = (
-    ("--moe-enable-deepep", "needs CUDA (DeepEP)"),
-    ("--overlap-moe-expert-parallel-comm", "needs CUDA streams and virtual stages"),
-    ("--moe-shared-expert-overlap", "overlaps on CUDA streams"),
-    ("--moe-use-legacy-grouped-gemm", "needs CUDA"),
+    ("--moe-enable-deepep", "GPU-only: DeepEP"),
+    ("--overlap-moe-expert-parallel-comm", "GPU-only: the all-to-alls overlap on CUDA streams"),
+    ("--moe-shared-expert-overlap", "GPU-only: overlaps on CUDA streams"),
+    ("--moe-use-legacy-grouped-gemm", "GPU-only: grouped-GEMM kernels"),
     ("--moe-use-upcycling", "dense-to-MoE checkpoint conversion"),
     ("--moe-per-layer-logging", "per-layer MoE logging"),
     ("--moe-layer-recompute", "MoE recomputation"),
-    ("--moe-router-padding-for-fp8", "needs fp8"),
-    ("--moe-router-padding-for-quantization", "needs fp8"),
+    ("--moe-router-padding-for-fp8", "GPU-only: FP8"),
+    ("--moe-router-padding-for-quantization", "GPU-only: FP8"),
     ("--moe-enable-routing-replay", "routing replay"),
 )
 MOE_VALUE_NOT_SUPPORTED = (
@@ -136,6 +136,12 @@ MOE_VALUE_NOT_SUPPORTED = (
     ("--moe-upcycling-granularity", int),
     ("--moe-latent-size", int),
 )
+
+
+MOE_GPU_ONLY_VALUES = {
+    "--moe-flex-dispatcher-backend": "the flex dispatcher's DeepEP and HybridEP kernels",
+    "--moe-deepep-num-sms": "DeepEP",
+}
 
 
 def add_moe_unsupported_args(parser) -> None:
@@ -165,7 +171,8 @@ def validate_moe_args(args, *, world_size: int) -> None:
             raise UserError(f"{flag} is not supported yet ({why})")
     for flag, _ in MOE_VALUE_NOT_SUPPORTED:
         if getattr(args, _dest(flag), None) is not None:
-            raise UserError(f"{flag} is not supported yet")
+            why = MOE_GPU_ONLY_VALUES.get(flag)
+            raise UserError(f"{flag} is not supported yet" + (f" (GPU-only: {why})" if why else ""))
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size

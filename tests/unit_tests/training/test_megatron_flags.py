@@ -9,7 +9,7 @@ from small_run_flags import BASE, configured, validated
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.config import RunConfig
 from megatron.training.errors import UserError
-from megatron.training.megatron_flags import NOT_SUPPORTED, OUR_BEHAVIOUR
+from megatron.training.megatron_flags import NOT_SUPPORTED, OUR_BEHAVIOUR, not_supported_message
 from megatron.training.optimizer.config import LRScheduleConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -31,7 +31,21 @@ def non_default_value(flag) -> list[str]:
 
 @pytest.mark.parametrize("flag", NOT_SUPPORTED, ids=lambda f: f.name)
 def test_not_supported_flag_fails_with_one_line(flag):
-    assert error_of(non_default_value(flag), 1) == f"{flag.name} is not supported yet"
+    assert error_of(non_default_value(flag), 1) == not_supported_message(flag.name)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--fp8-format", "hybrid"],
+     "--fp8-format is not supported yet (GPU-only: FP8 needs Transformer Engine on a Hopper or "
+     "newer GPU)"),
+    (["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "mlp"],
+     "--cuda-graph-impl is not supported yet (GPU-only: CUDA graphs)"),
+    (["--tp-comm-overlap"], "--tp-comm-overlap is not supported yet (GPU-only: Transformer "
+     "Engine's userbuffers overlap of tensor-parallel comms)"),
+    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 is not supported yet"),  # not GPU-only
+])  # fmt: skip
+def test_gpu_only_flags_say_so(extra, message):
+    assert error_of(extra) == message
 
 
 @pytest.mark.parametrize(

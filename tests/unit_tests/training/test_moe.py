@@ -40,13 +40,15 @@ def error_of(extra: list[str], world_size: int = 1) -> str:
         (["--moe-token-dispatcher-type", "flex"], 1,
          "--moe-token-dispatcher-type flex is not supported yet (DeepEP / HybridEP need CUDA): "
          "use allgather or alltoall"),
-        (["--moe-enable-deepep"], 1, "--moe-enable-deepep is not supported yet (needs CUDA (DeepEP))"),
+        (["--moe-enable-deepep"], 1, "--moe-enable-deepep is not supported yet (GPU-only: DeepEP)"),
         (["--overlap-moe-expert-parallel-comm"], 1,
-         "--overlap-moe-expert-parallel-comm is not supported yet (needs CUDA streams and virtual "
-         "stages)"),
-        (["--fp8-format", "hybrid"], 1, "--fp8-format is not supported yet"),
+         "--overlap-moe-expert-parallel-comm is not supported yet (GPU-only: the all-to-alls "
+         "overlap on CUDA streams)"),
+        (["--fp8-format", "hybrid"], 1, "--fp8-format is not supported yet (GPU-only: FP8 needs "
+         "Transformer Engine on a Hopper or newer GPU)"),
         (["--moe-flex-dispatcher-backend", "deepep"], 1,
-         "--moe-flex-dispatcher-backend is not supported yet"),
+         "--moe-flex-dispatcher-backend is not supported yet (GPU-only: the flex dispatcher's "
+         "DeepEP and HybridEP kernels)"),
         (["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
           "--num-distributed-optimizer-instances", "2"], 4,
          "--use-distributed-optimizer with expert parallelism (--expert-model-parallel-size > 1 "
