@@ -97,8 +97,8 @@ def resolve_token_ids(settings: FimSettings, tokenizer) -> FimTokenIds:
         if token_id is None:
             raise UserError(
                 f"{flag} {name!r} is not a token of the tokenizer ({type(tokenizer).__name__}): "
-                f"pass a token it has with {flag}, or add {name!r} to its vocabulary "
-                f"(tools/train_gpt2_bpe.py --special-tokens)"
+                f"pass a token it has with {flag}, or add {name!r} to its vocabulary (a GPT-2 "
+                f"BPE: tools/train_gpt2_bpe.py --special-tokens)"
             )
         return int(token_id)
 
