@@ -40,7 +40,7 @@ def test_the_runs_samples_hold_the_sentinels(case_results):
             data_path=[f"{gpt2}/fim/stdlib_text_document"], mock_data=False, split="90,10,0",
             seq_length=64, seed=1234, tokenizer=tokenizer, data_cache_path=None,
             micro_batch_size=8, data_parallel_rank=0, data_parallel_size=1, train_samples=128,
-            valid_samples=0, test_samples=0, fim=fim,
+            valid_samples=0, test_samples=0, sample_options={"fim": fim},
         )  # fmt: skip
         return [train.dataset[i]["tokens"].tolist() for i in range(128)]
 
@@ -72,8 +72,9 @@ def test_a_tokenizer_without_the_sentinels_stops_the_run_in_one_line():
         "--tokenizer-model", os.path.join(REPO, "data", "tokenizer", "stdlib.model"),
         "--fim-data", "--fim-eod-token", "</s>",
     ]  # fmt: skip
-    completed = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *args],
-                               capture_output=True, text=True, env=environment, timeout=300)  # fmt: skip
+    command = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *args]
+    completed = subprocess.run(command, capture_output=True, text=True, env=environment,
+                               timeout=300)  # fmt: skip
     assert_clean_error(completed,
                        "error: --fim-prefix-token '<fim_prefix>' is not a token of the tokenizer "
                        "(SentencePieceTokenizer)")  # fmt: skip

@@ -338,6 +338,7 @@ def data_iterators_of_run(
             eod_mask_loss=data.eod_mask_loss,
             reset_position_ids=data.reset_position_ids,
             reset_attention_mask=data.reset_attention_mask,
+            fim=FimSettings.of_run(data),
         ),
         mock_data=data.mock_data,
         split=data.split,
@@ -353,7 +354,6 @@ def data_iterators_of_run(
         test_samples=0,
         consumed_train_samples=consumed_train_samples,
         vocab_limit=config.model.padded_vocab_size,
-        fim=FimSettings.of_run(data),
     )
     return train, valid
 
@@ -394,14 +394,13 @@ def build_data_iterators(
     vocab_limit: Optional[int] = None,
     per_split: Optional[List[Optional[List[str]]]] = None,
     sample_options: Optional[Dict] = None,
-    fim: Optional[FimSettings] = None,
 ):
     """Build (train, valid, test) ``MicrobatchIterator`` s over megatron-core GPT datasets.
 
     ``per_split``: one blend per split instead of ``data_path`` split by ``split`` (lists of
     prefixes or weight/prefix pairs, None for a split without data). ``sample_options``:
-    megatron-core's ``eod_mask_loss`` / ``reset_position_ids`` (default off). ``fim``: the
-    ``--fim-data`` settings, to build ``GPTFIMDataset`` s (fim_dataset.py) instead.
+    megatron-core's ``eod_mask_loss`` / ``reset_position_ids`` (default off), ``fim``
+    (``--fim-data``'s FimSettings: ``GPTFIMDataset`` s, fim_dataset.py).
 
     Each split is built for at least the requested number of samples; a split that is not
     requested (0 samples) or that ``--split`` leaves empty gives None. Microbatches are dicts of
@@ -427,14 +426,10 @@ def build_data_iterators(
         sizes=sizes,
         consumed_train_samples=consumed_train_samples,
     )
-    if fim is not None:
-        if mock_data:
-            raise UserError("--fim-data needs --data-path: it does not take --mock-data")
-        resolve_token_ids(fim, tokenizer)  # a missing sentinel fails here, before any index
     blend, blend_per_split, split = _checked_blends(data_path, per_split, mock_data, split)
     datasets = _build_datasets(
         (blend, blend_per_split), split, seq_length, seed, tokenizer, data_cache_path, sizes,
-        dict(sample_options or {}, fim=fim),
+        sample_options or {},
     )  # fmt: skip
 
     common = dict(micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
@@ -554,7 +549,9 @@ def _build_datasets(blends, split, seq_length, seed, tokenizer, data_cache_path,
         # misses its cache, which fails without a process group: build it uncached instead.
         data_cache_path = None
 
-    config_class, dataset_class, fim_fields = _gpt_dataset_classes(options.get("fim"))
+    config_class, dataset_class, fim_fields = _gpt_dataset_classes(
+        options.get("fim"), tokenizer, blended
+    )
     config = config_class(
         random_seed=seed,
         sequence_length=seq_length,
@@ -582,15 +579,18 @@ def _build_datasets(blends, split, seq_length, seed, tokenizer, data_cache_path,
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 
 
-def _gpt_dataset_classes(fim: Optional[FimSettings]):
+def _gpt_dataset_classes(fim: Optional[FimSettings], tokenizer, blended: list):
     """(config class, dataset class, the config's extra fields): megatron-core's GPTDataset,
-    or with ``--fim-data`` our GPTFIMDataset."""
+    or with ``--fim-data`` our GPTFIMDataset (its sentinels checked first, one line each)."""
     if fim is None:
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
         return GPTDatasetConfig, GPTDataset, {}
     from megatron.training.data.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
 
+    if not blended:
+        raise UserError("--fim-data needs --data-path: it does not take --mock-data")
+    resolve_token_ids(fim, tokenizer)  # a missing sentinel fails here, before any index
     return GPTFIMDatasetConfig, GPTFIMDataset, {"fim": fim}
 
 

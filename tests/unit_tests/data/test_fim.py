@@ -222,10 +222,11 @@ def letters_dataset(tmp_path_factory):
 
 def _train_samples(prefix, cache, fim, count=24):
     train, _, _ = build_data_iterators(
-        data_path=[prefix], mock_data=False, split="100,0,0", seq_length=32, seed=1234,
-        tokenizer=TOKENIZER, data_cache_path=str(cache), micro_batch_size=1,
+        data_path=prefix and [prefix], mock_data=prefix is None, split="100,0,0",
+        seq_length=32, seed=1234, tokenizer=TOKENIZER, data_cache_path=str(cache),
+        micro_batch_size=1,
         data_parallel_rank=0, data_parallel_size=1, train_samples=count, valid_samples=0,
-        test_samples=0, fim=fim,
+        test_samples=0, sample_options={"fim": fim},
     )  # fmt: skip
     return train.dataset
 
@@ -253,3 +254,5 @@ def test_the_dataset_rearranges_samples_reproducibly(letters_dataset, tmp_path):
 def test_the_dataset_rejects_a_tokenizer_without_the_sentinels(letters_dataset, tmp_path):
     with pytest.raises(UserError, match=r"^--fim-suffix-token '<suffix>' is not a token"):
         _train_samples(letters_dataset, tmp_path, FimSettings(suffix_token="<suffix>"))
+    with pytest.raises(UserError, match="^--fim-data needs --data-path: it does not take --mock"):
+        _train_samples(None, tmp_path, FimSettings())
