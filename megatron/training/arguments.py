@@ -277,6 +277,27 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
         help="NullTokenizer's ids; TikTokenizer's whole vocabulary (default 2**17)")  # fmt: skip
     add_tiktoken_args(parser.add_argument_group("TikTokenizer"))
     add("--data-cache-path", default=None)
+    _add_fim_args(parser)
+
+
+def _add_fim_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron's fill-in-the-middle flags (names and defaults): data/fim.py."""
+    add = parser.add_argument_group("fill-in-the-middle (data/fim.py)").add_argument
+    add("--fim-data", action="store_true", help="rearrange samples for fill-in-the-middle")
+    add("--fim-rate", type=float, default=0.5, help="the share of samples rearranged")
+    add("--fim-spm-rate", type=float, default=0.5,
+        help="the share of rearranged samples laid out SPM (the rest PSM)")  # fmt: skip
+    add("--fim-split-sample", default=None,
+        help="a token between the files of a document: each file rearranged on its own")  # fmt: skip
+    add("--fim-fragment-rate", type=float, default=None,
+        help="with --fim-split-sample: the share of files rearranged")  # fmt: skip
+    add("--fim-no-prefix", default=None, help="leave text that starts with this as it is")
+    add("--fim-prefix-token", default="<fim_prefix>")
+    add("--fim-middle-token", default="<fim_middle>")
+    add("--fim-suffix-token", default="<fim_suffix>")
+    add("--fim-pad-token", default="<fim_pad>")
+    add("--fim-eod-token", default="<|endoftext|>",
+        help="the token between documents (each rearranged on its own)")  # fmt: skip
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:

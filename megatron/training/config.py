@@ -274,6 +274,18 @@ class DataConfig(_Section):
     tiktoken_pattern: str | None = None  # TikTokenizer (tokenizer/tiktoken_tokenizer.py)
     tiktoken_num_special_tokens: int = 1000
     special_tokens: tuple | None = None
+    # --fim-*: fill-in-the-middle samples (data/fim.py, FimSettings.of_run)
+    fim_data: bool = False
+    fim_rate: float = 0.5
+    fim_spm_rate: float = 0.5
+    fim_split_sample: str | None = None
+    fim_fragment_rate: float | None = None
+    fim_no_prefix: str | None = None
+    fim_prefix_token: str = "<fim_prefix>"
+    fim_middle_token: str = "<fim_middle>"
+    fim_suffix_token: str = "<fim_suffix>"
+    fim_pad_token: str = "<fim_pad>"
+    fim_eod_token: str = "<|endoftext|>"
 
 
 @dataclass(frozen=True)

@@ -136,10 +136,6 @@ NOT_SUPPORTED = [
     Flag("--apply-wd-to-qk-layernorm"),
     # optimizer and batch schedule variants
     Flag("--eval-global-batch-size", int),
-    # data variants
-    Flag("--fim-data"),
-    Flag("--fim-rate", float),
-    Flag("--fim-spm-rate", float),
     # checkpoints, fault tolerance, testing hooks
     Flag("--export-te-mcore-model"),
     Flag("--export-kd-teacher-load", str),
@@ -264,9 +260,7 @@ NOT_YET_BY_GROUP = {
         "--dataloader-fast-cache-load --dataloader-defer-npy-index-mmap --encoder-seq-length= "
         "--decoder-seq-length= --sample-rate= --mask-prob= --short-seq-prob= "
         "--dataloader-inter-document-masking --object-storage-cache-path= "
-        "--mid-level-dataset-surplus= --allow-ambiguous-pad-tokens --fim-split-sample= "
-        "--fim-fragment-rate= --fim-no-prefix= --fim-prefix-token= --fim-middle-token= "
-        "--fim-suffix-token= --fim-pad-token= --fim-eod-token= "
+        "--mid-level-dataset-surplus= --allow-ambiguous-pad-tokens "
     ),
     "tokenizer": (
         "--padded-vocab-size= --no-pad-vocab-size --disable-pad-vocab-size --vocab-extra-ids= "

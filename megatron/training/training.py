@@ -50,6 +50,7 @@ from megatron.training.checkpointing import save_load as checkpointing
 from megatron.training.checkpointing.writer_lock import WriterLock, describe, new_run_id
 from megatron.training.config import RunConfig
 from megatron.training.data.datasets import data_iterators_of_run
+from megatron.training.data.fim import FimSettings, resolve_token_ids
 from megatron.training.data.sources import prefixes_of
 from megatron.training.divergence import check_replicas_match
 from megatron.training.emulated_stage import EmulatedStage
@@ -620,6 +621,9 @@ def _build_checked_tokenizer(config):
     if not config.data.mock_data:
         check_token_ids(prefixes_of(config.data.source), tokenizer.vocab_size,
                         config.model.padded_vocab_size)  # fmt: skip
+    fim = FimSettings.of_run(config.data)
+    if fim is not None:  # a sentinel the vocabulary lacks fails before the model is built
+        resolve_token_ids(fim, tokenizer)
     return tokenizer, config
 
 

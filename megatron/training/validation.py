@@ -48,6 +48,9 @@ _FLOAT_RANGES = {
     "emulated_forward_ms": (0.0, math.inf, False),
     "emulated_backward_ms": (0.0, math.inf, False),
     "rendezvous_timeout_seconds": (0.0, math.inf, False),
+    "fim_rate": (0.0, 1.0, True),
+    "fim_spm_rate": (0.0, 1.0, True),
+    "fim_fragment_rate": (0.0, 1.0, True),
 }
 _FLOAT_HINTS = {"clip_grad": " (0 turns clipping off)"}
 
@@ -70,6 +73,18 @@ def validate_numbers(args: argparse.Namespace) -> None:
     _check_relations(args)
     _check_devices(args)
     _check_validation_split(args)
+    _check_fim(args)
+
+
+def _check_fim(args) -> None:
+    """--fim-data's needs (Megatron asserts the same); its sentinels are checked against the
+    tokenizer once it is built (data/fim.py, resolve_token_ids)."""
+    if not getattr(args, "fim_data", False):
+        return
+    if getattr(args, "mock_data", False):
+        raise UserError("--fim-data needs --data-path: it does not take --mock-data")
+    if args.fim_split_sample is not None and args.fim_fragment_rate is None:
+        raise UserError("--fim-split-sample needs --fim-fragment-rate")
 
 
 def _check_float(args, name: str, low: float, high: float, high_ok: bool) -> None:

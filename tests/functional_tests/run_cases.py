@@ -53,9 +53,12 @@ def prepare_gpt2_data(output: str) -> None:
     """A GPT-2 BPE vocab.json/merges.txt pair trained on a slice of the default corpus (the
     Python standard library's sources) and that slice tokenized with it, under output/gpt2;
     and the same BPE as a Megatron TikToken vocabulary (tiktoken.json, 1,023 ranks after
-    TikTokenizer's 1,000 special ids) with the slice tokenized by it (stdlib_tiktoken_*)."""
+    TikTokenizer's 1,000 special ids) with the slice tokenized by it (stdlib_tiktoken_*); and
+    under gpt2/fim the same BPE with --fim-data's four sentinels after <|endoftext|> (every other
+    id the same) and the slice tokenized with it."""
     directory = os.path.join(output, "gpt2")
-    if os.path.exists(os.path.join(directory, "stdlib_tiktoken_text_document.idx")):
+    fim = os.path.join(directory, "fim")
+    if os.path.exists(os.path.join(fim, "stdlib_text_document.idx")):
         return
     corpus = os.path.join(directory, "stdlib.jsonl")
     steps = [
@@ -72,6 +75,12 @@ def prepare_gpt2_data(output: str) -> None:
          os.path.join(directory, "stdlib_tiktoken"), "--tokenizer-type", "TikTokenizer",
          "--tokenizer-model", os.path.join(directory, "tiktoken.json"), "--vocab-size", "2023",
          "--append-eod", "--workers", "1"],
+        ["train_gpt2_bpe.py", "--input", corpus, "--output-dir", fim, "--vocab-size", "1024",
+         "--special-tokens", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"],
+        ["preprocess_data.py", "--input", corpus, "--json-keys", "text", "--output-prefix",
+         os.path.join(fim, "stdlib"), "--tokenizer-type", "GPT2BPETokenizer",
+         "--vocab-file", os.path.join(fim, "vocab.json"), "--merge-file",
+         os.path.join(fim, "merges.txt"), "--append-eod", "--workers", "1"],
     ]  # fmt: skip
     for tool, *arguments in steps:
         command = [sys.executable, os.path.join(REPO, "tools", tool), *arguments]

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy
 
+from megatron.training.data.fim import FimSettings, resolve_token_ids
 from megatron.training.errors import UserError
 
 # The .idx layout written by megatron-core's IndexedDatasetBuilder (indexed_dataset.py):
@@ -337,6 +338,7 @@ def data_iterators_of_run(
             eod_mask_loss=data.eod_mask_loss,
             reset_position_ids=data.reset_position_ids,
             reset_attention_mask=data.reset_attention_mask,
+            fim=FimSettings.of_run(data),
         ),
         mock_data=data.mock_data,
         split=data.split,
@@ -397,7 +399,8 @@ def build_data_iterators(
 
     ``per_split``: one blend per split instead of ``data_path`` split by ``split`` (lists of
     prefixes or weight/prefix pairs, None for a split without data). ``sample_options``:
-    megatron-core's ``eod_mask_loss`` / ``reset_position_ids`` (default off).
+    megatron-core's ``eod_mask_loss`` / ``reset_position_ids`` (default off), ``fim``
+    (``--fim-data``'s FimSettings: ``GPTFIMDataset`` s, fim_dataset.py).
 
     Each split is built for at least the requested number of samples; a split that is not
     requested (0 samples) or that ``--split`` leaves empty gives None. Microbatches are dicts of
@@ -528,12 +531,12 @@ def _check_splits_have_tokens(prefix: str, split: str) -> None:
 
 def _build_datasets(blends, split, seq_length, seed, tokenizer, data_cache_path, sizes, options):
     """megatron-core's GPT datasets for `blends` = (blend, blend_per_split), both None: mock
-    data; `options`: GPTDatasetConfig's per-sample settings."""
+    data; `options`: GPTDatasetConfig's per-sample settings, and `fim` (FimSettings or None)."""
     import torch.distributed
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset
 
     blend, blend_per_split = blends
     blended = [b for b in ([blend] + (blend_per_split or [])) if b is not None]
@@ -546,7 +549,10 @@ def _build_datasets(blends, split, seq_length, seed, tokenizer, data_cache_path,
         # misses its cache, which fails without a process group: build it uncached instead.
         data_cache_path = None
 
-    config = GPTDatasetConfig(
+    config_class, dataset_class, fim_fields = _gpt_dataset_classes(
+        options.get("fim"), tokenizer, blended
+    )
+    config = config_class(
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
@@ -558,6 +564,7 @@ def _build_datasets(blends, split, seq_length, seed, tokenizer, data_cache_path,
         reset_attention_mask=options.get("reset_attention_mask", False),
         eod_mask_loss=options.get("eod_mask_loss", False),
         create_attention_mask=options.get("reset_attention_mask", False),
+        **fim_fields,
     )
     # A split asked for no samples is not built: megatron-core would still shuffle a whole
     # epoch of it (about a third of a small run's set-up). Each split draws its own indices, so
@@ -568,8 +575,23 @@ def _build_datasets(blends, split, seq_length, seed, tokenizer, data_cache_path,
                 config.split_matrix[i] = None
             if config.blend_per_split is not None:
                 config.blend_per_split[i] = None
-    cls = MockGPTDataset if not blended else GPTDataset
+    cls = MockGPTDataset if not blended else dataset_class
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+
+
+def _gpt_dataset_classes(fim: Optional[FimSettings], tokenizer, blended: list):
+    """(config class, dataset class, the config's extra fields): megatron-core's GPTDataset,
+    or with ``--fim-data`` our GPTFIMDataset (its sentinels checked first, one line each)."""
+    if fim is None:
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+        return GPTDatasetConfig, GPTDataset, {}
+    from megatron.training.data.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
+
+    if not blended:
+        raise UserError("--fim-data needs --data-path: it does not take --mock-data")
+    resolve_token_ids(fim, tokenizer)  # a missing sentinel fails here, before any index
+    return GPTFIMDatasetConfig, GPTFIMDataset, {"fim": fim}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

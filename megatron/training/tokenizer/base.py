@@ -3,7 +3,7 @@ datasets read its properties."""
 
 import json
 from collections import OrderedDict
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 
 class Tokenizer:
@@ -43,6 +43,11 @@ class Tokenizer:
     def pad(self) -> int:
         """The padding id; -1 means none (megatron-core then pads with -1 and masks it)."""
         return -1
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        """The id of the vocabulary entry spelled `token` (a special token such as
+        ``<fim_prefix>``), None if the vocabulary has no such entry."""
+        return None
 
     def tokenize(self, text: str) -> List[int]:
         raise NotImplementedError

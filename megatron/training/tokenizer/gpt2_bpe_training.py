@@ -5,7 +5,10 @@ read: text is cut into words by GPT-2's pattern, each word's UTF-8 bytes are map
 printable characters (``bytes_to_unicode``), and the most frequent adjacent pair is merged,
 again and again, until the vocabulary has ``--vocab-size`` entries: the 256 byte symbols, one
 per merge, and ``<|endoftext|>`` last. Ties go to the pair that sorts first, so training is
-deterministic.
+deterministic. ``--special-tokens`` (for example the fill-in-the-middle sentinels
+``<fim_prefix> <fim_middle> <fim_suffix> <fim_pad>`` of ``--fim-data``) come after
+``<|endoftext|>``, on top of ``--vocab-size``: the other ids are the same with or without them,
+so data tokenized with one vocabulary reads the same with the other.
 
     python tools/train_gpt2_bpe.py --input data/stdlib.jsonl --output-dir data/gpt2 \\
         --vocab-size 8192
@@ -90,7 +93,7 @@ class PairCounts:
         self.counts.pop(pair, None)
 
 
-def train(words: collections.Counter, vocab_size: int) -> tuple[dict, list]:
+def train(words: collections.Counter, vocab_size: int, special_tokens=()) -> tuple[dict, list]:
     vocab = {symbol: i for i, symbol in enumerate(bytes_to_unicode().values())}
     merges, pairs = [], PairCounts(words)
     while len(vocab) < vocab_size - 1:  # the last id is <|endoftext|>
@@ -101,6 +104,10 @@ def train(words: collections.Counter, vocab_size: int) -> tuple[dict, list]:
         merges.append(pair)
         vocab.setdefault(pair[0] + pair[1], len(vocab))
     vocab[GPT2BPETokenizer.EOD_TOKEN] = len(vocab)
+    for token in special_tokens:
+        if token in vocab:
+            raise UserError(f"--special-tokens: {token!r} is already in the vocabulary")
+        vocab[token] = len(vocab)
     return vocab, merges
 
 
@@ -125,6 +132,8 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--max-bytes", type=int, default=4_000_000,
                         help="train on the corpus's first N characters of text")  # fmt: skip
+    parser.add_argument("--special-tokens", nargs="+", default=[],
+                        help="tokens added after <|endoftext|>, beyond --vocab-size")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         if args.vocab_size < 257:
@@ -132,7 +141,7 @@ def main(argv=None) -> int:
         if not os.path.isfile(args.input):
             raise UserError(f"--input file not found: {args.input}")
         vocab, merges = train(count_words(args.input, args.json_key, args.max_bytes),
-                              args.vocab_size)  # fmt: skip
+                              args.vocab_size, args.special_tokens)  # fmt: skip
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

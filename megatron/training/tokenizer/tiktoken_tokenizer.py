@@ -101,6 +101,10 @@ class TikTokenizer(Tokenizer):
     def pad(self) -> int:
         return self._specials.index("<pad>")
 
+    def token_to_id(self, token: str) -> Optional[int]:
+        """The special tokens are looked up by name (the ranks are byte strings, not names)."""
+        return self._specials.index(token) if token in self._specials else None
+
     def tokenize(self, text: str) -> List[int]:
         return self._model.encode(text, disallowed_special=())
 

@@ -179,6 +179,11 @@ class SentencePieceTokenizer(Tokenizer):
     def inv_vocab(self) -> Dict[int, str]:
         return {i: self._sp.id_to_piece(i) for i in range(self.vocab_size)}
 
+    def token_to_id(self, token: str) -> Optional[int]:
+        # piece_to_id answers the unknown piece's id for a piece it lacks
+        token_id = self._sp.piece_to_id(token)
+        return token_id if self._sp.id_to_piece(token_id) == token else None
+
     def tokenize(self, text: str) -> List[int]:
         return self._sp.encode(text, out_type=int)
 
@@ -273,6 +278,9 @@ class GPT2BPETokenizer(Tokenizer):
     def inv_vocab(self) -> Dict[int, str]:
         return self.decoder
 
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self.encoder.get(token)
+
     def tokenize(self, text: str) -> List[int]:
         ids: List[int] = []
         for word in self._pattern.findall(text):
@@ -362,6 +370,9 @@ class HuggingFaceTokenizer(Tokenizer):
     @property
     def eod(self) -> int:
         return self._eod
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self._tokenizer.token_to_id(token)
 
     def tokenize(self, text: str) -> List[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids

@@ -430,3 +430,48 @@ def test_logging_level_sets_the_root_logger(monkeypatch):
     monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", "loud")
     with pytest.raises(UserError, match="MEGATRON_LOGGING_LEVEL must be an integer"):
         set_logging_level(None)
+
+
+def test_fim_flags_reach_the_data_config_with_megatrons_defaults():
+    """--fim-* (data/fim.py): parsed with Megatron's defaults into DataConfig, whose
+    FimSettings the datasets are built with; without --fim-data there are none."""
+    from megatron.training.data.fim import FimSettings
+
+    def fim_settings(extra):
+        real_data = ["--data-path", os.path.join(REPO, "data", "stdlib_text_document")]
+        args = build_parser().parse_args(BASE[:-5] + real_data + ["--fim-data"] + extra)
+        validate_args(args, world_size=1, check_files=False)
+        return FimSettings.of_run(RunConfig.from_args(args).data)
+
+    assert fim_settings([]) == FimSettings(rate=0.5, spm_rate=0.5, eod_token="<|endoftext|>")
+    given = fim_settings(
+        ["--fim-rate", "0.9", "--fim-spm-rate", "0.1", "--fim-split-sample", "<file_sep>",
+         "--fim-fragment-rate", "0.3", "--fim-no-prefix", "#!", "--fim-prefix-token", "<pre>",
+         "--fim-middle-token", "<mid>", "--fim-suffix-token", "<suf>", "--fim-pad-token",
+         "<pad>", "--fim-eod-token", "</s>"]
+    )  # fmt: skip
+    assert given == FimSettings(0.9, 0.1, "<file_sep>", 0.3, "#!", "<pre>", "<mid>", "<suf>",
+                                "<pad>", "</s>")  # fmt: skip
+    assert FimSettings.of_run(configured([]).data) is None
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--fim-data"], "--fim-data needs --data-path: it does not take --mock-data"),
+        (["--fim-data", "--fim-rate", "1.5"], "--fim-rate must be a number >= 0 and <= 1, got 1.5"),
+        (["--fim-spm-rate", "-0.1"], "--fim-spm-rate must be a number >= 0 and <= 1, got -0.1"),
+    ],
+)
+def test_fim_flag_errors_are_one_line(extra, message):
+    assert error_of(extra) == message
+
+
+def test_fim_split_sample_needs_a_fragment_rate(tmp_path):
+    from megatron.training.validation import validate_numbers
+
+    args = build_parser().parse_args(
+        BASE[:-5] + ["--data-path", "x", "--fim-data", "--fim-split-sample", "<file_sep>"]
+    )
+    with pytest.raises(UserError, match="^--fim-split-sample needs --fim-fragment-rate$"):
+        validate_numbers(args)
