@@ -40,3 +40,12 @@ def test_paci_keeps_its_drift_bound(case_results):
     assert max(report["max_drift"] for report in summary["stages"]) >= 1  # it is asynchronous
     assert summary["loss"][:2] == pytest.approx(case_results[REFERENCE]["loss"][:2], rel=1e-5)
     assert summary["loss"][-1] < summary["loss"][0]
+
+
+def test_megatrons_gdn_line_shape_at_tp2_equals_one_process(case_results):
+    """GDN with MoE layers, zero-centered norms and partial RoPE at TP 2 with sequence
+    parallelism (Megatron's gpt3_mcore_te_tp2_pp1_gdn lines, shrunk)."""
+    losses = case_results["gpt_gdn_moe_tp2_1f1b_sp"]["loss"]
+    expected = case_results["gpt_gdn_moe_pp1_1f1b"]["loss"]
+    assert len(losses) == 4 and run_cases.relative_difference(losses, expected) <= 1e-5
+    assert losses[-1] < losses[0]
