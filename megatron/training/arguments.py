@@ -31,6 +31,10 @@ from megatron.training.batch_schedule import (
 from megatron.training.config import check_vocabulary_split, pipeline_plan
 from megatron.training.data.sources import add_data_source_args, validate_sample_options
 from megatron.training.errors import UserError
+from megatron.training.gated_delta_net import (
+    add_gated_delta_net_args,
+    validate_gated_delta_net_args,
+)
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
 from megatron.training.mla import add_mla_args, add_yarn_args, validate_mla_and_yarn_args
 from megatron.training.moe import add_moe_args, add_moe_unsupported_args, validate_moe_args
@@ -71,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_reliability_args(parser)
     add_rerun_args(parser)
     add_mla_args(parser)
+    add_gated_delta_net_args(parser)
     add_mtp_args(parser)
     add_mup_args(parser)
     add_moe_args(parser)
@@ -257,6 +262,8 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="take the LR schedule from the checkpoint")  # fmt: skip
     add("--weight-decay", type=float, default=0.01)
+    add("--apply-wd-to-qk-layernorm", action="store_true",
+        help="weight decay on the q/k layernorms too (Qwen3-Next), not only on matrices")  # fmt: skip
     add("--clip-grad", type=float, default=1.0)
     add("--adam-beta1", type=float, default=0.9)
     add("--adam-beta2", type=float, default=0.999)
@@ -422,6 +429,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     _validate_model_shape(args)
     _validate_model_checks(args)
     validate_mla_and_yarn_args(args)
+    validate_gated_delta_net_args(args)
     validate_mtp_args(args, placement_v=get_schedule(args.pipeline_schedule).placement is not None)
     validate_recompute_args(args, args.stage_layers)
     validate_mup_args(args)

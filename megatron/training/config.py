@@ -97,6 +97,15 @@ class ModelConfig(_Section):
     rotary_scaling_factor: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # Gated DeltaNet hybrid attention and the attention output gate (gated_delta_net.py)
+    experimental_attention_variant: str | None = None
+    linear_attention_freq: int | tuple | None = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    attention_output_gate: bool = False
     # multi-token prediction (mtp.py; Megatron's defaults)
     mtp_num_layers: int | None = None
     mtp_loss_scaling_factor: float = 0.1
@@ -355,7 +364,9 @@ class RunConfig:
         accumulation = getattr(args, "paci_accumulation_schedule", None) or ()
         config = cls(
             model=ModelConfig.from_flags(
-                args, recompute_modules=_tuple(getattr(args, "recompute_modules", None))
+                args,
+                recompute_modules=_tuple(getattr(args, "recompute_modules", None)),
+                linear_attention_freq=_int_or_tuple(getattr(args, "linear_attention_freq", None)),
             ),
             moe=MoEConfig.from_flags(args) if getattr(args, "num_experts", None) else None,
             parallel=ParallelConfig.from_flags(args, stage_layers=tuple(args.stage_layers)),
@@ -435,6 +446,11 @@ def pipeline_plan(args, *, vocab_passes: bool | None = None) -> PipelinePlan:
 
 def _tuple(values):
     return None if values is None else tuple(values)
+
+
+def _int_or_tuple(value):
+    """An int, or a list (made a tuple: the config is frozen), as given."""
+    return value if value is None or isinstance(value, int) else tuple(value)
 
 
 def _pairs(values):

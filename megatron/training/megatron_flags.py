@@ -121,19 +121,10 @@ NOT_SUPPORTED = [
     Flag("--cp-comm-type", str, nargs="+", supported=(["p2p"],)),
     Flag("--hierarchical-context-parallel-sizes", str, nargs="+"),
     # other attention variants (MoE: moe/flags.py)
-    Flag("--experimental-attention-variant", str),
-    Flag("--attention-output-gate"),
-    Flag("--linear-attention-freq", int),
-    Flag("--linear-conv-kernel-dim", int),
-    Flag("--linear-key-head-dim", int),
-    Flag("--linear-value-head-dim", int),
-    Flag("--linear-num-key-heads", int),
-    Flag("--linear-num-value-heads", int),
     Flag("--dsa-indexer-n-heads", int),
     Flag("--dsa-indexer-head-dim", int),
     Flag("--dsa-indexer-topk", int),
     Flag("--dsa-indexer-loss-coeff", float),
-    Flag("--apply-wd-to-qk-layernorm"),
     # optimizer and batch schedule variants
     Flag("--eval-global-batch-size", int),
     # checkpoints, fault tolerance, testing hooks
@@ -404,6 +395,7 @@ def not_supported_message(flag: str) -> str:
 # `fsdp_dtensor`: other checkpoint formats). These are parsed in arguments.py.
 VALUE_NOT_SUPPORTED = {
     "--ckpt-format": ("torch_dist", "torch"),
+    "--experimental-attention-variant": (None, "gated_delta_net"),  # dsa: gated_delta_net.py
 }
 
 

@@ -43,6 +43,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.pipeline.vocab_parallel import InputShard, OutputShard
+from megatron.training import gated_delta_net as gdn
 from megatron.training import mup
 from megatron.training.mla import with_mla
 from megatron.training.mtp import mtp_block_spec
@@ -343,6 +344,9 @@ def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: b
     norms are zero-centered or sequence-parallel, which megatron-core's default final norm
     cannot be."""
     qk_layernorm = config.qk_layernorm
+    if gdn.uses_gated_delta_net(config):
+        return hybrid_gdn_block_spec(device, config, use_te=use_te, vp_stage=vp_stage,
+                                     pp_rank=pp_rank)  # fmt: skip
     if config.num_moe_experts:
         return moe_block_spec(device, config, use_te=use_te, vp_stage=vp_stage, pp_rank=pp_rank)
     if use_te and device.type == "cuda" and transformer_engine_available():
@@ -393,6 +397,40 @@ def moe_block_spec(device: torch.device, config: TransformerConfig, *, use_te: b
         layers.append(layer)
     norm = PortableNorm if own_norms else block.layer_norm
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
+
+
+def hybrid_gdn_block_spec(device: torch.device, config: TransformerConfig, *,
+                          use_te: bool = True, vp_stage: int | None = None,
+                          pp_rank: int | None = None) -> TransformerBlockSubmodules:  # fmt: skip
+    """The layers of this stage (or chunk) with Gated DeltaNet where --linear-attention-freq
+    puts it (gated_delta_net.py): megatron-core's experimental block spec on CUDA with TE, else
+    the portable layers (MoE ones where --moe-layer-freq puts them) with GDN swapped in."""
+    te = use_te and device.type == "cuda" and transformer_engine_available()
+    if te:
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec,
+        )
+
+        return get_transformer_block_with_experimental_attention_variant_spec(
+            config, vp_stage=vp_stage, pp_rank=pp_rank
+        )
+    own_norms = config.layernorm_zero_centered_gamma or config.sequence_parallel
+    if config.num_moe_experts:
+        block = moe_block_spec(device, config, use_te=False, vp_stage=vp_stage, pp_rank=pp_rank)
+    else:
+        layer = portable_layer_spec(config.normalization, config.qk_layernorm, own_norms)
+        if config.multi_latent_attention:
+            layer = with_mla(layer, _latent_norm(config, own_norms))
+        layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        norm = PortableNorm if own_norms else _local_norm(config)
+        block = TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm)
+    norm = PortableNorm if own_norms else None
+    return gdn.hybrid_block_spec(block, config, norm, vp_stage=vp_stage, pp_rank=pp_rank)
+
+
+def _local_norm(config: TransformerConfig) -> type:
+    """megatron-core's local norm (what a block of one layer spec gets as its final norm)."""
+    return LocalSpecProvider().layer_norm(rms_norm=config.normalization == "RMSNorm")
 
 
 def _latent_norm(config: TransformerConfig, own_norms: bool) -> type | None:
@@ -735,13 +773,38 @@ def _prepare_megatron_core(config: TransformerConfig) -> None:
         from megatron.training.moe import patch_megatron_core_moe
 
         patch_megatron_core_moe()
+    if gdn.uses_gated_delta_net(config):
+        _prepare_gated_delta_net()
     if config.mtp_num_layers and not torch.cuda.is_available():
         _torch_on_host(("megatron.core.transformer.multi_token_prediction",))  # its loss tracker
 
 
+def _prepare_gated_delta_net() -> None:
+    """Our portable kernels where `fla` is missing; without CUDA, the GDN layer's parameters on
+    the host (megatron-core allocates them on CUDA's current device), its gate functions
+    eager, and a host RNG tracker for its `reset_parameters` where a run has not set one up
+    (its draws are overwritten by the layout-independent initialization)."""
+    gdn.use_portable_kernels_without_fla()
+    if torch.cuda.is_available():
+        return
+    _torch_on_host((gdn.GDN_MODULE,))
+    gdn.run_gate_functions_eagerly()
+    if (
+        _MODEL_PARALLEL_RNG_TRACKER_NAME
+        not in tensor_parallel_random.get_cuda_rng_tracker().get_states()
+    ):
+        from megatron.core import parallel_state
+
+        tensor_rank = 0
+        if parallel_state.model_parallel_is_initialized():
+            tensor_rank = parallel_state.get_tensor_model_parallel_rank()
+        run_sequence_parallel_on_host(1234, tensor_rank)  # megatron-core's default seed
+
+
 def _finish_megatron_core_model(model: GPTModel, layout: StageLayout, device: torch.device) -> None:
     """megatron-core's assignment of layers to the stage and ours must agree; off CUDA the
-    RoPE embedding is the host one (YaRN's stays on the host by `run_rotary_on_host`)."""
+    RoPE embedding is the host one (YaRN's stays on the host by `run_rotary_on_host`); the
+    fused projections whose tensor-parallel shards hold a part of each block are marked."""
     if device.type != "cuda" and type(getattr(model, "rotary_pos_emb", None)) is RotaryEmbedding:
         model.rotary_pos_emb.__class__ = HostRotaryEmbedding
     built = len(model.decoder.layers)
@@ -750,6 +813,8 @@ def _finish_megatron_core_model(model: GPTModel, layout: StageLayout, device: to
             f"stage {layout.pipeline_rank} chunk {layout.chunk}: megatron-core built {built} "
             f"layers, the layout says {layout.layers_per_stage}"
         )
+    gdn.mark_gated_delta_net_parameters(model)  # their tensor-parallel blocks, before the init
+    _mark_gated_linear_units(model)
 
 
 def build_gpt_stage(
@@ -837,6 +902,18 @@ def _mtp_spec(config: TransformerConfig, decoder_spec, layout: StageLayout, devi
     return mtp_block_spec(decoder_spec, config.mtp_num_layers, norm=norm, use_te=te)
 
 
+def _mark_gated_linear_units(model: torch.nn.Module) -> None:
+    """--swiglu: each tensor-parallel rank's first MLP projection is its part of the gate
+    rows followed by its part of the up rows (megatron-core halves it locally), so the
+    layout-independent initialization splits each half of the whole matrix over the ranks."""
+    from megatron.core.transformer.mlp import MLP
+
+    for module in model.modules():
+        if isinstance(module, MLP) and module.config.gated_linear_unit:
+            for param in module.linear_fc1.parameters():
+                param.tensor_parallel_blocks = 2  # two equal blocks: gate, up
+
+
 def _mark_expert_parameters(model: torch.nn.Module) -> None:
     """Routed experts: gradients reduced over the expert-data-parallel group (optimizer/)."""
     for name, param in model.named_parameters():
@@ -899,6 +976,9 @@ def _init_kind(name: str, param: torch.nn.Parameter) -> str:
     leaf = name.rsplit(".", 1)[-1]
     if getattr(param, "zero_centered", False):
         return "zeros"
+    gdn_kind = gdn.gdn_init_kind(name)
+    if gdn_kind is not None:
+        return gdn_kind
     if "norm" in name and leaf in ("weight", "layer_norm_weight"):
         return "ones"
     if leaf.endswith("bias"):
@@ -953,11 +1033,16 @@ def initialize_layout_independent(
             std = mup.init_std(kind, global_name, init_method_std, layout.num_layers,
                                mup_width_mult)  # fmt: skip
         full = torch.empty(full_shape, dtype=torch.float32)
-        if xavier_uniform and full.dim() >= 2:
+        if kind.startswith("gdn_"):
+            gdn.draw_gdn(kind, full, generator)
+        elif xavier_uniform and full.dim() >= 2:
             torch.nn.init.xavier_uniform_(full, generator=generator)
         else:
             full.normal_(0.0, std, generator=generator)
-        if sharded:
+        blocks = getattr(param, "tensor_parallel_blocks", None)  # GDN: each block split
+        if sharded and blocks is not None:
+            full = gdn.tensor_parallel_slice(full, blocks, shards, shard)
+        elif sharded:
             full = full.chunk(shards, dim=partition_dim)[shard]
         if rows is not None:
             full = full[rows[0] : rows[1]]

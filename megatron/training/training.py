@@ -55,6 +55,7 @@ from megatron.training.data.sources import prefixes_of
 from megatron.training.divergence import check_replicas_match
 from megatron.training.emulated_stage import EmulatedStage
 from megatron.training.errors import RunFailed, UserError
+from megatron.training.gated_delta_net import GDN_VARIANT, gated_delta_net_config_fields
 from megatron.training.host_memory import unmap_large_blocks_when_freed
 from megatron.training.mla import mla_config_fields, yarn_config_attributes
 from megatron.training.model import (
@@ -151,7 +152,10 @@ def initialize_distributed(config) -> torch.device:
     )
     torch.manual_seed(seed)
     moe = config.moe is not None
-    if (layout.sequence_parallel or moe) and device.type == "cpu":  # megatron-core's CUDA parts
+    gdn = config.model.experimental_attention_variant == GDN_VARIANT  # its init forks the tracker
+    if (
+        layout.sequence_parallel or moe or gdn
+    ) and device.type == "cpu":  # megatron-core's CUDA parts
         run_sequence_parallel_on_host(
             seed, parallel_state.get_tensor_model_parallel_rank(), moe=moe
         )
@@ -240,6 +244,7 @@ def transformer_config(config, device: torch.device) -> TransformerConfig:
         softmax_scale=mup.softmax_scale(model),
         **mla_config_fields(model),
         **mtp_config_fields(model),
+        **gated_delta_net_config_fields(model),
         **moe_config_fields(config.moe, config.parallel,
                             grouped_gemm_available=_grouped_gemm_available(device)),  # fmt: skip
     )

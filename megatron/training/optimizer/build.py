@@ -55,8 +55,10 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, *, expert_g
     `expert_group`: with the distributed optimizer, the expert-data-parallel group that the
     routed experts (MoE) shard over when it is not the data-parallel group."""
     from megatron.training.optimizer.delay_mitigation import with_delay_mitigation
-    from megatron.training.optimizer.suite import build_suite_optimizer
+    from megatron.training.optimizer.suite import build_suite_optimizer, decay_qk_layernorms
 
+    if config.apply_wd_to_qk_layernorm:
+        decay_qk_layernorms(model)
     if config.needs_main_params and config.use_distributed_optimizer and expert_group is not None:
         return build_expert_sharded_optimizer(model, config, expert_group)
     if config.needs_main_params:
@@ -203,7 +205,7 @@ def _summed_over_tensor_parallel(model: torch.nn.Module, group) -> list[torch.nn
     from its own part only, so the full gradient is the sum over the ranks (as Megatron's
     finalize_model_grads does): the q/k layernorms (--qk-layernorm) normalize each rank's own
     heads; under --sequence-parallel the norms (tagged `sequence_parallel`) see each rank's own
-    part of the sequence."""
+    part of the sequence; Gated DeltaNet's output norm normalizes each rank's own heads."""
     if group is None or dist.get_world_size(group) == 1:
         return []
     return [
@@ -214,6 +216,7 @@ def _summed_over_tensor_parallel(model: torch.nn.Module, group) -> list[torch.nn
             "q_layernorm" in name
             or "k_layernorm" in name
             or getattr(param, "sequence_parallel", False)
+            or getattr(param, "partial_over_tensor_ranks", False)  # GDN's output norm
         )
     ]
 

@@ -34,6 +34,7 @@ class OptimizerConfig:
     decoupled_lr: float | None = None
     decoupled_min_lr: float | None = None
     weight_decay: float = 0.01
+    apply_wd_to_qk_layernorm: bool = False  # the q/k layernorms decayed too (Qwen3-Next)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8

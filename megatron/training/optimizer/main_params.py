@@ -128,6 +128,7 @@ def main_copy(param: torch.nn.Parameter, values: torch.Tensor) -> torch.nn.Param
     main = torch.nn.Parameter(values)
     main.model_ndim = param.ndim  # weight decay follows the parameter's shape
     main.follows_first_stage = getattr(param, "follows_first_stage", False)
+    main.decayed_norm = getattr(param, "decayed_norm", False)  # --apply-wd-to-qk-layernorm
     if getattr(param, "tensor_model_parallel", False):  # Muon gathers the full matrix
         main.tensor_model_parallel, main.partition_dim = True, param.partition_dim
     if getattr(param, "is_embedding_or_output_parameter", False):  # --decoupled-lr

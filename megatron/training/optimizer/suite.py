@@ -50,9 +50,19 @@ MATRIX_OPTIMIZERS = ("muon", "soap")
 
 
 def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    if getattr(param, "decayed_norm", False):  # --apply-wd-to-qk-layernorm
+        return False
     # A distributed optimizer's flat piece of a matrix keeps the matrix's rule (model_ndim).
     ndim = getattr(param, "model_ndim", param.ndim)
     return ndim < 2 or name.endswith("bias") or "norm" in name
+
+
+def decay_qk_layernorms(model: torch.nn.Module) -> None:
+    """--apply-wd-to-qk-layernorm: the q/k layernorms' weights and biases take weight decay
+    (Megatron's rule then: none on other 1-D parameters and biases)."""
+    for name, param in model.named_parameters():
+        if "q_layernorm." in name or "k_layernorm." in name:
+            param.decayed_norm = True
 
 
 def is_hidden_matrix(name: str, param: torch.nn.Parameter) -> bool:
