@@ -21,6 +21,9 @@ LAYOUTS = {  # case -> (one-process reference, (pipeline stages, tensor parallel
     "moe_ep2pp2_1f1b": (REFERENCE, (2, 1, 2)),  # EP=2 inside each stage's data-parallel pair
     "moe_tp2ep2_sp_1f1b": (REFERENCE, (1, 2, 2)),  # TP=2 + SP, EP=2, ETP=1, allgather
     "moe_dp2pp2_1f1b_distopt": (REFERENCE, (2, 1, 2)),  # --use-distributed-optimizer, EP=1
+    # two copies of the distributed optimizer: the dense parameters sharded over 2 ranks per
+    # copy, the experts over their 1 (expert DP 2 / 2 copies), each copy all-reducing its range
+    "moe_ep2dp4_1f1b_distopt_instances2": (REFERENCE, (1, 1, 4)),
     "moe_ep2pp2vp2_1f1b": (REFERENCE, (2, 1, 2)),  # virtual stages: interleaved 1F1B, EP=2
     "moe_tp2etp2pp2_1f1b": (REFERENCE, (2, 2, 1)),  # experts sharded over ETP=2 (= TP), SP
     # shared experts with their gate, z-loss, seq_aux_loss, sigmoid scores with the expert
@@ -134,6 +137,15 @@ def test_the_distributed_optimizer_shards_the_experts_over_their_own_group(case_
     assert len(by_rank) == 4 and unsharded > 0
     assert unsharded <= sum(by_rank) <= unsharded * 1.001
     assert max(by_rank) <= unsharded / 4 * 1.01
+
+
+def test_two_copies_of_the_distributed_optimizer_hold_the_state_twice(case_results):
+    """EP=2 x DP=4 with --num-distributed-optimizer-instances 2: each copy holds the one-process
+    run's optimizer state once (dense over 2 ranks, each expert on its 1 rank per copy)."""
+    unsharded = case_results[REFERENCE]["stages"][0]["optimizer_state_bytes"]
+    by_rank = case_results["moe_ep2dp4_1f1b_distopt_instances2"]["optimizer_state_bytes_by_rank"]
+    assert len(by_rank) == 4 and unsharded > 0
+    assert 2 * unsharded <= sum(by_rank) <= 2 * unsharded * 1.001
 
 
 def _tensorboard_scalars(summary) -> dict[str, list[float]]:

@@ -231,6 +231,12 @@ def _validate_expert_layout(args, world_size: int) -> None:
                 f"({expert_data_parallel}) to equal the data-parallel size "
                 f"({args.data_parallel_size}); drop the flag or change the expert sizes"
             )
+    instances = args.num_distributed_optimizer_instances
+    if expert_data_parallel % instances:  # megatron-core asserts it
+        raise UserError(
+            f"--num-distributed-optimizer-instances {instances} must divide the experts' "
+            f"data-parallel size {expert_data_parallel}"
+        )
     if tp > 1 and not args.sequence_parallel:  # megatron-core's MoELayer refuses it
         raise UserError(
             "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron)"
@@ -290,12 +296,6 @@ def _validate_with_the_rest_of_the_run(args) -> None:
         raise UserError(
             "--ckpt-format torch with expert parallelism is not supported yet (torch_dist, the "
             "default, is)"
-        )
-    if args.use_distributed_optimizer and apart and args.num_distributed_optimizer_instances > 1:
-        raise UserError(
-            "--use-distributed-optimizer with expert parallelism (--expert-model-parallel-size"
-            " > 1 or --expert-tensor-parallel-size other than --tensor-model-parallel-size) and "
-            "--num-distributed-optimizer-instances > 1 is not supported yet"
         )
     if args.emulated_forward_ms is not None:
         raise UserError("--emulated-forward-ms with MoE (--num-experts) is not supported yet")

@@ -49,6 +49,20 @@ def _optimizer_shard_groups(config: OptimizerConfig):
     )
 
 
+def _expert_shard_groups(config: OptimizerConfig, expert_group):
+    """The routed experts' (shard group, replica group): the expert-data-parallel group and
+    none, or with --num-distributed-optimizer-instances its partial groups; the copies span the
+    same ranks as the dense parameters' copies (megatron-core builds one inter-copy group)."""
+    from megatron.core import parallel_state
+
+    if config.num_distributed_optimizer_instances == 1:
+        return expert_group, None
+    return (
+        parallel_state.get_expert_data_parallel_group(partial_expert_data_parallel=True),
+        parallel_state.get_inter_distributed_optimizer_instance_group(),
+    )
+
+
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, *, expert_group=None):
     """`--optimizer`'s optimizer (suite.py), with the delay mitigations asked for; over
     fp32 main weights when the model is bf16/fp16 or the optimizer is distributed.
@@ -106,11 +120,15 @@ def build_expert_sharded_optimizer(model: torch.nn.Module, config: OptimizerConf
     )
 
     scaler = build_loss_scaler(config)
-    dense_group, _ = _optimizer_shard_groups(config)
     parts = []
-    for view, group in zip(dense_and_expert_views(model), (dense_group, expert_group)):
+    groups = (_optimizer_shard_groups(config), _expert_shard_groups(config, expert_group))
+    for view, (group, replica_group) in zip(dense_and_expert_views(model), groups):
         part = ShardedMainOptimizer(
-            view, group, decoupled_lr=decoupled_lr_of(config), mup=mup_settings_of(config)
+            view,
+            group,
+            replica_group,
+            decoupled_lr=decoupled_lr_of(config),
+            mup=mup_settings_of(config),
         )
         part.attach(build_suite_optimizer(part.main_view(view.config), config), scaler)
         parts.append(part)

@@ -256,7 +256,8 @@ class ExpertShardedOptimizer:
         parallel group over the data-parallel size (build.ExpertGroups)."""
         self.dense.average_over(data_parallel_group, in_collective=in_collective)
         self.experts.average_over(self.experts.group, in_collective=in_collective)
-        self.experts._my_range().mul_(self.experts.shards / data_parallel_size)
+        expert_data_parallel_size = self.experts.shards * self.experts.replicas
+        self.experts._my_range().mul_(expert_data_parallel_size / data_parallel_size)
 
     def scale(self, factor: float) -> None:
         for part in self.parts:

@@ -49,11 +49,9 @@ def error_of(extra: list[str], world_size: int = 1) -> str:
         (["--moe-flex-dispatcher-backend", "deepep"], 1,
          "--moe-flex-dispatcher-backend is not supported yet (GPU-only: the flex dispatcher's "
          "DeepEP and HybridEP kernels)"),
-        (["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+        (["--expert-model-parallel-size", "4", "--use-distributed-optimizer",
           "--num-distributed-optimizer-instances", "2"], 4,
-         "--use-distributed-optimizer with expert parallelism (--expert-model-parallel-size > 1 "
-         "or --expert-tensor-parallel-size other than --tensor-model-parallel-size) and "
-         "--num-distributed-optimizer-instances > 1 is not supported yet"),
+         "--num-distributed-optimizer-instances 2 must divide the experts' data-parallel size 1"),
         (["--expert-model-parallel-size", "2", "--ckpt-format", "torch", "--save", "x"], 2,
          "--ckpt-format torch with expert parallelism is not supported yet (torch_dist, the "
          "default, is)"),
