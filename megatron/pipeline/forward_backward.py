@@ -37,6 +37,7 @@ from typing import Callable
 
 import torch
 
+from .deferred_wgrad import drain_weight_gradients, drained_before
 from .plan import PipelinePlan, resolve_plan
 from .runtime import RankRuntime
 from .schedules import Schedule, flush_1f1b, paci
@@ -209,6 +210,8 @@ def _run_schedule(
         if optimizer_step_func is None:
             raise ValueError("a per-token loss needs optimizer_step_func (it scales the step)")
         optimizer_step_func = _divided_by_step_tokens(optimizer_step_func, runtime)
+    # outermost: the deferred weight gradients are in before any scaling or reading
+    optimizer_step_func = drained_before(optimizer_step_func, model)
     _check_exchanged_shape(model, runtime, seq_length, micro_batch_size)
     if isinstance(data_iterator, (list, tuple)) and len(data_iterator) == 1:
         data_iterator = data_iterator[0]  # else one per model chunk, as Megatron passes them
@@ -218,7 +221,7 @@ def _run_schedule(
             data_iterator=data_iterator,
             num_microbatches=num_microbatches,
         )
-    return runtime.run_training(
+    losses = runtime.run_training(
         schedule,
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
@@ -226,6 +229,8 @@ def _run_schedule(
         optimizer_step_func=optimizer_step_func,
         microbatches_before_drain=microbatches_before_drain,
     )
+    drain_weight_gradients(model)  # the call's gradients complete for whoever reads them next
+    return losses
 
 
 def _check_step_func(schedule: Schedule, forward_only: bool, optimizer_step_func) -> None:

@@ -200,6 +200,13 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     add("--enable-vocab-parallel", action="store_true",
         help="split the output layer and the loss by vocabulary over the pipeline ranks, "
         "their passes placed in the schedule (docs/vocab_parallel.md)")  # fmt: skip
+    add("--defer-embedding-wgrad-compute", action="store_true",
+        help="the last stage's output layer computes its weight gradient at the stage's step "
+        "(or the flush), keeping each microbatch's input and output gradient until then: "
+        "same numbers, more memory (docs/zero_bubble.md)")  # fmt: skip
+    add("--wgrad-deferral-limit", type=int, default=0,
+        help="with --defer-embedding-wgrad-compute: defer at most this many microbatches "
+        "between drains, the later ones as without the flag (0: all)")  # fmt: skip
     add("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
         help="interleaved 1F1B: microbatches run through each chunk in a row (default: the "
         "pipeline size)")  # fmt: skip
@@ -454,6 +461,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         raise UserError(f"--save-retain-interval {retain} must be a positive multiple of "
                         f"--save-interval ({args.save_interval})")  # fmt: skip
     _validate_ckpt_step(args)
+    _validate_defer_embedding_wgrad(args)
     if args.emulated_forward_ms is not None and (args.save or args.load):
         if args.ckpt_format == "torch_dist":  # its keys come from megatron-core's model
             raise UserError("emulated stages have no megatron-core model: checkpoint them with "
@@ -469,6 +477,23 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
             "each other"
         )
     pipeline_plan(args)  # a combination no schedule defines fails here, in one line
+
+
+def _validate_defer_embedding_wgrad(args: argparse.Namespace) -> None:
+    """As megatron-core refuses them (its gradient-accumulation-fusion requirement is its
+    fused CUDA kernel's, not the deferral's: ours uses a plain product)."""
+    if not args.defer_embedding_wgrad_compute:
+        return  # megatron-core reads --wgrad-deferral-limit only with the flag
+    if args.wgrad_deferral_limit < 0:
+        raise UserError("--wgrad-deferral-limit must be >= 0 (0: defer every microbatch)")
+    if args.pipeline_model_parallel_size == 1:
+        raise UserError("--defer-embedding-wgrad-compute needs --pipeline-model-parallel-size > 1")
+    if args.enable_vocab_parallel:
+        raise UserError("--defer-embedding-wgrad-compute with --enable-vocab-parallel is not "
+                        "supported yet (the output layer is split over the stages)")  # fmt: skip
+    if args.emulated_forward_ms is not None:
+        raise UserError("--defer-embedding-wgrad-compute needs the model's output layer, not "
+                        "emulated compute")  # fmt: skip
 
 
 def _validate_ckpt_step(args: argparse.Namespace) -> None:

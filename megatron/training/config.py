@@ -213,6 +213,9 @@ class PipelineConfig(_Section):
 
     plan: PipelinePlan = None
     enable_vocab_parallel: bool = False  # the plan's schedule places the output shards' passes
+    # the last stage's output-layer weight gradient at the drain (pipeline/deferred_wgrad.py)
+    defer_embedding_wgrad_compute: bool = False
+    wgrad_deferral_limit: int = 0  # most microbatches deferred between drains; 0: all
     paci_arrival_rule: str | None = None
     paci_inflight_limit: str | None = None
     paci_stage_lr_scale: float | None = None

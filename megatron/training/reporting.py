@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron.pipeline.audit import audit_requested
+from megatron.pipeline.deferred_wgrad import deferral_report
 from megatron.pipeline.trace import write_chrome_trace
 from megatron.training.checkpointing.save_load import atomic_write_text
 from megatron.training.errors import UserError
@@ -220,6 +221,9 @@ def _stage_report(config, runtime, step_func, optimizer) -> dict:
     moe_stats = getattr(step_func, "moe_stats", None)  # MoE: aux losses, load imbalance
     if moe_stats is not None and moe_stats.report():
         report["moe"] = moe_stats.report()
+    deferred = deferral_report(runtime.model)  # --defer-embedding-wgrad-compute
+    if deferred is not None:
+        report["deferred_wgrad"] = deferred
     mtp_losses = getattr(step_func, "mtp_losses", None)  # multi-token prediction, by interval
     if mtp_losses is not None and mtp_losses.history:
         report["mtp_losses"] = mtp_losses.history

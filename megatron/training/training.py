@@ -26,6 +26,7 @@ from megatron.pipeline.audit import (
     audit_requested,
     record_cross_stage_collectives,
 )
+from megatron.pipeline.deferred_wgrad import defer_output_layer_weight_gradient
 from megatron.pipeline.forward_backward import (
     attach_stage_runtime,
     forward_backward_func_for,
@@ -361,6 +362,8 @@ def build_chunk(config, transformer: TransformerConfig, layout, device: torch.de
         vocab_parallel=config.pipeline.enable_vocab_parallel,
         split_input=config.pipeline.plan.schedule.embedding_passes,
     )
+    if config.pipeline.defer_embedding_wgrad_compute:
+        defer_output_layer_weight_gradient(model, config.pipeline.wgrad_deferral_limit)
     if not config.pipeline.plan.flushes:
         for param in model.parameters():  # the last stage's copy of a tied embedding
             param.follows_first_stage = getattr(param, "shared", False)

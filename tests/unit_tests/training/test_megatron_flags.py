@@ -475,3 +475,28 @@ def test_fim_split_sample_needs_a_fragment_rate(tmp_path):
     )
     with pytest.raises(UserError, match="^--fim-split-sample needs --fim-fragment-rate$"):
         validate_numbers(args)
+
+
+def test_defer_embedding_wgrad_compute_reaches_the_config_and_is_refused_as_in_megatron():
+    """--defer-embedding-wgrad-compute / --wgrad-deferral-limit: the pipeline config's, and
+    refused in one line with one stage (as megatron-core), a negative limit, vocab-parallel."""
+    from small_run_flags import configured, validated
+
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    pipeline = configured(pp2 + ["--defer-embedding-wgrad-compute", "--wgrad-deferral-limit",
+                                 "2", "--pipeline-schedule", "paci"], world_size=2).pipeline  # fmt: skip
+    assert (pipeline.defer_embedding_wgrad_compute, pipeline.wgrad_deferral_limit) == (True, 2)
+    assert not configured(pp2, world_size=2).pipeline.defer_embedding_wgrad_compute
+    # megatron-core reads the limit only with the flag; its gradient-accumulation-fusion
+    # requirement is its CUDA kernel's (the fusions are off here, the deferral works without)
+    validated(pp2 + ["--wgrad-deferral-limit", "-1"], world_size=2)
+    validated(pp2 + ["--defer-embedding-wgrad-compute", "--no-gradient-accumulation-fusion"],
+              world_size=2)  # fmt: skip
+    refused = [
+        ([], "needs --pipeline-model-parallel-size > 1"),
+        (pp2 + ["--wgrad-deferral-limit", "-1"], "--wgrad-deferral-limit must be >= 0"),
+        (pp2 + ["--enable-vocab-parallel"], "with --enable-vocab-parallel is not supported yet"),
+    ]
+    for extra, message in refused:
+        with pytest.raises(UserError, match=message):
+            validated(["--defer-embedding-wgrad-compute"] + extra, world_size=2 if extra else 1)
