@@ -1271,6 +1271,11 @@ def _add_precision_args(parser: argparse.ArgumentParser) -> None:
         help="our behaviour with --bf16/--fp16 (fp32 main_grad); fp32 runs are fp32 anyway")  # fmt: skip
     add("--use-distributed-optimizer", action="store_true",
         help="shard fp32 main weights and optimizer state over the stage's data-parallel group")  # fmt: skip
+    add("--no-use-layer-wise-param-layout", action="store_false",
+        dest="use_layer_wise_param_layout",
+        help="--optimizer muon with --use-distributed-optimizer: every parameter owned whole by "
+        "one data-parallel rank, the AdamW ones too (Megatron's legacy layer-wise path); "
+        "the only layer-wise path here, so the default gives the same run")  # fmt: skip
     add("--overlap-grad-reduce", action="store_true",
         help="accepted; gradients are reduced once the accumulation ends (no overlap)")  # fmt: skip
     add("--overlap-param-gather", action="store_true",
@@ -1292,7 +1297,8 @@ def _add_precision_args(parser: argparse.ArgumentParser) -> None:
         "sum and a division")  # fmt: skip
 
 
-DISTRIBUTED_OPTIMIZER_REFUSES = ("muon", "soap", "mars")  # not element-wise (per matrix)
+# Not element-wise (per matrix); Muon is distributed by whole parameters (layer_wise.py).
+DISTRIBUTED_OPTIMIZER_REFUSES = ("soap", "mars")
 
 
 def _validate_optimizer_instances(args: argparse.Namespace) -> None:
@@ -1362,6 +1368,9 @@ def _validate_precision_args(args: argparse.Namespace) -> None:
         raise UserError(
             f"--use-distributed-optimizer with --optimizer {args.optimizer} is not supported yet"
         )
+    if args.optimizer == "muon" and args.num_distributed_optimizer_instances > 1:
+        raise UserError("--num-distributed-optimizer-instances > 1 with --optimizer muon is not "
+                        "supported yet (the layer-wise distributed optimizer has one copy)")  # fmt: skip
     for flag, value in (("--async-error-feedback", args.async_error_feedback),
                         ("--delay-compensation-lambda", args.delay_compensation_lambda)):  # fmt: skip
         if value:

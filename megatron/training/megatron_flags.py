@@ -234,7 +234,7 @@ NOT_YET_BY_GROUP = {
         "--disable-flight-recorder-extra-dump-on-exec --no-overlap-p2p-communication "
         "--ddp-reduce-scatter-with-fp32-accumulation "
         "--gtp-remat-reduce-scatter-with-fp32-accumulation "
-        "--ddp-param-name-patterns-for-fp32-local-accumulation=* --no-use-layer-wise-param-layout "
+        "--ddp-param-name-patterns-for-fp32-local-accumulation=* "
         "--use-nccl-ub --disable-symmetric-registration --gtp-remat-nccl-ub "
         "--create-all-gather-group --outer-dp-sharding-strategy= --no-gradient-reduce-div-fusion "
         "--suggested-communication-unit-size= --keep-fp8-transpose-cache "

@@ -106,13 +106,17 @@ def _state_owners(optimizer, parameters: dict[int, ShardedTensor], state_dict: d
     """id(state tensor) -> (the parameter's ShardedTensor, the state's name), for state of
     model parameters. A torch optimizer's `state` maps parameters to their state. An optimizer
     over fp32 main weights (main_params.py) says whose state it holds: by identity
-    (`state_owners`: the replicated one, whose state dict holds its live state) or by entry
-    number (`state_index_params`: the sharded one, whose state dict is gathered); its main
+    (`state_owners`: the replicated one, whose state dict holds its live state), by entry
+    number (`state_index_params`: the sharded one, whose state dict is gathered) or from the
+    dict itself (`state_dict_owners`: the layer-wise one, gathered too); its main
     weights (`main_params`, in model order) are the parameters' state too."""
     owners = {}
     live_owners = getattr(optimizer, "state_owners", None)
     index_params = getattr(optimizer, "state_index_params", None)
-    if live_owners is not None:
+    dict_owners = getattr(optimizer, "state_dict_owners", None)  # the layer-wise one's
+    if dict_owners is not None:
+        by_param = dict_owners(state_dict)
+    elif live_owners is not None:
         by_param = live_owners()
     elif index_params is not None:
         numbered = index_params()

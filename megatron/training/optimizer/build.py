@@ -30,6 +30,9 @@ from megatron.training.optimizer.main_params import (
     reduce_as_one,
 )
 
+# Optimizers whose update needs whole matrices: distributed by whole parameters (layer_wise.py)
+LAYER_WISE_OPTIMIZERS = ("muon",)
+
 
 def _optimizer_shard_groups(config: OptimizerConfig):
     """(the ranks one optimizer copy is sharded over, the ranks holding the same shard in the
@@ -73,12 +76,28 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, *, expert_g
 
     if config.apply_wd_to_qk_layernorm:
         decay_qk_layernorms(model)
+    if config.use_distributed_optimizer and config.optimizer in LAYER_WISE_OPTIMIZERS:
+        return build_layer_wise_optimizer(model, config, expert_group)
     if config.needs_main_params and config.use_distributed_optimizer and expert_group is not None:
         return build_expert_sharded_optimizer(model, config, expert_group)
     if config.needs_main_params:
         return build_main_params_optimizer(model, config)
     params = [p for p in model.parameters() if p.requires_grad]
     return with_delay_mitigation(build_suite_optimizer(model, config), params, config)
+
+
+def build_layer_wise_optimizer(model: torch.nn.Module, config: OptimizerConfig, expert_group):
+    """Muon's distributed optimizer: whole parameters owned by the data-parallel ranks, the
+    routed experts by the expert-data-parallel ranks when `expert_group` (layer_wise.py)."""
+    from megatron.training.optimizer.layer_wise import LayerWiseMainOptimizer
+    from megatron.training.optimizer.loss_scaling import build_loss_scaler
+    from megatron.training.optimizer.suite import build_suite_optimizer
+
+    dense_group, _ = _optimizer_shard_groups(config)
+    wrapper = LayerWiseMainOptimizer(model, dense_group, expert_group)
+    inner = build_suite_optimizer(wrapper.main_view(getattr(model, "config", None)), config)
+    wrapper.attach(inner, build_loss_scaler(config))
+    return wrapper
 
 
 def build_main_params_optimizer(model: torch.nn.Module, config: OptimizerConfig):

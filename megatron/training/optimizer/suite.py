@@ -87,6 +87,7 @@ class OptimizerChain:
         self.optimizers = optimizers
         self.before_step, self.after_step = before_step, None
         self.stand_ins: dict = {}  # model parameter -> the copy stepped in its place
+        self.stand_in_weights: dict = {}  # id(any such copy) -> its model parameter
 
     @property
     def param_groups(self) -> list[dict]:
@@ -367,6 +368,15 @@ class StandIns:
         mapping = {g.weight: stepped.get(g.full, g.full) for g in self.gathered}
         return {**stepped, **mapping}
 
+    def model_weight_of(self) -> dict[int, torch.nn.Parameter]:
+        """id(every tensor stepped in a weight's place) -> that model weight (the layer-wise
+        distributed optimizer's ownership follows the weight)."""
+        weight_of = {id(g.full): g.weight for g in self.gathered}
+        for split in self.splits:
+            weight = weight_of.get(id(split.weight), split.weight)
+            weight_of.update({id(block): weight for block in split.blocks})
+        return weight_of
+
 
 def _gathered_matrices(matrices, config: OptimizerConfig, tp_group):
     """--muon-tp-mode duplicated: each tensor-parallel matrix replaced by its full matrix."""
@@ -443,6 +453,7 @@ def matrix_optimizer(
     chain = OptimizerChain(optimizers)
     if stand_ins.gathered or stand_ins.splits:
         chain.stand_ins = stand_ins.by_model_weight()
+        chain.stand_in_weights = stand_ins.model_weight_of()
         chain.before_step, chain.after_step = stand_ins.copy_in, stand_ins.copy_out
     return chain
 

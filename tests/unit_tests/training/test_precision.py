@@ -265,13 +265,13 @@ def test_distributed_optimizer_refuses_matrix_optimizers():
     argv = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
             "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "2", "--lr", "0.1",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
-            "--use-distributed-optimizer", "--optimizer", "muon"]  # fmt: skip
+            "--use-distributed-optimizer", "--optimizer", "mars"]  # fmt: skip
     with pytest.raises(UserError) as caught:
         validate_args(build_parser().parse_args(argv), world_size=2)
     assert (
         str(caught.value)
-        == "--use-distributed-optimizer with --optimizer muon is not supported yet"
-    )
+        == "--use-distributed-optimizer with --optimizer mars is not supported yet"
+    )  # muon has the layer-wise distributed optimizer (test_layer_wise_muon.py)
 
 
 # ---------------------------------------------------------------------------- step and flags
