@@ -117,9 +117,6 @@ NOT_SUPPORTED = [
     Flag("--megatron-fsdp-grad-comm-dtype", str),
     Flag("--tp-comm-overlap-cfg", str),
     Flag("--wgrad-deferral-limit", int, 0),
-    # context parallelism (expert parallelism: moe/flags.py)
-    Flag("--cp-comm-type", str, nargs="+", supported=(["p2p"],)),
-    Flag("--hierarchical-context-parallel-sizes", str, nargs="+"),
     # other attention variants (MoE: moe/flags.py)
     Flag("--experimental-attention-variant", str),
     Flag("--attention-output-gate"),

@@ -132,6 +132,11 @@ def initialize_distributed(config) -> torch.device:
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
+        hierarchical_context_parallel_sizes=(
+            list(layout.hierarchical_context_parallel_sizes)
+            if layout.hierarchical_context_parallel_sizes and layout.context_parallel_size > 1
+            else None
+        ),
         distributed_timeout_minutes=layout.distributed_timeout_minutes,
         num_distributed_optimizer_instances=layout.num_distributed_optimizer_instances,
         # expert groups only where there are experts (without, the sizes change nothing)
@@ -242,6 +247,7 @@ def transformer_config(config, device: torch.device) -> TransformerConfig:
     )
     for name, value in yarn_config_attributes(model).items():  # read off the config, as Megatron
         setattr(built, name, value)
+    built.cp_comm_types = layout.cp_comm_type  # SDPACoreAttention's, one per layer or one
     return built
 
 
