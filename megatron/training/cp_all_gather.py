@@ -26,7 +26,7 @@ def _chunk_order(cp: int) -> list[int]:
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """[b, groups, 2c, d] on each rank -> [b, groups, 2 CP c, d], the whole sequence in order."""
     cp = dist.get_world_size(group)
-    gathered = [torch.empty_like(x) for _ in range(cp)]
+    gathered = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(cp)]
     dist.all_gather(gathered, x.contiguous(), group=group)
     chunks = [c for piece in gathered for c in piece.chunk(2, dim=2)]
     return torch.cat([chunks[slot] for slot in _chunk_order(cp)], dim=2)
@@ -42,7 +42,7 @@ def scatter_sequence_sum(y: torch.Tensor, group) -> torch.Tensor:
         total = torch.stack(pieces).contiguous()
         dist.all_reduce(total, group=group)
         return total[rank]
-    mine = torch.empty_like(pieces[rank])
+    mine = torch.empty(pieces[rank].shape, dtype=y.dtype, device=y.device)
     dist.reduce_scatter(mine, [p.contiguous() for p in pieces], group=group)
     return mine
 

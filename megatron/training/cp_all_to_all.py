@@ -29,7 +29,8 @@ def _exchange(pieces: list[torch.Tensor], group) -> list[torch.Tensor]:
     """Send pieces[j] to rank j of `group`; return the piece received from each rank (all pieces
     of one call have the same shape)."""
     ranks, me = dist.get_process_group_ranks(group), dist.get_rank(group)
-    received = [torch.empty_like(piece) for piece in pieces]
+    # contiguous buffers: the pieces may be views of a permuted [s, b, heads, d] tensor
+    received = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in pieces]
     ops = []
     for j, rank in enumerate(ranks):
         if j == me:

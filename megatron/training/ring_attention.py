@@ -49,7 +49,7 @@ def expand_groups(tensor: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _sum_groups(tensor: torch.Tensor, groups: int) -> torch.Tensor:
-    """The inverse of `_expand_groups` for gradients: sum over each group's query heads."""
+    """The inverse of `expand_groups` for gradients: sum over each group's query heads."""
     b, heads, s, d = tensor.shape
     if groups == heads:
         return tensor

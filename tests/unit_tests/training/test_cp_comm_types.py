@@ -42,6 +42,13 @@ def inputs():
     return full, grad
 
 
+def model_layout(tensor):
+    """[b, heads, s, d] as the model passes it (a view of a permuted [s, b, heads, d] leaf) and
+    the leaf; the leaf's gradient permuted back is the view's."""
+    leaf = tensor.permute(2, 0, 1, 3).contiguous().requires_grad_(True)
+    return leaf.permute(1, 2, 0, 3), leaf
+
+
 def compare(attention: ContextParallelAttention, cp_rank: int, cp: int) -> dict:
     """Largest differences of output and gradients against full attention on one process."""
     full, grad = inputs()
@@ -49,12 +56,13 @@ def compare(attention: ContextParallelAttention, cp_rank: int, cp: int) -> dict:
     expected = full_attention(*reference)
     expected.backward(grad)
     mine = chunk_positions(cp_rank, cp, SEQ // cp, CPU)
-    local = [t[:, :, mine].clone().requires_grad_(True) for t in full]
+    local, leaves = zip(*(model_layout(t[:, :, mine]) for t in full))
     output = attention(*local, SCALE, 0.0)
     output.backward(grad[:, :, mine])
     errors = {"output": float((output.detach() - expected.detach()[:, :, mine]).abs().max())}
-    for name, ours, ref in zip("qkv", local, reference):
-        errors[f"grad_{name}"] = float((ours.grad - ref.grad[:, :, mine]).abs().max())
+    for name, leaf, ref in zip("qkv", leaves, reference):
+        ours = leaf.grad.permute(1, 2, 0, 3)
+        errors[f"grad_{name}"] = float((ours - ref.grad[:, :, mine]).abs().max())
     return errors
 
 
