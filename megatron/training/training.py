@@ -515,6 +515,17 @@ def _take_save_directory(checkpoint) -> tuple[str, WriterLock | None]:
     return outcome[0], lock
 
 
+def _context_parallel(layout) -> str:
+    """The context-parallel size for the start-up line, with its communication type(s) where
+    they are not the default ring: `4 (a2a+p2p, 2 x 2)`, `2 (p2p all_gather a2a p2p)`."""
+    size, types = layout.context_parallel_size, tuple(layout.cp_comm_type)
+    if size == 1 or types == ("p2p",):
+        return str(size)
+    sizes = layout.hierarchical_context_parallel_sizes
+    hierarchical = f", {' x '.join(map(str, sizes))}" if "a2a+p2p" in types and sizes else ""
+    return f"{size} ({' '.join(types)}{hierarchical})"
+
+
 def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
                       save_lock) -> TrainingState:  # fmt: skip
     # the resident set follows live memory (host_memory.py)
@@ -522,8 +533,8 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
     layout = config.parallel
     print_rank_0(
         f"> world size {layout.world_size}: tensor {layout.tensor_model_parallel_size} x "
-        f"pipeline {layout.pipeline_model_parallel_size} x context "
-        f"{layout.context_parallel_size} x data {layout.data_parallel_size}, backend "
+        f"pipeline {layout.pipeline_model_parallel_size} x context {_context_parallel(layout)} "
+        f"x data {layout.data_parallel_size}, backend "
         f"{dist.get_backend()}, schedule {config.pipeline.plan.name}, "
         f"{config.training.num_microbatches} microbatches per step"
     )
