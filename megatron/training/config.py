@@ -178,6 +178,8 @@ class ParallelConfig(_Section):
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
+    cp_comm_type: tuple = ("p2p",)  # one type for every layer, or one per layer
+    hierarchical_context_parallel_sizes: tuple | None = None  # a2a+p2p: (inner, outer)
     data_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
@@ -205,6 +207,15 @@ class ParallelConfig(_Section):
     def chunks_per_rank(self) -> int:
         """Model chunks per rank: Megatron's virtual_pipeline_model_parallel_size (1 without)."""
         return self.virtual_pipeline_model_parallel_size or 1
+
+
+def _context_parallel_fields(args) -> dict:
+    """--cp-comm-type and --hierarchical-context-parallel-sizes as tuples (a namespace built
+    by a tool may lack them)."""
+    comm_type = getattr(args, "cp_comm_type", None) or ["p2p"]
+    sizes = getattr(args, "hierarchical_context_parallel_sizes", None)
+    return dict(cp_comm_type=tuple(comm_type), hierarchical_context_parallel_sizes=(
+        tuple(int(size) for size in sizes) if sizes else None))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -372,7 +383,9 @@ class RunConfig:
                 linear_attention_freq=_int_or_tuple(getattr(args, "linear_attention_freq", None)),
             ),
             moe=MoEConfig.from_flags(args) if getattr(args, "num_experts", None) else None,
-            parallel=ParallelConfig.from_flags(args, stage_layers=tuple(args.stage_layers)),
+            parallel=ParallelConfig.from_flags(
+                args, stage_layers=tuple(args.stage_layers), **_context_parallel_fields(args)
+            ),
             pipeline=PipelineConfig.from_flags(
                 args, plan=pipeline_plan(args), paci_accumulation_schedule=tuple(accumulation)
             ),

@@ -115,9 +115,6 @@ NOT_SUPPORTED = [
     Flag("--megatron-fsdp-main-grads-dtype", str),
     Flag("--megatron-fsdp-grad-comm-dtype", str),
     Flag("--tp-comm-overlap-cfg", str),
-    # context parallelism (expert parallelism: moe/flags.py)
-    Flag("--cp-comm-type", str, nargs="+", supported=(["p2p"],)),
-    Flag("--hierarchical-context-parallel-sizes", str, nargs="+"),
     # other attention variants (MoE: moe/flags.py)
     Flag("--dsa-indexer-n-heads", int),
     Flag("--dsa-indexer-head-dim", int),

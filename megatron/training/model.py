@@ -45,10 +45,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.pipeline.vocab_parallel import InputShard, OutputShard
 from megatron.training import gated_delta_net as gdn
 from megatron.training import mup
+from megatron.training.context_parallel_attention import (
+    ContextParallelAttention,
+    hierarchical_groups,
+    layer_comm_type,
+)
 from megatron.training.mla import with_mla
 from megatron.training.mtp import mtp_block_spec
 from megatron.training.recompute import use_host_rng_states
-from megatron.training.ring_attention import ring_attention
 
 
 class SDPACoreAttention(MegatronModule):
@@ -75,10 +79,17 @@ class SDPACoreAttention(MegatronModule):
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"SDPACoreAttention supports causal masks only, got {attn_mask_type}")
-        # context parallelism: the ring over megatron-core's context-parallel group
-        self.cp_group = None
+        # context parallelism over megatron-core's context-parallel group (--cp-comm-type:
+        # ours per layer, read off the config by layer number; megatron-core's own field stays
+        # unset, its per-layer lookup is off by one in 0.16)
+        self.context_parallel = None
         if config.context_parallel_size > 1:
-            self.cp_group = getattr(pg_collection, "cp", None) or context_parallel_group()
+            comm_type = layer_comm_type(getattr(config, "cp_comm_types", None), layer_number)
+            self.context_parallel = ContextParallelAttention(
+                comm_type,
+                getattr(pg_collection, "cp", None) or context_parallel_group(),
+                hierarchical_groups(pg_collection) if comm_type == "a2a+p2p" else None,
+            )
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
@@ -90,8 +101,9 @@ class SDPACoreAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, **unused):
         # [s, b, heads, hn] -> [b, heads, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if self.cp_group is not None:  # this rank's 2 chunks against the whole sequence
-            context = ring_attention(q, k, v, group=self.cp_group, scale=self.softmax_scale)
+        if self.context_parallel is not None:  # this rank's 2 chunks, the whole sequence
+            dropout_p = self.dropout_p if self.training else 0.0
+            context = self.context_parallel(q, k, v, self.softmax_scale, dropout_p)
             sq, b = context.size(2), context.size(0)
             return context.permute(2, 0, 1, 3).reshape(sq, b, -1)
         if k.size(1) != q.size(1):  # grouped-query attention: repeat the key/value groups

@@ -136,6 +136,11 @@ def initialize_distributed(config) -> torch.device:
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
+        hierarchical_context_parallel_sizes=(
+            list(layout.hierarchical_context_parallel_sizes)
+            if layout.hierarchical_context_parallel_sizes and layout.context_parallel_size > 1
+            else None
+        ),
         distributed_timeout_minutes=layout.distributed_timeout_minutes,
         num_distributed_optimizer_instances=layout.num_distributed_optimizer_instances,
         # expert groups only where there are experts (without, the sizes change nothing)
@@ -252,6 +257,7 @@ def transformer_config(config, device: torch.device) -> TransformerConfig:
     attributes = {**yarn_config_attributes(model), **mup.config_attributes(model)}
     for name, value in attributes.items():  # read off the config, as Megatron
         setattr(built, name, value)
+    built.cp_comm_types = layout.cp_comm_type  # SDPACoreAttention's, one per layer or one
     return built
 
 
@@ -536,6 +542,17 @@ def _take_save_directory(checkpoint) -> tuple[str, WriterLock | None]:
     return outcome[0], lock
 
 
+def _context_parallel(layout) -> str:
+    """The context-parallel size for the start-up line, with its communication type(s) where
+    they are not the default ring: `4 (a2a+p2p, 2 x 2)`, `2 (p2p all_gather a2a p2p)`."""
+    size, types = layout.context_parallel_size, tuple(layout.cp_comm_type)
+    if size == 1 or types == ("p2p",):
+        return str(size)
+    sizes = layout.hierarchical_context_parallel_sizes
+    hierarchical = f", {' x '.join(map(str, sizes))}" if "a2a+p2p" in types and sizes else ""
+    return f"{size} ({' '.join(types)}{hierarchical})"
+
+
 def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
                       save_lock) -> TrainingState:  # fmt: skip
     # the resident set follows live memory (host_memory.py)
@@ -543,8 +560,8 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
     layout = config.parallel
     print_rank_0(
         f"> world size {layout.world_size}: tensor {layout.tensor_model_parallel_size} x "
-        f"pipeline {layout.pipeline_model_parallel_size} x context "
-        f"{layout.context_parallel_size} x data {layout.data_parallel_size}, backend "
+        f"pipeline {layout.pipeline_model_parallel_size} x context {_context_parallel(layout)} "
+        f"x data {layout.data_parallel_size}, backend "
         f"{dist.get_backend()}, schedule {config.pipeline.plan.name}, "
         f"{config.training.num_microbatches} microbatches per step"
     )

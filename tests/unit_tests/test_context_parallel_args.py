@@ -29,13 +29,15 @@ def test_context_parallel_ranks_are_not_data_parallel_ranks():
           "--seq-length", "30"),
          "--seq-length 30 must be divisible by 2 x --context-parallel-size 2"),
         (("--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-          "--attention-dropout", "0.1"),
-         "--attention-dropout with --context-parallel-size > 1 is not supported yet"),
-        (("--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-          "--cp-comm-type", "a2a"), "--cp-comm-type is not supported yet"),
-        (("--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-          "--hierarchical-context-parallel-sizes", "2", "1"),
-         "--hierarchical-context-parallel-sizes is not supported yet"),
+          "--cp-comm-type", "allgather"),
+         "--cp-comm-type allgather: one of p2p, all_gather, a2a, a2a+p2p"),
+        (("--context-parallel-size", "4", "--pipeline-model-parallel-size", "1",
+          "--cp-comm-type", "a2a+p2p"),
+         "--hierarchical-context-parallel-sizes must be set when a2a+p2p is used in cp comm"),
+        (("--context-parallel-size", "4", "--pipeline-model-parallel-size", "1",
+          "--num-attention-heads", "6", "--hidden-size", "96", "--cp-comm-type", "a2a"),
+         "--cp-comm-type a2a: the 6 attention heads of a tensor-parallel rank must divide over "
+         "its all-to-all of 4 ranks"),
     ],
 )  # fmt: skip
 def test_bad_context_parallel_settings_are_one_line(pairs, message):
@@ -54,3 +56,33 @@ def test_megatrons_default_comm_type_is_accepted():
     args = validated(with_flags("--context-parallel-size", "2", "--pipeline-model-parallel-size",
                                 "2", "--cp-comm-type", "p2p", "--attention-dropout", "0"))  # fmt: skip
     assert args.context_parallel_size == 2
+
+
+def hierarchical(sizes: list[str], *pairs: str) -> list[str]:
+    """CP 4 on 4 ranks (one stage) with these hierarchical sizes."""
+    argv = with_flags("--context-parallel-size", "4", "--pipeline-model-parallel-size", "1",
+                      *pairs)  # fmt: skip
+    return argv + ["--hierarchical-context-parallel-sizes", *sizes]
+
+
+def test_hierarchical_context_parallelism_is_accepted_with_megatrons_rules():
+    """a2a+p2p with sizes 2 2 (the all-to-all's, the ring's), Megatron's default attention
+    dropout; sizes whose product is not CP, a2a+p2p over 3 levels, heads that do not divide
+    over the inner all-to-all, and a per-layer list of the wrong length are one line each."""
+    args = validated(hierarchical(["2", "2"], "--cp-comm-type", "a2a+p2p"))
+    assert (args.hierarchical_context_parallel_sizes, args.cp_comm_type) == ([2, 2], ["a2a+p2p"])
+    assert args.attention_dropout == 0.1
+    assert "their product must be --context-parallel-size 4" in validation_error(
+        hierarchical(["2", "1"], "--cp-comm-type", "a2a+p2p"))  # fmt: skip
+    assert "a2a+p2p takes 2 --hierarchical-context-parallel-sizes" in validation_error(
+        hierarchical(["2", "2", "1"], "--cp-comm-type", "a2a+p2p"))  # fmt: skip
+    assert "the 3 attention heads of a tensor-parallel rank must divide over its all-to-all of " \
+        "2 ranks" in validation_error(hierarchical(["2", "2"], "--cp-comm-type", "a2a+p2p",
+                                                   "--num-attention-heads", "3", "--hidden-size",
+                                                   "48"))  # fmt: skip
+    argv = with_flags("--context-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+    per_layer = validated(argv + ["--cp-comm-type", "p2p", "all_gather", "a2a", "a2a+p2p",
+                                  "--hierarchical-context-parallel-sizes", "2", "1"])  # fmt: skip
+    assert per_layer.cp_comm_type == ["p2p", "all_gather", "a2a", "a2a+p2p"]
+    assert "3 types for 4 layers" in validation_error(argv + ["--cp-comm-type", "p2p", "a2a",
+                                                              "p2p"])  # fmt: skip
