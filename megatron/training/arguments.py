@@ -298,6 +298,10 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
         help="NullTokenizer's ids; TikTokenizer's whole vocabulary (default 2**17)")  # fmt: skip
     add_tiktoken_args(parser.add_argument_group("TikTokenizer"))
     add("--data-cache-path", default=None)
+    add("--dataloader-type", default=None, choices=("single", "cyclic", "external"),
+        help="single (default): one pass in order; cyclic: random order, epoch after epoch")  # fmt: skip
+    add("--no-data-sharding", action="store_false", dest="data_sharding",
+        help="cyclic: one permutation of the data dealt to all ranks, not a bucket per rank")  # fmt: skip
     _add_fim_args(parser)
 
 

@@ -286,6 +286,8 @@ class DataConfig(_Section):
     source: object = None  # sources.DataSource, read once (None with --mock-data)
     split: str = "969,30,1"
     data_cache_path: str | None = None
+    dataloader_type: str = "single"  # or "cyclic" (data/cyclic_order.py)
+    data_sharding: bool = True  # --no-data-sharding: cyclic's one permutation for all ranks
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
@@ -398,6 +400,7 @@ class RunConfig:
                 args,
                 source=None if mock else data_source(args),
                 special_tokens=_tuple(getattr(args, "special_tokens", None)),
+                dataloader_type=getattr(args, "dataloader_type", None) or "single",
             ),
             checkpoint=CheckpointConfig.from_flags(args),
             logging=LoggingConfig.from_flags(args, flags=plain_flags(args)),

@@ -86,7 +86,6 @@ OUR_BEHAVIOUR = [
     Flag("--manual-gc-interval", int, 0, supported=None),
     Flag("--num-dataset-builder-threads", int, 1, supported=None),
     Flag("--tensorboard-queue-size", int, 1000, supported=None),
-    Flag("--dataloader-type", str, None, supported=("single",)),
     Flag("--head-lr-mult", float, 1.0, supported=None),
     Flag("--transformer-impl", str, "transformer_engine", supported=("local",)),
     Flag("--attention-backend", str, "auto", supported=("flash", "fused", "unfused", "local")),

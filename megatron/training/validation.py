@@ -74,6 +74,8 @@ def validate_numbers(args: argparse.Namespace) -> None:
     _check_devices(args)
     _check_validation_split(args)
     _check_fim(args)
+    if getattr(args, "dataloader_type", None) == "external":  # a dataset object, not flags
+        raise UserError("--dataloader-type external is not supported yet")
 
 
 def _check_fim(args) -> None:

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy
 
+from megatron.training.data.cyclic_order import CyclicOrder
 from megatron.training.data.fim import FimSettings, resolve_token_ids
 from megatron.training.errors import UserError
 
@@ -199,33 +200,37 @@ def parse_split(split: str) -> List[float]:
     return [v / total for v in values]
 
 
-def check_batch_token_ids(batch: Dict, vocab_limit: int, dataset=None, first_sample: int = 0):
+def check_batch_token_ids(batch: Dict, vocab_limit: int, dataset=None, first_sample: int = 0,
+                          samples: Optional[Sequence[int]] = None):  # fmt: skip
     """Stop on a token id outside ``[0, vocab_limit)`` before it reaches the embedding.
 
     The start-up check trusts the ``.stats.json`` beside each ``.bin``, so a ``.bin`` damaged
     after it was written would otherwise end in an IndexError inside the embedding (a device
     assert on GPU) on the first stage and a lost peer on every other. One min/max over the
     CPU batch per microbatch (no device sync); only on failure are the batch's rows (samples
-    ``first_sample`` on) traced back to their dataset and document.
+    ``first_sample`` on, or the dataset indices ``samples``) traced back to their dataset and
+    document.
     """
     import torch
 
     for key in ("tokens", "labels"):  # the labels hold each sample's last token too
         low, high = torch.aminmax(batch[key])
         if int(low) < 0 or int(high) >= vocab_limit:
-            raise UserError(_describe_bad_batch(batch[key], vocab_limit, dataset, first_sample))
+            if samples is None:
+                samples = range(first_sample, first_sample + len(batch[key]))
+            raise UserError(_describe_bad_batch(batch[key], vocab_limit, dataset, samples))
 
 
-def _describe_bad_batch(ids, vocab_limit: int, dataset, first_sample: int) -> str:
+def _describe_bad_batch(ids, vocab_limit: int, dataset, samples: Sequence[int]) -> str:
     bad_rows = ((ids < 0) | (ids >= vocab_limit)).any(dim=1).nonzero().flatten().tolist()
     row = bad_rows[0]
-    found = locate_bad_tokens(dataset, first_sample + row, vocab_limit) if dataset else None
+    found = locate_bad_tokens(dataset, samples[row], vocab_limit) if dataset else None
     outside = f"outside the padded vocabulary of {vocab_limit} tokens"
     cause = "(the file is damaged or was tokenized with another tokenizer)"
     if found is None:  # not a GPT dataset on indexed files (mock data, a custom dataset)
         values = ids[row]
         bad = int(values[(values < 0) | (values >= vocab_limit)][0])
-        return f"sample {first_sample + row} holds token id {bad}, {outside} {cause}"
+        return f"sample {samples[row]} holds token id {bad}, {outside} {cause}"
     prefix, document, bad = found
     return f"{prefix}.bin: document {document} holds token id {bad}, {outside} {cause}"
 
@@ -270,6 +275,8 @@ class MicrobatchIterator:
     data-parallel size. Only whole ``mbs * dp`` rows are used. When ``cycle`` is set the
     iterator starts over at sample 0 after the last whole row (for evaluation), otherwise it
     stops there. ``next_sample`` is the first sample of the next row (for checkpointing).
+    With ``order`` (``--dataloader-type cyclic``, cyclic_order.py) the rows are that order's,
+    epoch after epoch without end; ``next_sample`` counts the samples read by all ranks.
     With ``vocab_limit`` (the padded vocabulary), every microbatch's token ids are checked
     against it (``check_batch_token_ids``).
     """
@@ -283,8 +290,10 @@ class MicrobatchIterator:
         start_sample: int = 0,
         cycle: bool = False,
         vocab_limit: Optional[int] = None,
+        order: Optional[CyclicOrder] = None,
     ) -> None:
         self.dataset = dataset
+        self.order = order
         self.vocab_limit = vocab_limit
         self.micro_batch_size = micro_batch_size
         self.data_parallel_rank = data_parallel_rank
@@ -298,15 +307,19 @@ class MicrobatchIterator:
         return self
 
     def __next__(self) -> Dict[str, "torch.Tensor"]:  # noqa: F821
-        if self.next_sample + self.row > self.num_samples:
-            if not self.cycle or self.row > self.num_samples:
-                raise StopIteration
-            self.next_sample = 0
-        first = self.next_sample + self.data_parallel_rank * self.micro_batch_size
+        if self.order is not None:
+            samples = self.order.microbatch(self.next_sample)
+        else:
+            if self.next_sample + self.row > self.num_samples:
+                if not self.cycle or self.row > self.num_samples:
+                    raise StopIteration
+                self.next_sample = 0
+            first = self.next_sample + self.data_parallel_rank * self.micro_batch_size
+            samples = range(first, first + self.micro_batch_size)
         self.next_sample += self.row
-        batch = self.collate([self.dataset[i] for i in range(first, first + self.micro_batch_size)])
+        batch = self.collate([self.dataset[i] for i in samples])
         if self.vocab_limit is not None:
-            check_batch_token_ids(batch, self.vocab_limit, self.dataset, first)
+            check_batch_token_ids(batch, self.vocab_limit, self.dataset, samples=samples)
         return batch
 
     @staticmethod
@@ -354,6 +367,8 @@ def data_iterators_of_run(
         test_samples=0,
         consumed_train_samples=consumed_train_samples,
         vocab_limit=config.model.padded_vocab_size,
+        dataloader_type=data.dataloader_type,
+        data_sharding=data.data_sharding,
     )
     return train, valid
 
@@ -394,25 +409,24 @@ def build_data_iterators(
     vocab_limit: Optional[int] = None,
     per_split: Optional[List[Optional[List[str]]]] = None,
     sample_options: Optional[Dict] = None,
+    dataloader_type: str = "single",
+    data_sharding: bool = True,
 ):
     """Build (train, valid, test) ``MicrobatchIterator`` s over megatron-core GPT datasets.
 
-    ``per_split``: one blend per split instead of ``data_path`` split by ``split`` (lists of
-    prefixes or weight/prefix pairs, None for a split without data). ``sample_options``:
-    megatron-core's ``eod_mask_loss`` / ``reset_position_ids`` (default off), ``fim``
-    (``--fim-data``'s FimSettings: ``GPTFIMDataset`` s, fim_dataset.py).
+    ``per_split``: one blend per split instead of ``data_path`` split by ``split`` (None for a
+    split without data). ``sample_options``: megatron-core's ``eod_mask_loss`` /
+    ``reset_position_ids`` (default off), ``fim`` (FimSettings: fim_dataset.py).
 
-    Each split is built for at least the requested number of samples; a split that is not
-    requested (0 samples) or that ``--split`` leaves empty gives None. Microbatches are dicts of
-    CPU tensors of shape ``[micro_batch_size, seq_length]``: ``tokens``, ``labels`` (tokens
-    shifted by one), ``loss_mask`` (float) and ``position_ids``. The training iterator starts at
-    ``consumed_train_samples`` and stops at the end of the dataset; valid/test iterators cycle.
-    With ``vocab_limit``, every microbatch's token ids must be below it (a UserError naming
-    the dataset and document otherwise).
+    Each split is built for at least the requested number of samples; a split not requested
+    (0 samples) or left empty by ``--split`` gives None. Microbatches are dicts of CPU tensors
+    ``[micro_batch_size, seq_length]``: ``tokens``, ``labels``, ``loss_mask``, ``position_ids``.
+    Training starts at ``consumed_train_samples`` and stops at the end; valid/test cycle.
+    ``dataloader_type`` "cyclic": all in Megatron's random order, epoch after epoch, without end
+    (cyclic_order.py; ``data_sharding``). With ``vocab_limit``, token ids must be below it.
 
-    If torch.distributed is initialized, every rank must call this (megatron-core's builder
-    holds barriers on the default group); every rank builds its own datasets, and rank 0 writes
-    the index cache (``data_cache_path``, or megatron-core's default under each prefix) first.
+    Under torch.distributed every rank must call this (megatron-core's builder holds barriers
+    on the default group); rank 0 writes the index cache (``data_cache_path``) first.
     """
     sizes = [train_samples, valid_samples, test_samples]
     _check_iterator_arguments(
@@ -434,7 +448,8 @@ def build_data_iterators(
 
     common = dict(micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
                   data_parallel_size=data_parallel_size, vocab_limit=vocab_limit)  # fmt: skip
-    return _split_iterators(datasets, sizes, split, consumed_train_samples, common)
+    cyclic = None if dataloader_type == "single" else data_sharding
+    return _split_iterators(datasets, sizes, split, consumed_train_samples, common, cyclic)
 
 
 def _check_iterator_arguments(
@@ -464,9 +479,11 @@ def _check_iterator_arguments(
         raise UserError("a tokenizer is needed to build the datasets")
 
 
-def _split_iterators(datasets, sizes, split: str, consumed_train_samples: int, common: dict):
+def _split_iterators(datasets, sizes, split: str, consumed_train_samples: int, common: dict,
+                     cyclic: Optional[bool] = None):  # fmt: skip
     """(train, valid, test) iterators over the split datasets: None for a split not requested
-    (0 samples) or left empty by ``--split`` (an error for the training split)."""
+    (0 samples) or left empty by ``--split`` (an error for the training split). ``cyclic``:
+    None, or each split in a CyclicOrder with that data sharding."""
     micro_batch_size = common["micro_batch_size"]
     data_parallel_size = common["data_parallel_size"]
     names = ("train", "valid", "test")
@@ -485,12 +502,16 @@ def _split_iterators(datasets, sizes, split: str, consumed_train_samples: int, c
                 f"the {name} split has {len(dataset)} samples, fewer than one micro-batch on "
                 f"every data-parallel rank ({micro_batch_size} x {data_parallel_size})"
             )
+        order = None
+        if cyclic is not None:
+            ranks = (common["data_parallel_rank"], data_parallel_size)
+            order = CyclicOrder(len(dataset), micro_batch_size, *ranks, data_sharding=cyclic)
         if name == "train":
-            iterators.append(
-                MicrobatchIterator(dataset, start_sample=consumed_train_samples, **common)
-            )
+            iterators.append(MicrobatchIterator(
+                dataset, start_sample=consumed_train_samples, order=order, **common
+            ))  # fmt: skip
         else:
-            iterators.append(MicrobatchIterator(dataset, cycle=True, **common))
+            iterators.append(MicrobatchIterator(dataset, cycle=True, order=order, **common))
     return tuple(iterators)
 
 

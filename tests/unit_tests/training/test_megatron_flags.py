@@ -500,3 +500,13 @@ def test_defer_embedding_wgrad_compute_reaches_the_config_and_is_refused_as_in_m
     for extra, message in refused:
         with pytest.raises(UserError, match=message):
             validated(["--defer-embedding-wgrad-compute"] + extra, world_size=2 if extra else 1)
+
+
+def test_dataloader_type_cyclic_and_no_data_sharding_reach_the_data_config():
+    assert configured([]).data.dataloader_type == "single"
+    data = configured(["--dataloader-type", "cyclic", "--no-data-sharding"]).data
+    assert (data.dataloader_type, data.data_sharding) == ("cyclic", False)
+    assert configured(["--dataloader-type", "cyclic"]).data.data_sharding
+    assert error_of(["--dataloader-type", "external"]) == (
+        "--dataloader-type external is not supported yet"
+    )
