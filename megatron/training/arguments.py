@@ -155,10 +155,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="bf16 parameters and activations, fp32 main weights and gradient accumulation")  # fmt: skip
 
 
-def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument_group("parallelism").add_argument
-    add("--tensor-model-parallel-size", type=int, default=1)
-    add("--pipeline-model-parallel-size", type=int, default=1)
+def _add_context_parallel_args(add) -> None:
     add("--context-parallel-size", type=int, default=1,
         help="split each sequence over this many ranks (2 x CP chunks, chunk i and 2CP-1-i on "
         "rank i); attention runs as a ring over them")  # fmt: skip
@@ -168,6 +165,13 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     add("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
         help="a2a+p2p: A B, the all-to-all inside groups of A consecutive context-parallel "
         "ranks, the ring over B of them (A x B = --context-parallel-size)")  # fmt: skip
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument_group("parallelism").add_argument
+    add("--tensor-model-parallel-size", type=int, default=1)
+    add("--pipeline-model-parallel-size", type=int, default=1)
+    _add_context_parallel_args(add)
     add("--use-tp-pp-dp-mapping", action="store_true",
         help="rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp: a stage's pipeline "
         "neighbours on nearby ranks, its data-parallel replicas far apart")  # fmt: skip
@@ -332,6 +336,10 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
         help="the root Python logger's level (10 debug ... 40 error); default: left as it is")  # fmt: skip
     add("--eval-interval", type=int, default=1000)
     add("--eval-iters", type=int, default=100)
+    add("--eval-global-batch-size", type=int, default=None,
+        help="samples per evaluation iteration (default: --global-batch-size)")  # fmt: skip
+    add("--eval-micro-batch-size", type=int, default=None,
+        help="evaluation's micro-batch (default: --micro-batch-size)")  # fmt: skip
     add("--tensorboard-dir", default=None)
     add("--log-validation-ppl-to-tensorboard", action="store_true")
     add("--log-params-norm", action="store_true",
@@ -772,8 +780,37 @@ def layers_by_chunk(args: argparse.Namespace, pp: int, chunks: int) -> list[list
     return layers
 
 
-def check_virtual_microbatches(args: argparse.Namespace) -> None:
-    """megatron-core's rule on the microbatches of an interleaved step, as one line."""
+def _validate_eval_batch(args: argparse.Namespace) -> None:
+    """Evaluation's batch (Megatron's defaults: training's) and its microbatches per
+    iteration, `args.eval_num_microbatches`."""
+    for name, default in (("eval_micro_batch_size", args.micro_batch_size),
+                          ("eval_global_batch_size", args.global_batch_size)):  # fmt: skip
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        setattr(args, name, default if value is None else value)
+    per_microbatch = args.eval_micro_batch_size * args.data_parallel_size
+    if args.eval_global_batch_size % per_microbatch:
+        raise UserError(
+            f"--eval-global-batch-size {args.eval_global_batch_size} is not divisible by "
+            f"--eval-micro-batch-size x data-parallel size = {args.eval_micro_batch_size} x "
+            f"{args.data_parallel_size}"
+        )
+    if args.eval_micro_batch_size % args.micro_batch_size:  # pieces of training's (evaluate)
+        raise UserError(
+            f"--eval-micro-batch-size {args.eval_micro_batch_size} other than a multiple of "
+            f"--micro-batch-size {args.micro_batch_size} is not supported yet"
+        )
+    args.eval_num_microbatches = args.eval_global_batch_size // per_microbatch
+    pieces = args.eval_num_microbatches * args.eval_micro_batch_size // args.micro_batch_size
+    if pieces != args.num_microbatches:
+        check_virtual_microbatches(args, pieces, "--eval-global-batch-size")
+
+
+def check_virtual_microbatches(args: argparse.Namespace, microbatches: int | None = None,
+                               batch_flag: str = "--global-batch-size") -> None:  # fmt: skip
+    """megatron-core's rule on the microbatches of an interleaved step (`microbatches`,
+    default the training step's), as one line."""
     chunks = args.virtual_pipeline_model_parallel_size
     if not chunks:
         return
@@ -787,10 +824,11 @@ def check_virtual_microbatches(args: argparse.Namespace) -> None:
     if schedule.placement is None:
         schedule = virtual_schedule(args.pipeline_schedule, group)
     try:
-        schedule.check_microbatches(pp, chunks, args.num_microbatches)
+        schedule.check_microbatches(pp, chunks, microbatches or args.num_microbatches)
     except ValueError as error:
+        batch = getattr(args, batch_flag[2:].replace("-", "_"))
         raise UserError(
-            f"--global-batch-size {args.global_batch_size} gives {args.num_microbatches} "
+            f"{batch_flag} {batch} gives {microbatches or args.num_microbatches} "
             f"microbatches per step: {error}"
         ) from None
 
@@ -953,6 +991,7 @@ def _validate_batch_and_run_length(args: argparse.Namespace) -> None:
         )
     args.num_microbatches = args.global_batch_size // per_microbatch
     check_virtual_microbatches(args)
+    _validate_eval_batch(args)
     _validate_run_length(args)
     validate_rampup(args)
     set_step_schedule_iterations(args)

@@ -261,6 +261,9 @@ class TrainingConfig(_Section):
     train_samples: int | None = None
     eval_interval: int = 1000
     eval_iters: int = 100
+    eval_global_batch_size: int | None = None  # None: global_batch_size (Megatron's default)
+    eval_micro_batch_size: int | None = None  # None: micro_batch_size
+    eval_num_microbatches: int | None = None  # per evaluation iteration; None: num_microbatches
     skip_train: bool = False
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
@@ -278,6 +281,15 @@ class TrainingConfig(_Section):
     check_for_spiky_loss: bool = False
     check_for_large_grads: bool = False
     result_rejected_tracker_filename: str | None = None
+
+    @property
+    def eval_batch(self) -> tuple[int, int, int]:
+        """Evaluation's (global batch, micro-batch, microbatches per iteration)."""
+        return (
+            self.eval_global_batch_size or self.global_batch_size,
+            self.eval_micro_batch_size or self.micro_batch_size,
+            self.eval_num_microbatches or self.num_microbatches,
+        )
 
 
 @dataclass(frozen=True)

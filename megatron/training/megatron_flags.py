@@ -120,7 +120,6 @@ NOT_SUPPORTED = [
     Flag("--dsa-indexer-topk", int),
     Flag("--dsa-indexer-loss-coeff", float),
     # optimizer and batch schedule variants
-    Flag("--eval-global-batch-size", int),
     # checkpoints, fault tolerance, testing hooks
     Flag("--export-te-mcore-model"),
     Flag("--export-kd-teacher-load", str),
@@ -237,7 +236,7 @@ NOT_YET_BY_GROUP = {
         "--enable-full-sharding-in-hsdp --fake-process-group "
     ),
     "validation": (
-        "--start-eval-at-iter= --eval-micro-batch-size= --full-validation "
+        "--start-eval-at-iter= --full-validation "
         "--multiple-validation-sets --validation-set-names=* "
     ),
     "data and dataloader": (

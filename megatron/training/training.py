@@ -50,7 +50,7 @@ from megatron.training.batch_schedule import (
 from megatron.training.checkpointing import save_load as checkpointing
 from megatron.training.checkpointing.writer_lock import WriterLock, describe, new_run_id
 from megatron.training.config import RunConfig
-from megatron.training.data.datasets import data_iterators_of_run
+from megatron.training.data.datasets import data_iterators_of_run, microbatch_pieces
 from megatron.training.data.fim import FimSettings, resolve_token_ids
 from megatron.training.data.sources import prefixes_of
 from megatron.training.divergence import check_replicas_match
@@ -967,7 +967,7 @@ def mtp_log_fields(config, step_func: MegatronStep) -> dict:
 def _eval_samples(training) -> int:
     """Validation samples the run reads (`training`: its `TrainingConfig`)."""
     evaluations = training.train_iters // training.eval_interval + int(training.skip_train)
-    return training.eval_iters * training.global_batch_size if evaluations else 0
+    return training.eval_iters * training.eval_batch[0] if evaluations else 0
 
 
 def stop_iteration(config, start_iteration: int) -> int:
@@ -1323,13 +1323,17 @@ def evaluate(config, forward_step_func, model, valid_iter, state, writer) -> Non
         return
     model.eval()
     schedule_function = get_forward_backward_func()  # Megatron's call: the configured one
+    # the stages' buffers hold training's micro-batch: evaluation's go through in pieces of it
+    _, eval_micro_batch_size, num_microbatches = config.training.eval_batch
+    pieces = eval_micro_batch_size // config.training.micro_batch_size
+    pieces_iter = microbatch_pieces(valid_iter, pieces) if pieces > 1 else valid_iter
     losses = []
     for _ in range(config.training.eval_iters):
         loss_dicts = schedule_function(
             forward_step_func=forward_step_func,
-            data_iterator=valid_iter,
+            data_iterator=pieces_iter,
             model=model,
-            num_microbatches=config.training.num_microbatches,
+            num_microbatches=num_microbatches * pieces,
             seq_length=config.model.seq_length,
             micro_batch_size=config.training.micro_batch_size,
             forward_only=True,

@@ -267,6 +267,25 @@ def locate_bad_tokens(dataset, sample: int, vocab_limit: int) -> Optional[Tuple[
     return None
 
 
+def microbatch_pieces(iterator, pieces: int):
+    """Each microbatch of ``iterator`` as ``pieces`` microbatches, cut along the batch."""
+    for batch in iterator:
+        cut = {key: value.chunk(pieces) for key, value in batch.items()}
+        for piece in range(pieces):
+            yield {key: parts[piece] for key, parts in cut.items()}
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How the iterators read the splits: ``dataloader_type`` "single" (one pass in order) or
+    "cyclic" (Megatron's random order, epoch after epoch without end: cyclic_order.py, with
+    ``data_sharding`` its two ways), and the valid/test micro-batch (None: training's)."""
+
+    dataloader_type: str = "single"
+    data_sharding: bool = True
+    eval_micro_batch_size: Optional[int] = None
+
+
 class MicrobatchIterator:
     """Microbatches of one data-parallel rank, in Megatron's pretraining-sampler order.
 
@@ -367,8 +386,7 @@ def data_iterators_of_run(
         test_samples=0,
         consumed_train_samples=consumed_train_samples,
         vocab_limit=config.model.padded_vocab_size,
-        dataloader_type=data.dataloader_type,
-        data_sharding=data.data_sharding,
+        reading=Reading(data.dataloader_type, data.data_sharding, config.training.eval_batch[1]),
     )
     return train, valid
 
@@ -409,8 +427,7 @@ def build_data_iterators(
     vocab_limit: Optional[int] = None,
     per_split: Optional[List[Optional[List[str]]]] = None,
     sample_options: Optional[Dict] = None,
-    dataloader_type: str = "single",
-    data_sharding: bool = True,
+    reading: Optional["Reading"] = None,
 ):
     """Build (train, valid, test) ``MicrobatchIterator`` s over megatron-core GPT datasets.
 
@@ -422,8 +439,8 @@ def build_data_iterators(
     (0 samples) or left empty by ``--split`` gives None. Microbatches are dicts of CPU tensors
     ``[micro_batch_size, seq_length]``: ``tokens``, ``labels``, ``loss_mask``, ``position_ids``.
     Training starts at ``consumed_train_samples`` and stops at the end; valid/test cycle.
-    ``dataloader_type`` "cyclic": all in Megatron's random order, epoch after epoch, without end
-    (cyclic_order.py; ``data_sharding``). With ``vocab_limit``, token ids must be below it.
+    ``reading``: the order (``Reading``) and evaluation's micro-batch. With ``vocab_limit``,
+    token ids must be below it.
 
     Under torch.distributed every rank must call this (megatron-core's builder holds barriers
     on the default group); rank 0 writes the index cache (``data_cache_path``) first.
@@ -448,8 +465,7 @@ def build_data_iterators(
 
     common = dict(micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
                   data_parallel_size=data_parallel_size, vocab_limit=vocab_limit)  # fmt: skip
-    cyclic = None if dataloader_type == "single" else data_sharding
-    return _split_iterators(datasets, sizes, split, consumed_train_samples, common, cyclic)
+    return _split_iterators(datasets, sizes, split, consumed_train_samples, common, reading)
 
 
 def _check_iterator_arguments(
@@ -480,15 +496,18 @@ def _check_iterator_arguments(
 
 
 def _split_iterators(datasets, sizes, split: str, consumed_train_samples: int, common: dict,
-                     cyclic: Optional[bool] = None):  # fmt: skip
+                     reading: Optional["Reading"]):  # fmt: skip
     """(train, valid, test) iterators over the split datasets: None for a split not requested
-    (0 samples) or left empty by ``--split`` (an error for the training split). ``cyclic``:
-    None, or each split in a CyclicOrder with that data sharding."""
-    micro_batch_size = common["micro_batch_size"]
+    (0 samples) or left empty by ``--split`` (an error for the training split)."""
+    reading = reading or Reading()
     data_parallel_size = common["data_parallel_size"]
     names = ("train", "valid", "test")
     iterators = []
     for name, dataset, samples in zip(names, datasets, sizes):
+        micro_batch_size = common["micro_batch_size"]
+        if name != "train" and reading.eval_micro_batch_size is not None:
+            micro_batch_size = reading.eval_micro_batch_size
+        mine = dict(common, micro_batch_size=micro_batch_size)
         if samples == 0:
             iterators.append(None)
             continue
@@ -503,15 +522,15 @@ def _split_iterators(datasets, sizes, split: str, consumed_train_samples: int, c
                 f"every data-parallel rank ({micro_batch_size} x {data_parallel_size})"
             )
         order = None
-        if cyclic is not None:
+        if reading.dataloader_type == "cyclic":
             ranks = (common["data_parallel_rank"], data_parallel_size)
-            order = CyclicOrder(len(dataset), micro_batch_size, *ranks, data_sharding=cyclic)
+            order = CyclicOrder(len(dataset), micro_batch_size, *ranks, reading.data_sharding)
         if name == "train":
             iterators.append(MicrobatchIterator(
-                dataset, start_sample=consumed_train_samples, order=order, **common
+                dataset, start_sample=consumed_train_samples, order=order, **mine
             ))  # fmt: skip
         else:
-            iterators.append(MicrobatchIterator(dataset, cycle=True, order=order, **common))
+            iterators.append(MicrobatchIterator(dataset, cycle=True, order=order, **mine))
     return tuple(iterators)
 
 

@@ -77,8 +77,8 @@ def test_pretrain_gpt_prints_one_error_line_and_exits_2(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     import pretrain_gpt
 
-    assert pretrain_gpt.main(BASE + ["--eval-global-batch-size", "8"]) == 2
-    assert capsys.readouterr().err == "error: --eval-global-batch-size is not supported yet\n"
+    assert pretrain_gpt.main(BASE + ["--full-validation"]) == 2
+    assert capsys.readouterr().err == "error: --full-validation is not supported yet\n"
 
 
 @pytest.mark.parametrize("schedule", ["paci", "2bw", "pipedream"])
@@ -510,3 +510,19 @@ def test_dataloader_type_cyclic_and_no_data_sharding_reach_the_data_config():
     assert error_of(["--dataloader-type", "external"]) == (
         "--dataloader-type external is not supported yet"
     )
+
+
+def test_eval_batch_flags_default_to_trainings_and_set_evaluations_microbatches():
+    assert configured([]).training.eval_batch == (8, 2, 4)
+    given = ["--eval-global-batch-size", "16", "--eval-micro-batch-size", "4"]
+    assert configured(given, world_size=2).training.eval_batch == (16, 4, 2)
+    refused = [
+        (["--eval-global-batch-size", "6"], "--eval-global-batch-size 6 is not divisible by "
+         "--eval-micro-batch-size x data-parallel size = 2 x 2"),
+        (["--eval-micro-batch-size", "0"], "--eval-micro-batch-size must be >= 1, got 0"),
+        (["--eval-micro-batch-size", "3", "--eval-global-batch-size", "12"],
+         "--eval-micro-batch-size 3 other than a multiple of --micro-batch-size 2 is not "
+         "supported yet"),
+    ]  # fmt: skip
+    for extra, message in refused:
+        assert error_of(extra, world_size=2) == message
