@@ -20,13 +20,13 @@ tensor-parallel ranks (`partial_over_tensor_ranks`).
 """
 
 import argparse
-import ast
 import copy
 import importlib
 
 import torch
 
 from megatron.training.errors import UserError
+from megatron.training.moe.flags import layer_pattern_parser
 
 GDN_VARIANT = "gated_delta_net"
 
@@ -40,27 +40,7 @@ GDN_FIELDS = {
 }
 
 
-def parse_linear_attention_freq(text):
-    """Megatron's parser for --linear-attention-freq: an int, or a Python list expression of
-    0/1 such as "([1]*3+[0]*1)*3" evaluated safely."""
-    from megatron.training.moe.flags import _evaluate_list_expression
-
-    if isinstance(text, int):
-        return text
-    text = str(text).strip()
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        value = _evaluate_list_expression(ast.parse(text, mode="eval").body)
-    except (SyntaxError, ValueError, TypeError):
-        value = None
-    if not isinstance(value, list) or not all(v in (0, 1) for v in value):
-        raise argparse.ArgumentTypeError(
-            f"invalid --linear-attention-freq {text!r}: an int or a list of 0/1 such as [1,1,0]"
-        )
-    return value
+parse_linear_attention_freq = layer_pattern_parser("--linear-attention-freq", "[1,1,0]")
 
 
 def add_gated_delta_net_args(parser: argparse.ArgumentParser) -> None:

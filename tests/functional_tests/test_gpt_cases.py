@@ -41,6 +41,17 @@ def drift_bound(stage: int, num_stages: int, accumulation: int) -> int:
     return math.ceil((num_stages - 1 - stage) / accumulation)
 
 
+def assert_paci_keeps_its_bound(summary, reference_losses) -> None:
+    """A PACI run: every stage within its drift bound and at least one asynchronous, its first
+    two losses those of the flush reference (no stale weights yet), its loss falling."""
+    n, a = summary["pipeline_stages"], summary["num_microbatches"]
+    for report in summary["stages"]:
+        assert report["max_drift"] <= drift_bound(report["stage"], n, a)
+    assert max(report["max_drift"] for report in summary["stages"]) >= 1
+    assert summary["loss"][:2] == pytest.approx(reference_losses[:2], rel=1e-5)
+    assert summary["loss"][-1] < summary["loss"][0]
+
+
 @pytest.mark.parametrize("name", run_cases.cases_with_golden_values())
 def test_golden_values(case_results, name):
     golden = run_cases.golden_losses(name)

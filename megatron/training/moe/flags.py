@@ -20,28 +20,34 @@ def moe_layer_pattern(freq, num_layers: int) -> list[bool]:
     return pattern
 
 
-def parse_moe_layer_freq(text):
-    """Megatron's parser for --moe-layer-freq: an int, or a Python list expression such as
-    "[1,0,1,0]" or "([1]*3+[0]*1)*2" evaluated safely."""
-    if isinstance(text, int):
-        return text
-    text = str(text).strip()
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        tree = ast.parse(text, mode="eval")
-        value = _evaluate_list_expression(tree.body)
-    except (SyntaxError, ValueError, TypeError):
-        value = None
-    if not isinstance(value, list) or not all(v in (0, 1) for v in value):
-        import argparse
+def layer_pattern_parser(flag: str, example: str):
+    """Megatron's parser of a per-layer pattern flag (--moe-layer-freq, --linear-attention-freq):
+    an int, or a Python list expression of 0/1 such as "([1]*3+[0]*1)*2", evaluated safely."""
 
-        raise argparse.ArgumentTypeError(
-            f"invalid --moe-layer-freq {text!r}: an int or a list of 0/1 such as [1,0,1,0]"
-        )
-    return value
+    def parse(text):
+        if isinstance(text, int):
+            return text
+        text = str(text).strip()
+        try:
+            return int(text)
+        except ValueError:
+            pass
+        try:
+            value = _evaluate_list_expression(ast.parse(text, mode="eval").body)
+        except (SyntaxError, ValueError, TypeError):
+            value = None
+        if not isinstance(value, list) or not all(v in (0, 1) for v in value):
+            import argparse
+
+            raise argparse.ArgumentTypeError(
+                f"invalid {flag} {text!r}: an int or a list of 0/1 such as {example}"
+            )
+        return value
+
+    return parse
+
+
+parse_moe_layer_freq = layer_pattern_parser("--moe-layer-freq", "[1,0,1,0]")
 
 
 def _evaluate_list_expression(node):

@@ -1,7 +1,6 @@
 """--defer-embedding-wgrad-compute: the output layer's deferred weight gradient, once drained,
 equals the one its backward computes at once (megatron-core's ColumnParallelLinear, one rank)."""
 
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -15,27 +14,6 @@ from megatron.pipeline.deferred_wgrad import (
 )
 
 HIDDEN, VOCAB, MICROBATCHES = 8, 12, 4
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if dist.is_initialized():  # left by an earlier in-process run
-        assert dist.get_world_size() == 1
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(1, 1)
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _output_layer(seed: int = 0):

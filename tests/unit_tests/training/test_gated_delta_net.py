@@ -3,8 +3,6 @@ their one-line refusals, the hybrid model megatron-core builds from them in the 
 (GDN where --linear-attention-freq puts it, the layer's initialization), the tensor-parallel
 slicing of its fused projections, and --apply-wd-to-qk-layernorm's weight decay groups."""
 
-import socket
-
 import pytest
 import torch
 from small_run_flags import configured, validated
@@ -17,27 +15,6 @@ GDN = [
     "--linear-key-head-dim", "8", "--linear-value-head-dim", "8",
     "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if dist.is_initialized():  # left by an earlier in-process run
-        assert dist.get_world_size() == 1
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(1, 1)
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def without(flags: list[str], name: str) -> list[str]:
