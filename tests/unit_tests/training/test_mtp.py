@@ -46,9 +46,9 @@ def test_the_block_wraps_the_decoders_last_layer():
      "--mtp-num-layers is not supported with --position-embedding-type learned_absolute"),
     (ROPE + ["--context-parallel-size", "2", "--attention-dropout", "0"], 2,
      "--mtp-num-layers with --context-parallel-size > 1 is not supported yet"),
-    (ROPE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+    (ROPE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v",
              "--num-layers", "4"], 2,
-     "--mtp-num-layers with --pipeline-schedule zbv is not supported yet"),
+     "--mtp-num-layers with --pipeline-schedule zb-v is not supported yet"),
     (ROPE + ["--enable-vocab-parallel", "--pipeline-model-parallel-size", "2"], 2,
      "--mtp-num-layers"),
 ])  # fmt: skip
