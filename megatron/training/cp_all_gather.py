@@ -11,7 +11,7 @@ the part of its own chunks.
 import torch
 import torch.distributed as dist
 
-from megatron.training.ring_attention import chunk_positions, expand_groups
+from megatron.training.ring_attention import chunk_positions, differentiable, expand_groups
 
 
 def _chunk_order(cp: int) -> list[int]:
@@ -47,15 +47,7 @@ def scatter_sequence_sum(y: torch.Tensor, group) -> torch.Tensor:
     return mine
 
 
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return scatter_sequence_sum(grad, ctx.group), None
+_gather_sequence = differentiable(gather_sequence, scatter_sequence_sum)
 
 
 def all_gather_attention(q, k, v, group, scale=None, dropout_p: float = 0.0) -> torch.Tensor:
@@ -63,7 +55,7 @@ def all_gather_attention(q, k, v, group, scale=None, dropout_p: float = 0.0) -> 
     values, gathered from `group`. q: [b, heads, s_local, d]; k, v: [b, groups, s_local, d]."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     heads, local = q.shape[1], q.shape[2]
-    k, v = (expand_groups(_GatherSequence.apply(t, group), heads) for t in (k, v))
+    k, v = (expand_groups(_gather_sequence(t, group), heads) for t in (k, v))
     q_pos = chunk_positions(rank, cp, local, q.device)
     k_pos = torch.arange(cp * local, device=q.device)
     allowed = k_pos[None, :] <= q_pos[:, None]

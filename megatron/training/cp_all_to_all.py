@@ -22,7 +22,12 @@ repeated for its query heads (more to send, the same result).
 import torch
 import torch.distributed as dist
 
-from megatron.training.ring_attention import causal_attention, expand_groups, ring_attention
+from megatron.training.ring_attention import (
+    causal_attention,
+    differentiable,
+    expand_groups,
+    ring_attention,
+)
 
 
 def _exchange(pieces: list[torch.Tensor], group) -> list[torch.Tensor]:
@@ -61,26 +66,8 @@ def sequence_to_heads(y: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(_exchange(pieces, group), dim=1)
 
 
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return heads_to_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return sequence_to_heads(grad, ctx.group), None
-
-
-class _SequenceToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return sequence_to_heads(y, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return heads_to_sequence(grad, ctx.group), None
+_heads_to_sequence = differentiable(heads_to_sequence, sequence_to_heads)
+_sequence_to_heads = differentiable(sequence_to_heads, heads_to_sequence)
 
 
 def all_to_all_attention(
@@ -94,9 +81,9 @@ def all_to_all_attention(
         raise ValueError(f"{heads} attention heads do not divide over the all-to-all of {size}")
     if k.shape[1] % size:  # grouped-query attention with fewer groups than ranks
         k, v = expand_groups(k, heads), expand_groups(v, heads)
-    q, k, v = (_HeadsToSequence.apply(t, inner_group) for t in (q, k, v))
+    q, k, v = (_heads_to_sequence(t, inner_group) for t in (q, k, v))
     if outer_group is None or dist.get_world_size(outer_group) == 1:
         context = causal_attention(q, k, v, scale, dropout_p)
     else:
         context = ring_attention(q, k, v, outer_group, scale, dropout_p)
-    return _SequenceToHeads.apply(context, inner_group)
+    return _sequence_to_heads(context, inner_group)

@@ -197,3 +197,20 @@ def ring_attention(
     if dropout_p:  # from the device's generator: recomputation restores it, the same seed
         seed = int(torch.randint(0, 2**62, (1,), device=q.device).item())
     return _RingAttention.apply(q, k, v, group, scale, dropout_p, seed)
+
+
+def differentiable(collective, adjoint):
+    """`collective(x, group)` as an autograd op whose gradient is `adjoint(grad, group)` (the
+    context-parallel exchanges and their transposes)."""
+
+    class _Collective(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return collective(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return adjoint(grad, ctx.group), None
+
+    return _Collective.apply
