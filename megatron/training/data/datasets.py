@@ -427,7 +427,7 @@ def build_data_iterators(
     vocab_limit: Optional[int] = None,
     per_split: Optional[List[Optional[List[str]]]] = None,
     sample_options: Optional[Dict] = None,
-    reading: Optional["Reading"] = None,
+    reading: Optional[Reading] = None,
 ):
     """Build (train, valid, test) ``MicrobatchIterator`` s over megatron-core GPT datasets.
 
@@ -496,7 +496,7 @@ def _check_iterator_arguments(
 
 
 def _split_iterators(datasets, sizes, split: str, consumed_train_samples: int, common: dict,
-                     reading: Optional["Reading"]):  # fmt: skip
+                     reading: Optional[Reading]):  # fmt: skip
     """(train, valid, test) iterators over the split datasets: None for a split not requested
     (0 samples) or left empty by ``--split`` (an error for the training split)."""
     reading = reading or Reading()
