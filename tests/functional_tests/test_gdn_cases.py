@@ -12,19 +12,14 @@ bound and the loss falls."""
 
 import pytest
 import run_cases
-from test_gpt_cases import assert_paci_keeps_its_bound
+from test_gpt_cases import assert_flush_equals, assert_paci_keeps_its_bound
 
 REFERENCE = "gpt_gdn_pp1_1f1b"
 
 
 @pytest.mark.parametrize("name", ["gpt_gdn_pp2_1f1b", "gpt_gdn_tp2_1f1b", "gpt_gdn_tp2pp2_1f1b_sp"])
 def test_flush_equals_one_process(case_results, name):
-    losses, expected = case_results[name]["loss"], case_results[REFERENCE]["loss"]
-    assert len(losses) == len(expected) == 4
-    assert run_cases.relative_difference(losses, expected) <= 1e-5
-    validation = [v["lm loss"] for v in case_results[name]["validation"]]
-    reference = [v["lm loss"] for v in case_results[REFERENCE]["validation"]]
-    assert validation and run_cases.relative_difference(validation, reference) <= 1e-5
+    assert_flush_equals(case_results[name], case_results[REFERENCE], iterations=4)
 
 
 def test_reference_learns(case_results):

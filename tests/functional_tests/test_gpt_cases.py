@@ -41,6 +41,17 @@ def drift_bound(stage: int, num_stages: int, accumulation: int) -> int:
     return math.ceil((num_stages - 1 - stage) / accumulation)
 
 
+def assert_flush_equals(summary, reference, iterations: int) -> None:
+    """A 1F1B-flush run against the one-process reference: losses and validation losses
+    within 1e-5 relative."""
+    losses, expected = summary["loss"], reference["loss"]
+    assert len(losses) == len(expected) == iterations
+    assert run_cases.relative_difference(losses, expected) <= 1e-5
+    validation = [v["lm loss"] for v in summary["validation"]]
+    expected_validation = [v["lm loss"] for v in reference["validation"]]
+    assert validation and run_cases.relative_difference(validation, expected_validation) <= 1e-5
+
+
 def assert_paci_keeps_its_bound(summary, reference_losses) -> None:
     """A PACI run: every stage within its drift bound and at least one asynchronous, its first
     two losses those of the flush reference (no stale weights yet), its loss falling."""

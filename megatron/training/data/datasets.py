@@ -200,16 +200,15 @@ def parse_split(split: str) -> List[float]:
     return [v / total for v in values]
 
 
-def check_batch_token_ids(batch: Dict, vocab_limit: int, dataset=None, first_sample: int = 0,
+def check_batch_token_ids(batch: Dict, vocab_limit: int, dataset=None,
                           samples: Optional[Sequence[int]] = None):  # fmt: skip
     """Stop on a token id outside ``[0, vocab_limit)`` before it reaches the embedding.
 
     The start-up check trusts the ``.stats.json`` beside each ``.bin``, so a ``.bin`` damaged
     after it was written would otherwise end in an IndexError inside the embedding (a device
     assert on GPU) on the first stage and a lost peer on every other. One min/max over the
-    CPU batch per microbatch (no device sync); only on failure are the batch's rows (samples
-    ``first_sample`` on, or the dataset indices ``samples``) traced back to their dataset and
-    document.
+    CPU batch per microbatch (no device sync); only on failure are the batch's rows (the
+    dataset indices ``samples``, default 0 on) traced back to their dataset and document.
     """
     import torch
 
@@ -217,7 +216,7 @@ def check_batch_token_ids(batch: Dict, vocab_limit: int, dataset=None, first_sam
         low, high = torch.aminmax(batch[key])
         if int(low) < 0 or int(high) >= vocab_limit:
             if samples is None:
-                samples = range(first_sample, first_sample + len(batch[key]))
+                samples = range(len(batch[key]))
             raise UserError(_describe_bad_batch(batch[key], vocab_limit, dataset, samples))
 
 

@@ -28,7 +28,7 @@ def test_check_passes_in_range_and_names_the_sample_without_a_dataset():
     check_batch_token_ids(_batch([[0, 5, LIMIT - 1], [3, 4, 5]]), LIMIT)
     with pytest.raises(UserError, match=rf"^sample 8 holds token id {LIMIT}, outside the padded "
                        rf"vocabulary of {LIMIT} tokens \(the file is damaged"):  # fmt: skip
-        check_batch_token_ids(_batch([[0, 1, 2], [3, LIMIT, 5]]), LIMIT, None, first_sample=7)
+        check_batch_token_ids(_batch([[0, 1, 2], [3, LIMIT, 5]]), LIMIT, None, samples=[7, 8])
     with pytest.raises(UserError, match="sample 0 holds token id -3,"):
         check_batch_token_ids(_batch([[0, -3, 2], [3, 4, 5]]), LIMIT)
 

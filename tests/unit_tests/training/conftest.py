@@ -37,6 +37,16 @@ class TinyGPT(torch.nn.Module):
         self.config = SimpleNamespace(num_attention_heads=HEADS, num_query_groups=HEADS)
 
 
+def backward_with(model, seed: int) -> None:
+    """Gradients equal to fixed random coefficients (through autograd, so hooks run)."""
+    generator = torch.Generator().manual_seed(seed)
+    loss = 0.0
+    for param in model.parameters():
+        coefficient = torch.randn(param.shape, generator=generator).to(param.dtype)
+        loss = loss + (param * coefficient).float().sum()
+    loss.backward()
+
+
 def optimizer_config(name: str, *, bf16: bool = False, fp16: bool = False, **overrides):
     """An OptimizerConfig for the tiny model (bf16/fp16: the model's dtype, as the flags)."""
     fields = dict(

@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TinyGPT, optimizer_config
+from conftest import TinyGPT, backward_with, optimizer_config
 
 from megatron.training.errors import UserError
 from megatron.training.optimizer.build import ExpertGroups, StageOptimizerStep, build_optimizer
@@ -27,15 +27,6 @@ def test_parameters_are_dealt_back_and_forth_by_size():
 class _NoSchedule:
     def step(self, increment: int) -> None:
         pass
-
-
-def _backward_with(model, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    loss = 0.0
-    for param in model.parameters():
-        coefficient = torch.randn(param.shape, generator=generator).to(param.dtype)
-        loss = loss + (param * coefficient).float().sum()
-    loss.backward()
 
 
 def _close(a, b, tolerance: float) -> bool:
@@ -80,7 +71,7 @@ def _compare(rank: int, dtype: torch.dtype, expert_group) -> None:
     steps = [_step(models[0], plain, groups), _step(models[1], layer_wise, groups)]
     for iteration in range(3):
         for model in models[:2]:
-            _backward_with(model, 10 * iteration + rank)
+            backward_with(model, 10 * iteration + rank)
         norms = [step().grad_norm for step in steps]
         assert abs(norms[0] - norms[1]) <= 1e-5 * norms[0]
     for a, b in zip(models[0].parameters(), models[1].parameters()):
@@ -96,7 +87,7 @@ def _compare(rank: int, dtype: torch.dtype, expert_group) -> None:
     assert _close(fresh.state_dict(), saved, 1e-6)
     steps[1] = _step(models[2], fresh, groups)
     for model in (models[0], models[2]):
-        _backward_with(model, 99 + rank)
+        backward_with(model, 99 + rank)
     assert abs(steps[0]().grad_norm - steps[1]().grad_norm) <= 1e-5 * steps[0].last.grad_norm
     for a, b in zip(models[0].parameters(), models[2].parameters()):
         assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)

@@ -7,7 +7,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TinyGPT, optimizer_config
+from conftest import TinyGPT, backward_with, optimizer_config
 
 from megatron.training.optimizer.build import StageOptimizerStep, build_optimizer
 from megatron.training.optimizer.distributed_optimizer import ShardedMainOptimizer
@@ -93,24 +93,14 @@ def _bf16_rounded_pair():
     return fp32, bf16
 
 
-def _backward_with(model, seed: int) -> None:
-    """Gradients equal to fixed random coefficients (through autograd, so hooks run)."""
-    generator = torch.Generator().manual_seed(seed)
-    loss = 0.0
-    for param in model.parameters():
-        coefficient = torch.randn(param.shape, generator=generator).to(param.dtype)
-        loss = loss + (param * coefficient).float().sum()
-    loss.backward()
-
-
 def test_bf16_steps_fp32_main_weights_like_an_fp32_model():
     fp32, bf16 = _bf16_rounded_pair()
     reference = build_optimizer(fp32, optimizer_config("adam", weight_decay=0.1))
     mixed = build_optimizer(bf16, optimizer_config("adam", weight_decay=0.1, bf16=True))
     assert isinstance(mixed, ReplicatedMainOptimizer)
     for step in range(3):
-        _backward_with(fp32, step)
-        _backward_with(bf16, step)
+        backward_with(fp32, step)
+        backward_with(bf16, step)
         for param in fp32.parameters():
             param.grad = param.grad.to(torch.bfloat16).float()  # what the bf16 model sees
         reference.step()
@@ -161,7 +151,7 @@ def test_replicated_main_optimizer_checkpoint_restores_the_fp32_main_weights():
     _, bf16 = _bf16_rounded_pair()
     mixed = build_optimizer(bf16, optimizer_config("adam", bf16=True))
     for step in range(2):
-        _backward_with(bf16, step)
+        backward_with(bf16, step)
         mixed.step()
         mixed.zero_grad()
     saved = mixed.state_dict()
@@ -185,7 +175,7 @@ def _compare_sharded_with_unsharded(rank: int, name: str, dtype: torch.dtype, ex
              ((plain_model, plain), (sharded_model, sharded))]  # fmt: skip
     for iteration in range(3):
         for model in (plain_model, sharded_model):
-            _backward_with(model, 10 * iteration + rank)  # different data on each rank
+            backward_with(model, 10 * iteration + rank)  # different data on each rank
         reports = [step() for step in steps]
         assert abs(reports[0].grad_norm - reports[1].grad_norm) <= 1e-6 * reports[0].grad_norm
     for a, b in zip(plain_model.parameters(), sharded_model.parameters()):
@@ -218,7 +208,7 @@ def _compare_average_in_collective(rank: int, dtype: torch.dtype, sharded: bool)
         steps.append(step)
     for iteration in range(2):
         for model in models:
-            _backward_with(model, 10 * iteration + rank)
+            backward_with(model, 10 * iteration + rank)
         norms = [step().grad_norm for step in steps]
         assert abs(norms[0] - norms[1]) <= 1e-6 * norms[0]
     for a, b in zip(*(model.parameters() for model in models)):
@@ -283,14 +273,14 @@ def test_overflow_skips_the_step_halves_the_scale_and_is_not_divergence():
     step = _stage_step(model, optimizer, None)
     before = [p.detach().clone() for p in model.parameters()]
     for expected_scale, expected_in_a_row in ((2.0, 0), (2.0, 1)):
-        _backward_with(model, 0)
+        backward_with(model, 0)
         model.output_layer.weight.main_grad[0, 0] = float("inf")
         report = step()
         assert report.skipped and step.loss_scale == expected_scale
         assert step.consecutive_skips == expected_in_a_row  # at the minimum scale it counts
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert step.skipped_steps == 2 and float(optimizer.buffer.flat.abs().sum()) == 0.0
-    _backward_with(model, 1)
+    backward_with(model, 1)
     assert not step().skipped and step.consecutive_skips == 0
 
 
