@@ -10,6 +10,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class SavedTensorMeter:
@@ -20,7 +21,7 @@ class SavedTensorMeter:
     (`CheckpointWithoutOutput`), which must not be counted as held."""
 
     def __init__(self, parameters):
-        self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self._parameter_storages = {_local(p).untyped_storage().data_ptr() for p in parameters}
 
     @contextlib.contextmanager
     def measure(self, redirection=None):
@@ -34,6 +35,8 @@ class SavedTensorMeter:
         def pack(tensor: torch.Tensor):
             if redirection is not None and (saved := redirection.pack(tensor)) is not None:
                 return saved
+            if isinstance(tensor, torch.nn.Parameter):  # a weight: FSDP's gathered copy too
+                return tensor
             storage = tensor.untyped_storage()
             pointer = storage.data_ptr()
             if pointer not in self._parameter_storages:
@@ -47,6 +50,11 @@ class SavedTensorMeter:
         finally:
             total[0] = sum(storage.nbytes() for storage in storages.values())
             storages.clear()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A fully sharded parameter's own rows (fsdp.py), else the parameter."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 @dataclass

@@ -38,6 +38,7 @@ from megatron.training.gated_delta_net import (
 )
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
 from megatron.training.mla import add_mla_args, add_yarn_args, validate_mla_and_yarn_args
+from megatron.training.fsdp_flags import add_fsdp_args, validate_fsdp_args
 from megatron.training.moe import add_moe_args, add_moe_unsupported_args, validate_moe_args
 from megatron.training.mtp import add_mtp_args, validate_mtp_args
 from megatron.training.mup import add_mup_args, validate_mup_args
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_group(parser)
     _add_optimizer_suite_args(parser)
     _add_precision_args(parser)
+    add_fsdp_args(parser)
     add_data_source_args(parser)
     add_wandb_args(parser)
     add_recompute_args(parser)
@@ -486,6 +488,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
             raise UserError("emulated stages have no megatron-core model: checkpoint them with "
                             "--ckpt-format torch")  # fmt: skip
     validate_sample_options(args)
+    validate_fsdp_args(args)  # before the optimizer's: Megatron-FSDP turns the distributed one on
     _validate_optimizer_suite_args(args)
     _validate_weight_stashing(args)
     _validate_precision_args(args)

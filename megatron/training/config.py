@@ -199,6 +199,9 @@ class ParallelConfig(_Section):
     disable_gloo_process_groups: bool = False
     use_distributed_optimizer: bool = False
     num_distributed_optimizer_instances: int = 1
+    # --use-torch-fsdp2 / --use-megatron-fsdp (fsdp_flags.py): "torch_fsdp2", "megatron_fsdp"
+    fully_sharded: str | None = None
+    reshard_after_forward: bool = True  # the gathered weights freed after each forward
     ddp_average_in_collective: bool = False
     deterministic_mode: bool = False
     cpu_mmap_threshold_kib: int = 128

@@ -103,16 +103,8 @@ NOT_SUPPORTED = [
     Flag("--fp8-recipe", str),
     Flag("--fp8-amax-history-len", int),
     Flag("--fp8-amax-compute-algo", str),
-    # distributed optimizer, overlap, FSDP
-    *_switches(
-        "--use-torch-fsdp2",
-        "--use-megatron-fsdp",
-        "--tp-comm-overlap",
-    ),
-    Flag("--data-parallel-sharding-strategy", str),
-    Flag("--megatron-fsdp-main-params-dtype", str),
-    Flag("--megatron-fsdp-main-grads-dtype", str),
-    Flag("--megatron-fsdp-grad-comm-dtype", str),
+    # overlap
+    *_switches("--tp-comm-overlap"),
     Flag("--tp-comm-overlap-cfg", str),
     # other attention variants (MoE: moe/flags.py)
     Flag("--dsa-indexer-n-heads", int),
@@ -231,7 +223,7 @@ NOT_YET_BY_GROUP = {
         "--gtp-remat-reduce-scatter-with-fp32-accumulation "
         "--ddp-param-name-patterns-for-fp32-local-accumulation=* "
         "--use-nccl-ub --disable-symmetric-registration --gtp-remat-nccl-ub "
-        "--create-all-gather-group --outer-dp-sharding-strategy= --no-gradient-reduce-div-fusion "
+        "--create-all-gather-group --no-gradient-reduce-div-fusion "
         "--suggested-communication-unit-size= --keep-fp8-transpose-cache "
         "--enable-full-sharding-in-hsdp --fake-process-group "
     ),

@@ -40,7 +40,7 @@ from megatron.pipeline.parallel import (
 )
 from megatron.pipeline.runtime import RankRuntime, plain_links
 from megatron.pipeline.transport import DistributedTransport
-from megatron.training import divergence, faults, launch, mup, run_control
+from megatron.training import divergence, faults, fsdp, launch, mup, run_control
 from megatron.training.batch_schedule import (
     BatchSchedule,
     accumulation_phase_ends,
@@ -377,6 +377,20 @@ def build_chunk(config, transformer: TransformerConfig, layout, device: torch.de
     return model.to(config.model.dtype)
 
 
+def shard_stage_model(config, model: torch.nn.Module) -> None:
+    """--use-torch-fsdp2 / --use-megatron-fsdp: the stage's weights sharded over its data x
+    context parallel ranks (fsdp.py), the routed experts' over their expert-data-parallel
+    ranks."""
+    experts = None if config.moe is None else parallel_state.get_expert_data_parallel_group()
+    fsdp.shard_model(
+        model,
+        group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        expert_group=experts,
+        compute_dtype=config.model.dtype,
+        reshard_after_forward=config.parallel.reshard_after_forward,
+    )
+
+
 # ---------------------------------------------------------------------------- state
 @dataclass
 class TrainingState:
@@ -571,6 +585,8 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
     _note_inflight_window(config)
     tokenizer, config = _build_checked_tokenizer(config)
     model = build_stage_model(config, device)
+    if config.parallel.fully_sharded:
+        shard_stage_model(config, model)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     optimizer = build_optimizer(
         model, for_stage(config.optimizer, config.pipeline, config.training, stage),

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron.pipeline.schedules import SCHEDULES
-from megatron.training import faults
+from megatron.training import faults, fsdp
 from megatron.training.checkpointing import integrity, torch_dist
 from megatron.training.config import CheckpointConfig
 from megatron.training.errors import UserError
@@ -138,10 +138,11 @@ def save(root: str, state, model, optimizer, scheduler, config=None) -> None:
     _stop_here_if_injected(state.iteration)
     checkpoint = _checkpoint_config(config)
     try:
-        if checkpoint.ckpt_format == torch_dist.FORMAT:
-            _save_dist(root, state, model, optimizer, scheduler, config)
-        else:
-            _save_torch(root, state, model, optimizer, scheduler, config)
+        with fsdp.unsharded_for_checkpoint(model, optimizer):  # FSDP: whole parameters
+            if checkpoint.ckpt_format == torch_dist.FORMAT:
+                _save_dist(root, state, model, optimizer, scheduler, config)
+            else:
+                _save_torch(root, state, model, optimizer, scheduler, config)
         dist.barrier()  # every rank's part is complete before the tracker names the iteration
     except (RuntimeError, torch_dist.CheckpointException) as error:
         if not faults.timed_out(error):
@@ -639,8 +640,9 @@ def load(root: str, *, model, optimizer, scheduler, config=None) -> tuple[int, i
                 f"--load {root} is at iteration {payload['iteration']}, at or past "
                 f"--train-iters {train_iters}: nothing to train (raise --train-iters)"
             )
-    restore(payload, model=model, optimizer=optimizer, scheduler=scheduler, path=root,
-            config=config)  # fmt: skip
+    with fsdp.unsharded_for_checkpoint(model, optimizer, load=True):
+        restore(payload, model=model, optimizer=optimizer, scheduler=scheduler, path=root,
+                config=config)  # fmt: skip
     if dist.get_rank() == 0:
         writer = payload.get("run_id")
         by = f" (saved by run {writer})" if writer else ""

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron.training.fsdp import is_fully_sharded
 from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
 from megatron.training.optimizer.main_params import (
     ModelGradients,
@@ -76,6 +77,8 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, *, expert_g
 
     if config.apply_wd_to_qk_layernorm:
         decay_qk_layernorms(model)
+    if is_fully_sharded(model):
+        return build_fully_sharded_optimizer(model, config)
     if config.use_distributed_optimizer and config.optimizer in LAYER_WISE_OPTIMIZERS:
         return build_layer_wise_optimizer(model, config, expert_group)
     if config.needs_main_params and config.use_distributed_optimizer and expert_group is not None:
@@ -95,6 +98,18 @@ def build_layer_wise_optimizer(model: torch.nn.Module, config: OptimizerConfig, 
 
     dense_group, _ = _optimizer_shard_groups(config)
     wrapper = LayerWiseMainOptimizer(model, dense_group, expert_group)
+    inner = build_suite_optimizer(wrapper.main_view(getattr(model, "config", None)), config)
+    wrapper.attach(inner, build_loss_scaler(config))
+    return wrapper
+
+
+def build_fully_sharded_optimizer(model: torch.nn.Module, config: OptimizerConfig):
+    """A model sharded by fsdp.py: the suite's optimizer over each rank's rows."""
+    from megatron.training.optimizer.fsdp_optimizer import FullyShardedOptimizer
+    from megatron.training.optimizer.loss_scaling import build_loss_scaler
+    from megatron.training.optimizer.suite import build_suite_optimizer
+
+    wrapper = FullyShardedOptimizer(model)
     inner = build_suite_optimizer(wrapper.main_view(getattr(model, "config", None)), config)
     wrapper.attach(inner, build_loss_scaler(config))
     return wrapper
