@@ -31,6 +31,8 @@ from torch.distributed import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+_FSDP_PACKAGE = "torch.distributed.fsdp"
+
 def is_fully_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
@@ -155,6 +157,7 @@ def full_parameters(model: torch.nn.Module, dtype: torch.dtype, *, load: bool = 
     an unsharded run does; yields {id(sharded parameter): whole parameter}. With `load`, each rank's rows take the whole parameters' values on
     the way out. A parameter shared by two modules stays one parameter."""
     slots, whole = _sharded_slots(model), {}
+    fsdp_hooks = _without_fsdp_load_hooks(model)
     for module, name, param in slots:
         if id(param) not in whole:
             with torch.no_grad():
@@ -168,10 +171,26 @@ def full_parameters(model: torch.nn.Module, dtype: torch.dtype, *, load: bool = 
     finally:
         for module, name, param in slots:
             module._parameters[name] = param
+        for module, hooks in fsdp_hooks:
+            module._load_state_dict_post_hooks.update(hooks)
         if load:
             with torch.no_grad():
                 for param in {id(p): p for _, _, p in slots}.values():
                     param.to_local().copy_(rows_of(param, whole[id(param)].detach().float()))
+
+
+def _without_fsdp_load_hooks(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict]]:
+    """Takes fully_shard's load_state_dict post-hooks off the modules and returns them: they
+    re-read each sharded parameter from its module, which holds the whole one meanwhile."""
+    taken = []
+    for module in model.modules():
+        hooks = module._load_state_dict_post_hooks
+        ours = {k: h for k, h in hooks.items() if h.__module__.startswith(_FSDP_PACKAGE)}
+        for key in ours:
+            del hooks[key]
+        if ours:
+            taken.append((module, ours))
+    return taken
 
 
 def sharded_bytes(model: torch.nn.Module) -> int:

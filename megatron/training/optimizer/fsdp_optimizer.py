@@ -125,11 +125,12 @@ class FullyShardedOptimizer:
         """Collective over the sharding groups: every entry whole, the unsharded numbering."""
         state = self.inner.state_dict()
         numbered = self._numbered()
-        for number, entries in state["state"].items():
-            param = numbered[number]
-            for key, value in entries.items():
-                if _is_rows(value, param):
-                    entries[key] = fsdp.full_of(param, value)
+        state["state"] = {  # new dicts: the inner state_dict's are the live state
+            number: {key: fsdp.full_of(numbered[number], value)
+                     if _is_rows(value, numbered[number]) else value
+                     for key, value in entries.items()}
+            for number, entries in state["state"].items()
+        }  # fmt: skip
         if self.dtype != torch.float32:
             state["main_params"] = {i: fsdp.full_of(p, r.detach())
                                     for i, (p, r) in enumerate(zip(self.sharded, self.rows))}  # fmt: skip
