@@ -373,7 +373,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         "--ckpt-format",
         default="torch_dist",
         help="torch_dist (Megatron's default: megatron-core's distributed checkpoint, loads into "
-        "any TP x PP x DP layout) or torch (one file per model-parallel rank, same layout only)",
+        "any TP x PP x DP layout), torch (one file per model-parallel rank, same layout only) "
+        "or fsdp_dtensor (a fully sharded model's rows as the ranks hold them, any DP size)",
     )
     add(
         "--auto-detect-ckpt-format",
@@ -473,8 +474,9 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         raise UserError("--emulated-weight-grad-ms is part of --emulated-backward-ms: give both")
     if args.calculate_per_token_loss and args.emulated_forward_ms is not None:
         raise UserError("--calculate-per-token-loss needs the model's loss, not emulated compute")
-    if args.verify_integrity and args.ckpt_format != "torch_dist":
-        raise UserError("--verify-integrity is only supported with --ckpt-format torch_dist")
+    if args.verify_integrity and args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
+        raise UserError("--verify-integrity is only supported with --ckpt-format torch_dist "
+                        "or fsdp_dtensor")  # fmt: skip
     if args.save_interval is not None and args.save is None:
         raise UserError("--save-interval needs --save DIR")
     retain = args.save_retain_interval

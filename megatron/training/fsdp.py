@@ -133,11 +133,13 @@ def _sharded_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, D
 
 
 @contextmanager
-def unsharded_for_checkpoint(model: torch.nn.Module, optimizer, *, load: bool = False):
+def unsharded_for_checkpoint(model: torch.nn.Module, optimizer, *, load: bool = False,
+                             skip: bool = False):  # fmt: skip
     """A checkpoint's save or load of a fully sharded model sees whole parameters in the
     model's dtype (`full_parameters`) and the optimizer names them; after a load the rows take
-    the model's values, then the optimizer's fp32 main weights where it has them."""
-    if not is_fully_sharded(model):
+    the model's values, then the optimizer's fp32 main weights where it has them. `skip`: a
+    checkpoint of the rows themselves (fsdp_dtensor)."""
+    if skip or not is_fully_sharded(model):
         yield
         return
     with full_parameters(model, model.fsdp_compute_dtype, load=load) as whole:

@@ -60,6 +60,10 @@ def validate_fsdp_args(args: argparse.Namespace) -> None:
         _validate_megatron_fsdp(args)
     if args.fully_sharded is not None:
         _refuse_what_is_not_supported_yet(args)
+    elif args.ckpt_format == "fsdp_dtensor":
+        raise UserError("--ckpt-format fsdp_dtensor needs a fully sharded model: "
+                        "--use-megatron-fsdp (with --data-parallel-sharding-strategy "
+                        "optim_grads_params or optim_grads) or --use-torch-fsdp2")  # fmt: skip
 
 
 def _validate_megatron_fsdp(args: argparse.Namespace) -> None:

@@ -376,10 +376,10 @@ def not_supported_message(flag: str) -> str:
     return f"{flag} is not supported yet" + (f" (GPU-only: {why})" if why else "")
 
 
-# Value flags whose other values are other features (`--ckpt-format torch_dcp` and
-# `fsdp_dtensor`: other checkpoint formats). These are parsed in arguments.py.
+# Value flags whose other values are other features (`--ckpt-format torch_dcp`: another
+# checkpoint format). These are parsed in arguments.py.
 VALUE_NOT_SUPPORTED = {
-    "--ckpt-format": ("torch_dist", "torch"),
+    "--ckpt-format": ("torch_dist", "torch", "fsdp_dtensor"),
     "--experimental-attention-variant": (None, "gated_delta_net"),  # dsa: gated_delta_net.py
 }
 

@@ -32,7 +32,7 @@ from megatron.core import parallel_state
 
 from megatron.pipeline.schedules import SCHEDULES
 from megatron.training import faults, fsdp
-from megatron.training.checkpointing import integrity, torch_dist
+from megatron.training.checkpointing import fsdp_dtensor, integrity, torch_dist
 from megatron.training.config import CheckpointConfig
 from megatron.training.errors import UserError
 
@@ -138,11 +138,14 @@ def save(root: str, state, model, optimizer, scheduler, config=None) -> None:
     _stop_here_if_injected(state.iteration)
     checkpoint = _checkpoint_config(config)
     try:
-        with fsdp.unsharded_for_checkpoint(model, optimizer):  # FSDP: whole parameters
-            if checkpoint.ckpt_format == torch_dist.FORMAT:
-                _save_dist(root, state, model, optimizer, scheduler, config)
-            else:
-                _save_torch(root, state, model, optimizer, scheduler, config)
+        if checkpoint.ckpt_format == fsdp_dtensor.FORMAT:  # each rank's rows, as they are
+            _save_dist(root, state, model, optimizer, scheduler, config, writer=fsdp_dtensor)
+        else:
+            with fsdp.unsharded_for_checkpoint(model, optimizer):  # FSDP: whole parameters
+                if checkpoint.ckpt_format == torch_dist.FORMAT:
+                    _save_dist(root, state, model, optimizer, scheduler, config)
+                else:
+                    _save_torch(root, state, model, optimizer, scheduler, config)
         dist.barrier()  # every rank's part is complete before the tracker names the iteration
     except (RuntimeError, torch_dist.CheckpointException) as error:
         if not faults.timed_out(error):
@@ -197,9 +200,10 @@ def _save_torch(root: str, state, model, optimizer, scheduler, config) -> None:
         _write_rank_file(root, path, payload)
 
 
-def _save_dist(root: str, state, model, optimizer, scheduler, config) -> None:
-    """The LR schedule goes with the common state (the first stage's, as in Megatron; stages'
-    schedules differ only after one of them skipped a step)."""
+def _save_dist(root: str, state, model, optimizer, scheduler, config, writer=torch_dist) -> None:
+    """torch_dist (or `writer`'s format, fsdp_dtensor). The LR schedule goes with the common
+    state (the first stage's, as in Megatron; stages' schedules differ only after one of them
+    skipped a step)."""
     checkpoint = config.checkpoint
     directory = os.path.join(root, f"iter_{state.iteration:07d}")
     common = {
@@ -211,7 +215,7 @@ def _save_dist(root: str, state, model, optimizer, scheduler, config) -> None:
     if not checkpoint.no_save_optim:
         common["opt_param_scheduler"] = scheduler.state_dict()
     try:
-        torch_dist.save_checkpoint(
+        writer.save_checkpoint(
             directory, common, model=model, optimizer=optimizer, checkpoint=checkpoint
         )
     except (OSError, RuntimeError, torch_dist.CheckpointException) as error:
@@ -335,6 +339,8 @@ def format_on_disk(directory: str) -> str | None:
     if not os.path.isdir(directory):
         return None
     names = os.listdir(directory)
+    if fsdp_dtensor.is_fsdp_dtensor_checkpoint(directory):
+        return fsdp_dtensor.FORMAT
     if torch_dist.is_dist_checkpoint(directory) or any(
         name == "common.pt" or name.endswith(".distcp") for name in names
     ):
@@ -357,12 +363,14 @@ def _checked_format(root: str, iteration: int, wanted: str | None) -> str:
 def _read_iteration(root: str, iteration: int, wanted: str | None) -> tuple[dict | None, str]:
     """(payload, None) or (None, the problem). A torch_dist payload is the common state (the
     tensors are read by `restore`), with "format" and "directory" added."""
-    if _checked_format(root, iteration, wanted) == "torch":
+    on_disk = _checked_format(root, iteration, wanted)
+    if on_disk == "torch":
         return _read_rank_file(_rank_file(root, iteration))
     directory = os.path.join(root, f"iter_{iteration:07d}")
-    common, problem = torch_dist.read_common(directory)
+    reader = fsdp_dtensor if on_disk == fsdp_dtensor.FORMAT else torch_dist
+    common, problem = reader.read_common(directory)
     if common is not None:
-        common.update(format=torch_dist.FORMAT, directory=directory)
+        common.update(format=reader.FORMAT, directory=directory)
     return common, problem
 
 
@@ -582,7 +590,10 @@ def restore(payload: dict, *, model, optimizer, scheduler, path: str, config=Non
                                ("rng_state", load_rng, "--no-load-rng")):  # fmt: skip
         if wanted and part not in saved:
             raise UserError(f"--load {path}: the checkpoint has no {part} state: add {flag}")
-    if payload.get("format") == torch_dist.FORMAT:
+    if payload.get("format") == fsdp_dtensor.FORMAT:
+        fsdp_dtensor.restore_checkpoint(payload, model=model, optimizer=optimizer,
+                                        load_optim=load_optim, load_rng=load_rng)  # fmt: skip
+    elif payload.get("format") == torch_dist.FORMAT:
         torch_dist.restore_checkpoint(
             payload, model=model, optimizer=optimizer, load_optim=load_optim, load_rng=load_rng,
             strict=checkpoint.dist_ckpt_strictness,
@@ -640,7 +651,8 @@ def load(root: str, *, model, optimizer, scheduler, config=None) -> tuple[int, i
                 f"--load {root} is at iteration {payload['iteration']}, at or past "
                 f"--train-iters {train_iters}: nothing to train (raise --train-iters)"
             )
-    with fsdp.unsharded_for_checkpoint(model, optimizer, load=True):
+    sharded_as_saved = payload.get("format") == fsdp_dtensor.FORMAT  # else whole parameters
+    with fsdp.unsharded_for_checkpoint(model, optimizer, load=True, skip=sharded_as_saved):
         restore(payload, model=model, optimizer=optimizer, scheduler=scheduler, path=root,
                 config=config)  # fmt: skip
     if dist.get_rank() == 0:
