@@ -102,6 +102,29 @@ def sharding_groups(model: torch.nn.Module) -> tuple:
     return dense, None if same else experts
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a sharded parameter (or gradient), else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def summed_over_shards(values: list[float], params) -> tuple[float, float]:
+    """(dense, routed experts) sums of per-rank figures of each rank's rows, over the dense
+    and the experts' sharding groups; the figures as they are when nothing is sharded."""
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if not sharded:
+        return float(values[0]), float(values[1])
+    groups = {}
+    for param in sharded:
+        groups.setdefault(getattr(param, "moe_expert", False), param.device_mesh.get_group())
+    totals = []
+    for index, value in enumerate(values):
+        total = torch.tensor([float(value)], dtype=torch.float64, device=sharded[0].device)
+        group = groups.get(bool(index), groups.get(False))
+        dist.all_reduce(total, group=group)
+        totals.append(float(total))
+    return totals[0], totals[1]
+
+
 # ---------------------------------------------------------------------------- rows
 def row_range(param: DTensor) -> tuple[int, int]:
     """[start, end) of this rank's rows of `param` (dimension 0, torch.chunk's split)."""

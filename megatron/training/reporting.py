@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.pipeline.audit import audit_requested
 from megatron.pipeline.deferred_wgrad import deferral_report
 from megatron.pipeline.trace import write_chrome_trace
+from megatron.training import fsdp
 from megatron.training.checkpointing.save_load import atomic_write_text
 from megatron.training.errors import UserError
 
@@ -193,8 +194,8 @@ def _stage_report(config, runtime, step_func, optimizer) -> dict:
     params = [p for p in runtime.model.parameters()]
     report = runtime.stats.to_dict()
     report.update(
-        param_bytes=sum(p.numel() * p.element_size() for p in params),
-        grad_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        param_bytes=_param_bytes(params),  # this rank's rows of a fully sharded model
+        grad_bytes=_param_bytes([p for p in params if p.requires_grad]),
         optimizer_state_bytes=_optimizer_state_bytes(optimizer),
         main_param_bytes=step_func.gradients.main_param_bytes,  # fp32 main weights, this rank
         loss_scale=step_func.loss_scale,
@@ -235,6 +236,10 @@ def _digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _param_bytes(params) -> int:
+    return sum(fsdp.local(p).numel() * fsdp.local(p).element_size() for p in params)
+
+
 def _optimizer_state_bytes(optimizer) -> int:
     total = 0
     for state in optimizer.state.values():
@@ -249,6 +254,7 @@ def write_summary(config, state, runtime, step_func, optimizer, wall_start) -> N
     mine = {
         "rank": dist.get_rank(),
         "optimizer_state_bytes": _optimizer_state_bytes(optimizer),
+        "param_bytes": _param_bytes(list(runtime.model.parameters())),
         "stage": parallel_state.get_pipeline_model_parallel_rank(),
         "leader": is_stage_leader(),
         "report": _stage_report(config, runtime, step_func, optimizer),
@@ -291,6 +297,7 @@ def write_summary(config, state, runtime, step_func, optimizer, wall_start) -> N
         "weight_hash_checks_by_stage": [g["weight_hash_checks"] for g in stages],
         # every rank's (the stage figures above are its first TP/DP rank's)
         "optimizer_state_bytes_by_rank": [g["optimizer_state_bytes"] for g in gathered],
+        "param_bytes_by_rank": [g["param_bytes"] for g in gathered],
     }
     if audit_requested():
         summary["cross_stage_collectives"] = sum(g["cross_stage_collectives"] for g in gathered)

@@ -908,21 +908,24 @@ def _counted_once(params, *, experts: bool = False):
 
 
 def _zeros_in_grad(step_func) -> tuple[float, float]:
-    """(dense, routed experts) zeros in the gradient."""
+    """(dense, routed experts) zeros in the gradient (of each rank's rows, summed over the
+    sharding groups, when the model is fully sharded)."""
     zeros = [0, 0]
     for index, experts in enumerate((False, True)):
         for param in _counted_once(step_func.params, experts=experts):
-            nonzero = int(torch.count_nonzero(step_func.gradient_of(param)))
-            zeros[index] += param.numel() - nonzero
-    return float(zeros[0]), float(zeros[1])
+            gradient = step_func.gradient_of(param)
+            zeros[index] += gradient.numel() - int(torch.count_nonzero(gradient))
+    return fsdp.summed_over_shards(zeros, step_func.params)
 
 
 def _squared_norm(params) -> tuple[float, float]:
     """(dense, routed experts) squared parameter norm."""
-    return tuple(
-        sum(float(p.detach().float().pow(2).sum()) for p in _counted_once(params, experts=e))
+    squares = [
+        sum(float(fsdp.local(p).detach().float().pow(2).sum())
+            for p in _counted_once(params, experts=e))
         for e in (False, True)
-    )
+    ]  # fmt: skip
+    return fsdp.summed_over_shards(squares, params)
 
 
 def megatron_log_fields(config, step_func: MegatronStep) -> dict:
