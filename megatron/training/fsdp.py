@@ -22,16 +22,18 @@ Checkpoints stay those of an unsharded run (`full_parameters`): a save gathers e
 for the write and a load scatters the rows back, so a run may resume with or without FSDP.
 """
 
+import itertools
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.distributed import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 _FSDP_PACKAGE = "torch.distributed.fsdp"
+_MESHES = itertools.count()
 
 def is_fully_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
@@ -47,6 +49,13 @@ def _restore_marks(model: torch.nn.Module, marks: dict[str, dict]) -> None:
     for name, param in model.named_parameters():
         for key, value in marks.get(name, {}).items():
             setattr(param, key, value)
+
+
+def _mesh(group, device: torch.device) -> DeviceMesh:
+    """A one-dimensional mesh over `group`, named anew for each run of a process: meshes over
+    the same ranks compare equal, and DTensor's caches would hand a later run (the functional
+    tests run several per process) a mesh of destroyed groups."""
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=(f"shard{next(_MESHES)}",))
 
 
 def _routed_experts(layer: torch.nn.Module) -> torch.nn.Module | None:
@@ -71,8 +80,8 @@ def shard_model(model: torch.nn.Module, *, group, expert_group=None,
         reduce_dtype=torch.float32,
         cast_forward_inputs=False,  # RoPE and masks keep their dtypes, as without FSDP
     )
-    mesh = DeviceMesh.from_group(group, device.type)
-    expert_mesh = None if expert_group is None else DeviceMesh.from_group(expert_group, device.type)
+    mesh = _mesh(group, device)
+    expert_mesh = None if expert_group is None else _mesh(expert_group, device)
     chunks = list(model.chunks) if hasattr(model, "chunks") else [model]
     for chunk in chunks:
         for layer in [m for m in chunk.modules() if isinstance(m, TransformerLayer)]:
@@ -86,6 +95,14 @@ def shard_model(model: torch.nn.Module, *, group, expert_group=None,
     _restore_marks(model, marks)
     model.fsdp_compute_dtype = compute_dtype  # what the optimizer's checkpoints write
     return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Frees the gathered weights that forward-only passes leave (the root unit's, and every
+    unit's without reshard-after-forward): only a backward frees them otherwise."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def sharding_groups(model: torch.nn.Module) -> tuple:

@@ -1359,6 +1359,7 @@ def evaluate(config, forward_step_func, model, valid_iter, state, writer) -> Non
         )
         if holds_the_loss(config.pipeline.plan):
             losses.append(_average_loss(loss_dicts))
+    fsdp.reshard(model)  # FSDP: no backward frees what the forwards gathered
     model.train()
     if holds_the_loss(config.pipeline.plan):
         loss = sum(losses) / len(losses)
