@@ -32,13 +32,13 @@ from megatron.training.config import check_vocabulary_split, pipeline_plan
 from megatron.training.context_parallel_attention import CP_COMM_TYPES
 from megatron.training.data.sources import add_data_source_args, validate_sample_options
 from megatron.training.errors import UserError
+from megatron.training.fsdp_flags import add_fsdp_args, validate_fsdp_args
 from megatron.training.gated_delta_net import (
     add_gated_delta_net_args,
     validate_gated_delta_net_args,
 )
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
 from megatron.training.mla import add_mla_args, add_yarn_args, validate_mla_and_yarn_args
-from megatron.training.fsdp_flags import add_fsdp_args, validate_fsdp_args
 from megatron.training.moe import add_moe_args, add_moe_unsupported_args, validate_moe_args
 from megatron.training.mtp import add_mtp_args, validate_mtp_args
 from megatron.training.mup import add_mup_args, validate_mup_args

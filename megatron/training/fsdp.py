@@ -15,11 +15,14 @@ forward too unless reshard-after-forward is off (`--torch-fsdp2-no-reshard-after
 Megatron-FSDP's `optim_grads`), then the gathered weights stay from the forward to the backward.
 The backward reduce-scatters each unit's gradient in fp32 onto the rank's rows, averaged over
 the unit's group (the step turns the experts' mean over the expert-data-parallel group into
-their sum over it divided by the data-parallel size, as Megatron's DDP). Every backward reduces, so the schedule
-may step a stage after any backward (PACI steps after its a-th) with the gradients complete.
+their sum over it divided by the data-parallel size, as Megatron's DDP). Every backward
+reduces, so the schedule may step a stage after any backward (PACI steps after its a-th) with
+the gradients complete.
 
-Checkpoints stay those of an unsharded run (`full_parameters`): a save gathers each parameter
-for the write and a load scatters the rows back, so a run may resume with or without FSDP.
+torch_dist and torch checkpoints stay those of an unsharded run (`unsharded_for_checkpoint`):
+a save gathers each parameter for the write and a load writes the rows back, so a run may
+resume with or without FSDP; fsdp_dtensor writes the rows as they are
+(checkpointing/fsdp_dtensor.py).
 """
 
 import itertools
@@ -34,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 _FSDP_PACKAGE = "torch.distributed.fsdp"
 _MESHES = itertools.count()
+
 
 def is_fully_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
@@ -168,8 +172,12 @@ def rows_of(param: DTensor, full: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------- checkpoints
 def _sharded_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, DTensor]]:
     """(module, name, parameter) of every sharded parameter, a shared one in each module."""
-    return [(module, name, param) for module in model.modules()
-            for name, param in module._parameters.items() if isinstance(param, DTensor)]  # fmt: skip
+    return [
+        (module, name, param)
+        for module in model.modules()
+        for name, param in module._parameters.items()
+        if isinstance(param, DTensor)
+    ]
 
 
 @contextmanager
@@ -196,8 +204,9 @@ def unsharded_for_checkpoint(model: torch.nn.Module, optimizer, *, load: bool = 
 def full_parameters(model: torch.nn.Module, dtype: torch.dtype, *, load: bool = False):
     """Within: the model holds whole parameters in `dtype` (every rank gathers them: a
     collective over the data-parallel groups), so a checkpoint reads and writes the model as
-    an unsharded run does; yields {id(sharded parameter): whole parameter}. With `load`, each rank's rows take the whole parameters' values on
-    the way out. A parameter shared by two modules stays one parameter."""
+    an unsharded run does; yields {id(sharded parameter): whole parameter}. With `load`, each
+    rank's rows take the whole parameters' values on the way out. A parameter shared by two
+    modules stays one parameter."""
     slots, whole = _sharded_slots(model), {}
     fsdp_hooks = _without_fsdp_load_hooks(model)
     for module, name, param in slots:

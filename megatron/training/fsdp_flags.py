@@ -74,9 +74,9 @@ def _validate_megatron_fsdp(args: argparse.Namespace) -> None:
             "yet (hybrid sharding)"
         )
     fp32_model = not (args.bf16 or args.fp16)
-    for flag, value in (("--megatron-fsdp-main-params-dtype", args.megatron_fsdp_main_params_dtype),
-                        ("--megatron-fsdp-main-grads-dtype", args.megatron_fsdp_main_grads_dtype),
-                        ("--megatron-fsdp-grad-comm-dtype", args.megatron_fsdp_grad_comm_dtype)):  # fmt: skip
+    for name in ("main_params", "main_grads", "grad_comm"):
+        flag = f"--megatron-fsdp-{name.replace('_', '-')}-dtype"
+        value = getattr(args, f"megatron_fsdp_{name}_dtype")
         main_params_auto = flag.endswith("params-dtype") and value == "auto" and not fp32_model
         if value in ("bf16", "fp16") or main_params_auto:
             what = f"{value} (the model's dtype)" if value == "auto" else value

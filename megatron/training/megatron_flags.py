@@ -356,6 +356,7 @@ GPU_ONLY = {
     "--use-transformer-engine-op-fuser": "Transformer Engine's fused operations",
     "--fine-grained-activation-offloading": "activations offloaded to host memory on CUDA streams",
     "--offload-modules": "activations offloaded to host memory on CUDA streams",
+    "--delay-wgrad-compute": "Transformer Engine's delayed weight-gradient GEMMs",
 }
 # CUDA graphs (Megatron's TransformerConfig fields), parsed so that such a command line reads
 # completely and is refused in one line

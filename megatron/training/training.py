@@ -377,12 +377,14 @@ def build_chunk(config, transformer: TransformerConfig, layout, device: torch.de
     return model.to(config.model.dtype)
 
 
-def shard_stage_model(config, model: torch.nn.Module) -> None:
+def shard_stage_model(config, model: torch.nn.Module) -> torch.nn.Module:
     """--use-torch-fsdp2 / --use-megatron-fsdp: the stage's weights sharded over its data x
     context parallel ranks (fsdp.py), the routed experts' over their expert-data-parallel
-    ranks."""
+    ranks; without them, the model as it is."""
+    if not config.parallel.fully_sharded:
+        return model
     experts = None if config.moe is None else parallel_state.get_expert_data_parallel_group()
-    fsdp.shard_model(
+    return fsdp.shard_model(
         model,
         group=parallel_state.get_data_parallel_group(with_context_parallel=True),
         expert_group=experts,
@@ -584,9 +586,7 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
                  f"is ranks {pipeline}")  # fmt: skip
     _note_inflight_window(config)
     tokenizer, config = _build_checked_tokenizer(config)
-    model = build_stage_model(config, device)
-    if config.parallel.fully_sharded:
-        shard_stage_model(config, model)
+    model = shard_stage_model(config, build_stage_model(config, device))
     stage = parallel_state.get_pipeline_model_parallel_rank()
     optimizer = build_optimizer(
         model, for_stage(config.optimizer, config.pipeline, config.training, stage),

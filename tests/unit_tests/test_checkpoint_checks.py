@@ -534,7 +534,9 @@ def test_a_manifest_is_checked_without_the_flag(verified_checkpoints):
 def test_verify_integrity_needs_torch_dist():
     with pytest.raises(UserError) as caught:
         make_args("--verify-integrity")
-    assert str(caught.value) == "--verify-integrity is only supported with --ckpt-format torch_dist"
+    assert str(caught.value) == (
+        "--verify-integrity is only supported with --ckpt-format torch_dist or fsdp_dtensor"
+    )
 
 
 def ramp_args(*ramp: str, extra=()):

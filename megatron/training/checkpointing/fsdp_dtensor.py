@@ -92,8 +92,8 @@ def _state_dict(model, optimizer, *, with_optim: bool, with_rng: bool) -> dict:
 def save_checkpoint(directory: str, common: dict, *, model, optimizer, checkpoint) -> None:
     """Each rank's rows of the model (and optimizer, RNG state unless --no-save-optim /
     --no-save-rng); `common` beside them. Collective."""
-    parts = [name for name, skip in (("optimizer", checkpoint.no_save_optim),
-                                     ("rng_state", checkpoint.no_save_rng)) if not skip]  # fmt: skip
+    skipped = {"optimizer": checkpoint.no_save_optim, "rng_state": checkpoint.no_save_rng}
+    parts = [name for name, skip in skipped.items() if not skip]
     state = _state_dict(model, optimizer, with_optim="optimizer" in parts,
                         with_rng="rng_state" in parts)  # fmt: skip
     staging = directory + STAGING_SUFFIX

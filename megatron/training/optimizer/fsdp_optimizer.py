@@ -33,7 +33,7 @@ class FullyShardedOptimizer:
         self.sharded = [p for _, p in self.named]
         if not all(isinstance(p, DTensor) for p in self.sharded):
             raise ValueError("FullyShardedOptimizer needs a model sharded by fsdp.shard_model")
-        self.rows = [main_copy(p, p.to_local()) for p in self.sharded]  # views of the rows
+        self.rows = [main_copy(p, p.to_local().detach()) for p in self.sharded]  # the rows
         self.stand_ins = {}  # id(sharded) -> the whole parameter a checkpoint sees (fsdp.py)
         self.dtype = model_dtype_of(model)
         self.inner, self.loss_scaler = None, None
@@ -132,8 +132,8 @@ class FullyShardedOptimizer:
             for number, entries in state["state"].items()
         }  # fmt: skip
         if self.dtype != torch.float32:
-            state["main_params"] = {i: fsdp.full_of(p, r.detach())
-                                    for i, (p, r) in enumerate(zip(self.sharded, self.rows))}  # fmt: skip
+            pairs = enumerate(zip(self.sharded, self.rows))
+            state["main_params"] = {i: fsdp.full_of(p, rows.detach()) for i, (p, rows) in pairs}
         if self.loss_scaler is not None:
             state["loss_scaler"] = self.loss_scaler.state_dict()
         return state

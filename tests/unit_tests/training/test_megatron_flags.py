@@ -52,7 +52,6 @@ def test_gpu_only_flags_say_so(extra, message):
     "extra, message",
     [
         (["--ckpt-format", "torch_dcp"], "--ckpt-format torch_dcp is not supported yet"),
-        (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor is not supported yet"),
         (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1 needs --num-experts"),
         (["--rerun-mode", "report_stats"], "--rerun-mode report_stats is not supported yet"),
         (["--timing-log-level", "2"], "--timing-log-level 2 is not supported yet"),
