@@ -44,6 +44,7 @@ def _switches(*names: str) -> list[Flag]:
 OUR_BEHAVIOUR = [
     *_switches(
         "--use-mcore-models",
+        "--use-same-sampling-seed-across-dp-ranks",  # inference's sampling seed
         "--no-gradient-accumulation-fusion",
         "--no-rope-fusion",
         "--no-persist-layer-norm",
