@@ -31,6 +31,7 @@ from megatron.training.batch_schedule import (
 from megatron.training.config import check_vocabulary_split, pipeline_plan
 from megatron.training.context_parallel_attention import CP_COMM_TYPES
 from megatron.training.data.sources import add_data_source_args, validate_sample_options
+from megatron.training.dsa import add_dsa_args, validate_dsa_args
 from megatron.training.errors import UserError
 from megatron.training.fsdp_flags import add_fsdp_args, validate_fsdp_args
 from megatron.training.gated_delta_net import (
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_rerun_args(parser)
     add_mla_args(parser)
     add_gated_delta_net_args(parser)
+    add_dsa_args(parser)
     add_mtp_args(parser)
     add_mup_args(parser)
     add_moe_args(parser)
@@ -459,6 +461,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     _validate_model_checks(args)
     validate_mla_and_yarn_args(args)
     validate_gated_delta_net_args(args)
+    validate_dsa_args(args)
     validate_mtp_args(args, placement_v=get_schedule(args.pipeline_schedule).placement is not None)
     validate_recompute_args(args, args.stage_layers)
     validate_mup_args(args)

@@ -106,6 +106,12 @@ class ModelConfig(_Section):
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
     attention_output_gate: bool = False
+    # DeepSeek sparse attention (dsa.py)
+    dsa_indexer_n_heads: int | None = None
+    dsa_indexer_head_dim: int | None = None
+    dsa_indexer_topk: int | None = None
+    dsa_indexer_loss_coeff: float | None = None
+    dsa_indexer_use_sparse_loss: bool = False
     # multi-token prediction (mtp.py; Megatron's defaults)
     mtp_num_layers: int | None = None
     mtp_loss_scaling_factor: float = 0.1

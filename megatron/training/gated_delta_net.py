@@ -46,7 +46,7 @@ parse_linear_attention_freq = layer_pattern_parser("--linear-attention-freq", "[
 def add_gated_delta_net_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("experimental attention variants").add_argument
     add("--experimental-attention-variant", default=None, choices=[GDN_VARIANT, "dsa"],
-        help="gated_delta_net: Gated DeltaNet (dsa: not supported yet)")  # fmt: skip
+        help="gated_delta_net: Gated DeltaNet; dsa: DeepSeek sparse attention (dsa.py)")  # fmt: skip
     add("--linear-attention-freq", type=parse_linear_attention_freq, default=None,
         help="N: each N-th layer softmax, the rest GDN; or 0/1 per layer (1: GDN)")  # fmt: skip
     add("--linear-conv-kernel-dim", type=int, default=4, help="GDN's causal convolution width")

@@ -107,11 +107,6 @@ NOT_SUPPORTED = [
     # overlap
     *_switches("--tp-comm-overlap"),
     Flag("--tp-comm-overlap-cfg", str),
-    # other attention variants (MoE: moe/flags.py)
-    Flag("--dsa-indexer-n-heads", int),
-    Flag("--dsa-indexer-head-dim", int),
-    Flag("--dsa-indexer-topk", int),
-    Flag("--dsa-indexer-loss-coeff", float),
     # optimizer and batch schedule variants
     # checkpoints, fault tolerance, testing hooks
     Flag("--export-te-mcore-model"),
@@ -142,7 +137,7 @@ NOT_YET_BY_GROUP = {
         "--flash-attention-version= --softmax-type= --fp32-residual-connection "
         "--glu-linear-offset= --activation-func-clamp-value= --qk-l2-norm --qk-clip "
         "--qk-clip-alpha= --qk-clip-threshold= --dsa-indexer-topk-freq= "
-        "--dsa-indexer-skip-topk-offset= --dsa-indexer-use-sparse-loss --dsa-kernel-backend= "
+        "--dsa-indexer-skip-topk-offset= --dsa-kernel-backend= "
         "--dsa-indexer-rope-interleaved --no-dsa-indexer-rotate-activation "
         "--disable-dsa-indexer-rotate-activation --no-dsa-indexer-scoring-relu "
         "--disable-dsa-indexer-scoring-relu --dsa-indexer-k-norm-epsilon= "
@@ -382,7 +377,7 @@ def not_supported_message(flag: str) -> str:
 # checkpoint format). These are parsed in arguments.py.
 VALUE_NOT_SUPPORTED = {
     "--ckpt-format": ("torch_dist", "torch", "fsdp_dtensor"),
-    "--experimental-attention-variant": (None, "gated_delta_net"),  # dsa: gated_delta_net.py
+    "--experimental-attention-variant": (None, "gated_delta_net", "dsa"),
 }
 
 

@@ -50,6 +50,8 @@ from megatron.training.context_parallel_attention import (
     hierarchical_groups,
     layer_comm_type,
 )
+from megatron.training.dsa import prepare_megatron_core as prepare_sparse_attention
+from megatron.training.dsa import uses_sparse_attention, with_sparse_attention
 from megatron.training.mla import with_mla
 from megatron.training.mtp import mtp_block_spec
 from megatron.training.recompute import use_host_rng_states
@@ -356,6 +358,7 @@ def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: b
     norms are zero-centered or sequence-parallel, which megatron-core's default final norm
     cannot be."""
     qk_layernorm = config.qk_layernorm
+    use_te = use_te and not uses_sparse_attention(config)  # megatron-core's DSA is local only
     if gdn.uses_gated_delta_net(config):
         return hybrid_gdn_block_spec(device, config, use_te=use_te, vp_stage=vp_stage,
                                      pp_rank=pp_rank)  # fmt: skip
@@ -370,7 +373,7 @@ def layer_spec_for(device: torch.device, config: TransformerConfig, *, use_te: b
     own_norms = config.layernorm_zero_centered_gamma or config.sequence_parallel
     spec = portable_layer_spec(config.normalization, qk_layernorm, own_norms)
     if config.multi_latent_attention:
-        spec = with_mla(spec, _latent_norm(config, own_norms))
+        spec = _with_mla_attention(spec, config, own_norms)
     if not own_norms:
         return spec
     layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
@@ -405,7 +408,7 @@ def moe_block_spec(device: torch.device, config: TransformerConfig, *, use_te: b
             if config.qk_layernorm:
                 attention.q_layernorm = attention.k_layernorm = PortableNorm
         if config.multi_latent_attention:
-            layer = with_mla(layer, _latent_norm(config, own_norms))
+            layer = _with_mla_attention(layer, config, own_norms)
         layers.append(layer)
     norm = PortableNorm if own_norms else block.layer_norm
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
@@ -438,6 +441,13 @@ def hybrid_gdn_block_spec(device: torch.device, config: TransformerConfig, *,
         block = TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm)
     norm = PortableNorm if own_norms else None
     return gdn.hybrid_block_spec(block, config, norm, vp_stage=vp_stage, pp_rank=pp_rank)
+
+
+def _with_mla_attention(layer, config: TransformerConfig, own_norms: bool):
+    """A portable layer spec with MLA, its core attention DeepSeek's sparse one with
+    `--experimental-attention-variant dsa` (dsa.py)."""
+    layer = with_mla(layer, _latent_norm(config, own_norms))
+    return with_sparse_attention(layer) if uses_sparse_attention(config) else layer
 
 
 def _local_norm(config: TransformerConfig) -> type:
@@ -787,6 +797,8 @@ def _prepare_megatron_core(config: TransformerConfig) -> None:
         patch_megatron_core_moe()
     if gdn.uses_gated_delta_net(config):
         _prepare_gated_delta_net()
+    if uses_sparse_attention(config):
+        prepare_sparse_attention()
     if config.mtp_num_layers and not torch.cuda.is_available():
         _torch_on_host(("megatron.core.transformer.multi_token_prediction",))  # its loss tracker
 

@@ -228,6 +228,9 @@ def _stage_report(config, runtime, step_func, optimizer) -> dict:
     mtp_losses = getattr(step_func, "mtp_losses", None)  # multi-token prediction, by interval
     if mtp_losses is not None and mtp_losses.history:
         report["mtp_losses"] = mtp_losses.history
+    indexer_losses = getattr(step_func, "indexer_losses", None)  # DeepSeek sparse attention
+    if indexer_losses is not None and indexer_losses.history:
+        report["indexer_losses"] = indexer_losses.history
     return report
 
 

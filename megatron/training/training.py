@@ -55,6 +55,12 @@ from megatron.training.data.fim import FimSettings, resolve_token_ids
 from megatron.training.data.sources import prefixes_of
 from megatron.training.divergence import check_replicas_match
 from megatron.training.emulated_stage import EmulatedStage
+from megatron.training.dsa import (
+    IndexerLossLog,
+    dsa_config_fields,
+    set_indexer_loss_scale,
+    uses_sparse_attention,
+)
 from megatron.training.errors import RunFailed, UserError
 from megatron.training.gated_delta_net import GDN_VARIANT, gated_delta_net_config_fields
 from megatron.training.host_memory import unmap_large_blocks_when_freed
@@ -251,6 +257,7 @@ def transformer_config(config, device: torch.device) -> TransformerConfig:
         **mla_config_fields(model),
         **mtp_config_fields(model),
         **gated_delta_net_config_fields(model),
+        **dsa_config_fields(model),
         **moe_config_fields(config.moe, config.parallel,
                             grouped_gemm_available=_grouped_gemm_available(device)),  # fmt: skip
     )
@@ -723,6 +730,8 @@ def _build_stage_runtime(config, model, device) -> RankRuntime:
         runtime.versioned_buffers.extend(routing_buffers(model))  # 2BW, PipeDream: stashed
     if config.model.mtp_num_layers:  # the MTP loss too
         runtime.backward_scale_listeners.append(set_mtp_loss_scale)
+    if uses_sparse_attention(config.model):  # and the sparse attention's indexer loss
+        runtime.backward_scale_listeners.append(set_indexer_loss_scale)
     attach_stage_runtime(model, runtime, plan)
     return runtime
 
@@ -824,6 +833,7 @@ class MegatronStep:
         moe = config.moe is not None and config.pipeline.emulated_forward_ms is None
         self.moe_stats = MoELoadStats(model) if moe else None
         self.mtp_losses = MTPLossLog(model) if config.model.mtp_num_layers else None
+        self.indexer_losses = _indexer_loss_log(model, config)
         self.num_zeros, self.params_norm_squared = (0.0, 0.0), (0.0, 0.0)  # dense, experts
         self.step_seconds = 0.0
         self.validation: ResultValidation | None = None  # --rerun-mode validate_results
@@ -973,13 +983,23 @@ def moe_log_fields(config, step_func: MegatronStep, iteration: int) -> dict:
     return fields if is_logging_rank(config.pipeline.plan) else {}
 
 
+def _indexer_loss_log(model, config) -> IndexerLossLog | None:
+    """DeepSeek sparse attention with a KL loss for its indexers: their loss, logged."""
+    if not (uses_sparse_attention(config.model) and config.model.dsa_indexer_loss_coeff):
+        return None
+    device = next(model.parameters()).device
+    return IndexerLossLog(model, config.model.num_layers, device)
+
+
 def mtp_log_fields(config, step_func: MegatronStep) -> dict:
     """Multi-token prediction: each MTP layer's loss over the interval on the last stage, averaged
-    over its data x context-parallel ranks, as Megatron logs it (`mtp_1 loss`, ...)."""
-    losses = getattr(step_func, "mtp_losses", None)
-    if losses is None:
-        return {}
-    fields = losses.collect(parallel_state.get_data_parallel_group(with_context_parallel=True))
+    over its data x context-parallel ranks, as Megatron logs it (`mtp_1 loss`, ...); with
+    DeepSeek sparse attention, the indexer loss of the logging stage's layers the same way."""
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    fields = {}
+    for losses in (step_func.mtp_losses, step_func.indexer_losses):  # DSA's indexer loss too
+        if losses is not None:
+            fields.update(losses.collect(group))
     return fields if is_logging_rank(config.pipeline.plan) else {}
 
 
