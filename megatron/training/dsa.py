@@ -36,8 +36,12 @@ def add_dsa_args(parser: argparse.ArgumentParser) -> None:
     add("--dsa-indexer-head-dim", type=int, default=None,
         help="the indexer's head dim (a power of two: the Hadamard rotation)")  # fmt: skip
     add("--dsa-indexer-topk", type=int, default=None, help="keys each query attends to")
-    add("--dsa-indexer-loss-coeff", type=float, default=None,
-        help="the indexer's KL loss coefficient (0 or unset: the indexer does not learn)")  # fmt: skip
+    add(
+        "--dsa-indexer-loss-coeff",
+        type=float,
+        default=None,
+        help="the indexer's KL loss coefficient (0 or unset: the indexer does not learn)",
+    )
     add("--dsa-indexer-use-sparse-loss", action="store_true",
         help="the KL loss over the top-k keys only")  # fmt: skip
 
@@ -59,8 +63,10 @@ def validate_dsa_args(args: argparse.Namespace) -> None:
         raise UserError(f"--dsa-indexer-head-dim must be a power of two (the Hadamard "
                         f"rotation), got {head_dim}")  # fmt: skip
     if head_dim <= args.qk_pos_emb_head_dim:
-        raise UserError(f"--dsa-indexer-head-dim {head_dim} must exceed --qk-pos-emb-head-dim "
-                        f"{args.qk_pos_emb_head_dim} (the rotary part of the indexer's heads)")  # fmt: skip
+        raise UserError(
+            f"--dsa-indexer-head-dim {head_dim} must exceed --qk-pos-emb-head-dim "
+            f"{args.qk_pos_emb_head_dim} (the rotary part of the indexer's heads)"
+        )
     if (args.dsa_indexer_loss_coeff or 0.0) < 0:
         raise UserError("--dsa-indexer-loss-coeff must be >= 0")
     if args.context_parallel_size > 1:
@@ -186,8 +192,9 @@ class IndexerLossLog:
         tracker.clear()  # a process-wide dict: a run starts empty, where the model is
         tracker["values"] = torch.zeros(num_layers, device=device)
         chunks = list(getattr(model, "chunks", [model]))
-        self.layers = [layer.layer_number - 1 for chunk in chunks
-                       for layer in getattr(getattr(chunk, "decoder", None), "layers", [])]  # fmt: skip
+        decoders = [getattr(chunk, "decoder", None) for chunk in chunks]
+        self.layers = [layer.layer_number - 1 for decoder in decoders
+                       for layer in getattr(decoder, "layers", [])]  # fmt: skip
         self.forwards = 0
         self.history: list[float] = []  # every interval's loss (summary.json)
         for chunk in chunks:

@@ -54,13 +54,13 @@ from megatron.training.data.datasets import data_iterators_of_run, microbatch_pi
 from megatron.training.data.fim import FimSettings, resolve_token_ids
 from megatron.training.data.sources import prefixes_of
 from megatron.training.divergence import check_replicas_match
-from megatron.training.emulated_stage import EmulatedStage
 from megatron.training.dsa import (
     IndexerLossLog,
     dsa_config_fields,
     set_indexer_loss_scale,
     uses_sparse_attention,
 )
+from megatron.training.emulated_stage import EmulatedStage
 from megatron.training.errors import RunFailed, UserError
 from megatron.training.gated_delta_net import GDN_VARIANT, gated_delta_net_config_fields
 from megatron.training.host_memory import unmap_large_blocks_when_freed

@@ -40,7 +40,8 @@ def without(flags: list[str], name: str) -> list[str]:
          "--experimental-attention-variant gated_delta_net with --mtp-num-layers is not "
          "supported yet"),
         (["--experimental-attention-variant", "dsa"],
-         "--experimental-attention-variant dsa is not supported yet"),
+         "--experimental-attention-variant dsa needs --multi-latent-attention (megatron-core's "
+         "sparse attention is MLA's)"),
         (["--attention-output-gate", "--multi-latent-attention"],
          "--attention-output-gate with --multi-latent-attention: megatron-core has no output "
          "gate for MLA"),
