@@ -36,7 +36,7 @@ METHODS = ("uniform", "block")
 # the MoE/MLA modules (nothing to act on here).
 MODULES = ("core_attn",)
 NOT_SUPPORTED_MODULES = {
-    "layernorm": "megatron-core's needs Transformer Engine",
+    "layernorm": "GPU-only: megatron-core's needs Transformer Engine",
     "mlp": "megatron-core's recursion on the MLP's bias",
     **{name: "no MoE or MLA" for name in ("moe_act", "mla_up_proj", "moe", "shared_experts")},
 }
@@ -102,9 +102,9 @@ def _validate_selective(args: argparse.Namespace) -> None:
         raise UserError(
             "--recompute-num-layers must not be set with --recompute-granularity selective"
         )
-    modules = args.recompute_modules
-    if modules is None:
+    if args.recompute_modules is None:
         return  # megatron-core's default: core_attn
+    modules = args.recompute_modules = module_list(args.recompute_modules)
     if not modules:
         raise UserError("--recompute-modules needs at least one module")
     for module in modules:
@@ -113,6 +113,13 @@ def _validate_selective(args: argparse.Namespace) -> None:
             raise UserError(f"--recompute-modules {module} is not supported yet ({why})")
         if module not in MODULES:
             raise UserError(f"unknown --recompute-modules {module!r} (known: {', '.join(MODULES)})")
+
+
+def module_list(values: list[str]) -> list[str]:
+    """--recompute-modules as Megatron's test configs write it too: one YAML string
+    "[layernorm mlp]" (a list in brackets) besides separate values."""
+    text = " ".join(values).replace("[", " ").replace("]", " ").replace(",", " ")
+    return text.split()
 
 
 def _validate_full(args: argparse.Namespace, layers_by_stage: list[int]) -> None:

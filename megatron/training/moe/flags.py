@@ -119,13 +119,15 @@ def add_moe_args(parser) -> None:
     add("--moe-apply-probs-on-input", action="store_true")
     # speed only: the fused kernels compute what the unfused code does (docs/megatron_flags.md)
     add("--moe-permute-fusion", action="store_true", help=argparse.SUPPRESS)
+    # speed only: Megatron overlaps one microbatch's expert all-to-alls with another's compute
+    # on CUDA streams; here they run in turn, the same numbers (docs/megatron_flags.md)
+    add("--overlap-moe-expert-parallel-comm", action="store_true", help=argparse.SUPPRESS)
     add("--moe-router-fusion", action="store_true", help=argparse.SUPPRESS)
 
 
 # Parsed so that a Megatron command line reads completely; any use fails in one line.
 MOE_NOT_SUPPORTED = (
     ("--moe-enable-deepep", "GPU-only: DeepEP"),
-    ("--overlap-moe-expert-parallel-comm", "GPU-only: the all-to-alls overlap on CUDA streams"),
     ("--moe-shared-expert-overlap", "GPU-only: overlaps on CUDA streams"),
     ("--moe-use-legacy-grouped-gemm", "GPU-only: grouped-GEMM kernels"),
     ("--moe-use-upcycling", "dense-to-MoE checkpoint conversion"),
@@ -199,6 +201,7 @@ def validate_moe_args(args, *, world_size: int) -> None:
         # config refuses bias at ETP>1)
         raise UserError("MoE with linear biases is not supported yet: add --disable-bias-linear")
     _check_with_megatron_core(args)
+    _validate_expert_parallel_overlap(args)
     try:
         pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
     except ValueError as error:
@@ -305,6 +308,33 @@ def _validate_with_the_rest_of_the_run(args) -> None:
         )
     if args.emulated_forward_ms is not None:
         raise UserError("--emulated-forward-ms with MoE (--num-experts) is not supported yet")
+
+
+def _validate_expert_parallel_overlap(args) -> None:
+    """--overlap-moe-expert-parallel-comm: accepted where Megatron accepts it (megatron-core's
+    TransformerConfig asserts, one line each); what runs is the same without the overlap."""
+    from megatron.training.errors import UserError
+
+    if not args.overlap_moe_expert_parallel_comm:
+        return
+    recompute_modules = getattr(args, "recompute_modules", None) or ()
+    rules = (
+        ("needs --expert-model-parallel-size > 1", args.expert_model_parallel_size > 1),
+        ("needs --moe-token-dispatcher-type alltoall", args.moe_token_dispatcher_type == "alltoall"),
+        ("needs --bf16 or --fp16", args.bf16 or args.fp16),
+        ("with --pipeline-model-parallel-size > 1 needs virtual pipeline stages",
+         args.pipeline_model_parallel_size == 1
+         or (args.virtual_pipeline_model_parallel_size or 1) > 1),
+        ("excludes full recomputation (--recompute-granularity full, --recompute-method, "
+         "--recompute-num-layers, moe in --recompute-modules)",
+         args.recompute_granularity != "full" and args.recompute_method is None
+         and getattr(args, "recompute_num_layers", None) is None
+         and "moe" not in recompute_modules),
+        ("supports at most one --mtp-num-layers", (getattr(args, "mtp_num_layers", None) or 0) <= 1),
+    )  # fmt: skip
+    for rule, holds in rules:
+        if not holds:
+            raise UserError(f"--overlap-moe-expert-parallel-comm {rule} (as in Megatron)")
 
 
 def _check_with_megatron_core(args) -> None:

@@ -42,8 +42,8 @@ def error_of(extra: list[str], world_size: int = 1) -> str:
          "use allgather or alltoall"),
         (["--moe-enable-deepep"], 1, "--moe-enable-deepep is not supported yet (GPU-only: DeepEP)"),
         (["--overlap-moe-expert-parallel-comm"], 1,
-         "--overlap-moe-expert-parallel-comm is not supported yet (GPU-only: the all-to-alls "
-         "overlap on CUDA streams)"),
+         "--overlap-moe-expert-parallel-comm needs --expert-model-parallel-size > 1 (as in "
+         "Megatron)"),
         (["--fp8-format", "hybrid"], 1, "--fp8-format is not supported yet (GPU-only: FP8 needs "
          "Transformer Engine on a Hopper or newer GPU)"),
         (["--moe-flex-dispatcher-backend", "deepep"], 1,
@@ -337,3 +337,21 @@ def test_a_backward_on_a_stashed_version_routes_as_its_forward_did(stash_the_bia
     assert same == stash_the_bias
     assert torch.equal(layer.expert_bias, 10.0 * (~routed).float().mean(dim=0))  # live again
     assert routing_buffers(torch.nn.Module()) == []  # no router: nothing versioned
+
+
+def test_expert_all_to_all_overlap_is_accepted_where_megatron_accepts_it_and_changes_nothing():
+    """--overlap-moe-expert-parallel-comm is speed only (the all-to-alls overlap another
+    microbatch's compute on CUDA streams in Megatron): the run's configuration is the one
+    without it; Megatron's conditions hold, one line each."""
+    layout = MOE + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                    "alltoall", "--bf16"]  # fmt: skip
+    assert configured(layout + ["--overlap-moe-expert-parallel-comm"], 2) == configured(layout, 2)
+    without_bf16 = [flag for flag in layout if flag != "--bf16"]
+    assert error_of(without_bf16 + ["--overlap-moe-expert-parallel-comm"], 2) == (
+        "--overlap-moe-expert-parallel-comm needs --bf16 or --fp16 (as in Megatron)"
+    )
+    stages = layout + ["--overlap-moe-expert-parallel-comm", "--pipeline-model-parallel-size", "2"]
+    assert error_of(stages, 4) == (
+        "--overlap-moe-expert-parallel-comm with --pipeline-model-parallel-size > 1 needs "
+        "virtual pipeline stages (as in Megatron)"
+    )

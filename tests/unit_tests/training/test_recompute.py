@@ -48,8 +48,11 @@ from megatron.training.errors import UserError
          "--recompute-modules mlp is not supported yet (megatron-core's recursion on the MLP's "
          "bias)"),
         (["--recompute-activations", "--recompute-modules", "core_attn", "layernorm"], 1,
-         "--recompute-modules layernorm is not supported yet (megatron-core's needs Transformer "
-         "Engine)"),
+         "--recompute-modules layernorm is not supported yet (GPU-only: megatron-core's needs "
+         "Transformer Engine)"),
+        (["--recompute-activations", "--recompute-modules", "[core_attn mlp]"], 1,
+         "--recompute-modules mlp is not supported yet (megatron-core's recursion on the MLP's "
+         "bias)"),  # Megatron's test configs write the list as one string
     ],
 )  # fmt: skip
 def test_megatron_rules_fail_with_one_line(extra, world_size, message):
