@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megatron.training import fsdp
-from megatron.training.optimizer.main_params import _NamedParams, main_copy
+from megatron.training.optimizer.main_params import SuiteOptimizerWrapper, main_copy
 
 
-class FullyShardedOptimizer:
+class FullyShardedOptimizer(SuiteOptimizerWrapper):
     """The stage's optimizer over the rows of a model sharded by `fsdp.shard_model`. The
     gradient norm sums over the dense parameters' sharding group; where the routed experts are
     sharded over other ranks, they are a part of their own (`parts`)."""
@@ -47,21 +47,13 @@ class FullyShardedOptimizer:
     def attach(self, inner, loss_scaler=None) -> None:
         self.inner, self.loss_scaler = inner, loss_scaler
 
-    def main_view(self, config) -> _NamedParams:
-        return _NamedParams([(n, r) for (n, _), r in zip(self.named, self.rows)], config)
+    def named_main(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(name, rows) for (name, _), rows in zip(self.named, self.rows)]
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
         """The model's parameters as a checkpoint sees them (whole while it reads or writes)."""
         return [self.stand_ins.get(id(p), p) for p in self.sharded]
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def state(self) -> dict:
-        return self.inner.state
 
     @property
     def main_param_bytes(self) -> int:

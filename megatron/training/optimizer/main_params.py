@@ -146,7 +146,25 @@ class _NamedParams:
         return iter(self.named)
 
 
-class MainParamsOptimizer:
+class SuiteOptimizerWrapper:
+    """An optimizer that steps the suite's optimizer (`inner`) over fp32 weights of its own
+    (`named_main()`), seen by the scheduler and checkpoints as that optimizer."""
+
+    inner = None
+
+    def main_view(self, config) -> _NamedParams:
+        return _NamedParams(self.named_main(), config)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.inner.state
+
+
+class MainParamsOptimizer(SuiteOptimizerWrapper):
     """An optimizer over fp32 main weights, seen by the scheduler, the step, checkpoints and
     the memory report as one optimizer. Subclasses decide where the main weights live."""
 
@@ -163,17 +181,6 @@ class MainParamsOptimizer:
     def attach(self, inner, loss_scaler=None) -> None:
         self.inner, self.loss_scaler = inner, loss_scaler
         self.buffer.loss_scaler = loss_scaler
-
-    def main_view(self, config) -> _NamedParams:
-        return _NamedParams(self.named_main(), config)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def state(self) -> dict:
-        return self.inner.state
 
     @staticmethod
     def gradient_of(param: torch.nn.Parameter) -> torch.Tensor:

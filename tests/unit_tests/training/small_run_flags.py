@@ -1,7 +1,11 @@
 """The flags of a small valid one-process GPT run, for tests that parse and validate flags in
-process (no launch): `validated(extra)` is that run with `extra` added."""
+process (no launch): `validated(extra)` is that run with `extra` added, `error_of(extra)` the
+one line its validation refuses it with."""
+
+import pytest
 
 from megatron.training.arguments import build_parser, validate_args
+from megatron.training.errors import UserError
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -16,6 +20,13 @@ def validated(extra: list[str], world_size: int = 1):
     args = build_parser().parse_args(BASE + extra)
     validate_args(args, world_size=world_size)
     return args
+
+
+def error_of(extra: list[str], world_size: int = 1) -> str:
+    """The one-line refusal of `validated(extra, world_size)` (which must refuse)."""
+    with pytest.raises(UserError) as caught:
+        validated(extra, world_size)
+    return str(caught.value)
 
 
 def configured(extra: list[str], world_size: int = 1, vocab_size: int | None = None):

@@ -3,16 +3,12 @@ flags' refusals, one line each."""
 
 import pytest
 import torch
+from small_run_flags import configured, error_of
 
-from megatron.training.arguments import build_parser, validate_args
 from megatron.training.dsa import hadamard_rotation
-from megatron.training.errors import UserError
 
-GOOD = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--micro-batch-size 2 --global-batch-size 8 --train-iters 2 --lr 1e-3 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 1000 --multi-latent-attention "
-    "--qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16 --kv-lora-rank 16 "
+MLA = "--multi-latent-attention --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16".split()
+DSA = (
     "--experimental-attention-variant dsa --dsa-indexer-n-heads 4 --dsa-indexer-head-dim 32 "
     "--dsa-indexer-topk 8 --dsa-indexer-loss-coeff 0.01"
 ).split()
@@ -34,17 +30,10 @@ def test_hadamard_rotation_is_the_orthonormal_sylvester_matrix(n):
     assert hadamard_rotation(x.bfloat16()).dtype == torch.bfloat16
 
 
-def validated(extra: list[str], world_size: int = 1):
-    args = build_parser().parse_args(GOOD + extra)
-    validate_args(args, world_size=world_size)
-    return args
-
-
 def test_the_flags_reach_the_model_config():
-    from megatron.training.config import RunConfig
     from megatron.training.dsa import dsa_config_fields
 
-    config = RunConfig.from_args(validated(["--dsa-indexer-use-sparse-loss"]), vocab_size=1000)
+    config = configured(MLA + DSA + ["--dsa-indexer-use-sparse-loss"], vocab_size=100)
     assert dsa_config_fields(config.model) == {
         "experimental_attention_variant": "dsa", "dsa_indexer_n_heads": 4,
         "dsa_indexer_head_dim": 32, "dsa_indexer_topk": 8, "dsa_indexer_loss_coeff": 0.01,
@@ -67,12 +56,8 @@ def test_the_flags_reach_the_model_config():
     ],
 )  # fmt: skip
 def test_refusals_are_one_line(extra, message):
-    with pytest.raises(UserError) as caught:
-        validated(extra)
-    assert str(caught.value) == message
+    assert error_of(MLA + DSA + extra) == message
 
 
 def test_sparse_attention_needs_mla():
-    args = [a for a in GOOD if a != "--multi-latent-attention"]
-    with pytest.raises(UserError, match="dsa needs --multi-latent-attention"):
-        validate_args(build_parser().parse_args(args), world_size=1)
+    assert "dsa needs --multi-latent-attention" in error_of(DSA)

@@ -4,29 +4,19 @@ training step, its checkpoint format and the whole parameters a checkpoint sees,
 same model unsharded."""
 
 import pytest
+import small_run_flags
 import torch
 
-from megatron.training.arguments import build_parser, validate_args
-from megatron.training.errors import UserError
-
-GOOD = (
-    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--micro-batch-size 2 --global-batch-size 8 --train-iters 2 --lr 1e-3 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 1000 --pipeline-model-parallel-size 2 "
-    "--untie-embeddings-and-output-weights"
-).split()
+TWO_STAGES = ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"]
 
 
-def validated(extra: list[str], world_size: int = 4):
-    args = build_parser().parse_args(GOOD + extra)
-    validate_args(args, world_size=world_size)
-    return args
+def validated(extra: list[str]):
+    """Four processes: PP 2 x DP 2."""
+    return small_run_flags.validated(TWO_STAGES + extra, world_size=4)
 
 
-def error_of(extra: list[str], world_size: int = 4) -> str:
-    with pytest.raises(UserError) as caught:
-        validated(extra, world_size)
-    return str(caught.value)
+def error_of(extra: list[str]) -> str:
+    return small_run_flags.error_of(TWO_STAGES + extra, world_size=4)
 
 
 @pytest.mark.parametrize(
@@ -92,15 +82,11 @@ def test_refusals_are_one_line(extra, message):
 
 
 def test_tied_embeddings_over_stages_are_refused_but_one_stage_holds_them():
-    tied = [flag for flag in GOOD if flag != "--untie-embeddings-and-output-weights"]
-    args = build_parser().parse_args(tied + ["--use-torch-fsdp2"])
-    with pytest.raises(UserError, match="embeddings tied over several pipeline stages"):
-        validate_args(args, world_size=4)
-    one_stage = build_parser().parse_args(
-        tied + ["--use-torch-fsdp2", "--pipeline-model-parallel-size", "1"]
+    tied = ["--use-torch-fsdp2", "--pipeline-model-parallel-size"]
+    assert "embeddings tied over several pipeline stages" in small_run_flags.error_of(
+        tied + ["2"], world_size=4
     )
-    validate_args(one_stage, world_size=4)
-    assert one_stage.fully_sharded == "torch_fsdp2"
+    assert small_run_flags.validated(tied + ["1"], world_size=4).fully_sharded == "torch_fsdp2"
 
 
 # ---------------------------------------------------------------------------- one process

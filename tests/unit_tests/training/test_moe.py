@@ -6,9 +6,8 @@ import argparse
 
 import pytest
 import torch
-from small_run_flags import configured, validated
+from small_run_flags import configured, error_of, validated
 
-from megatron.training.errors import UserError
 from megatron.training.model import StageLayout, global_parameter_name, is_expert_parameter
 from megatron.training.moe import (
     _all_to_all_with_int_splits,
@@ -18,12 +17,6 @@ from megatron.training.moe import (
 )
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
-
-
-def error_of(extra: list[str], world_size: int = 1) -> str:
-    with pytest.raises(UserError) as caught:
-        validated(extra, world_size)
-    return str(caught.value)
 
 
 @pytest.mark.parametrize(
