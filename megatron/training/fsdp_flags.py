@@ -59,7 +59,7 @@ def validate_fsdp_args(args: argparse.Namespace) -> None:
     elif args.use_megatron_fsdp:
         _validate_megatron_fsdp(args)
     if args.fully_sharded is not None:
-        _refuse_what_is_not_supported_yet(args)
+        _reject_what_is_not_supported_yet(args)
     elif args.ckpt_format == "fsdp_dtensor":
         raise UserError("--ckpt-format fsdp_dtensor needs a fully sharded model: "
                         "--use-megatron-fsdp (with --data-parallel-sharding-strategy "
@@ -88,7 +88,7 @@ def _validate_megatron_fsdp(args: argparse.Namespace) -> None:
         args.reshard_after_forward = strategy == "optim_grads_params"
 
 
-def _refuse_what_is_not_supported_yet(args: argparse.Namespace) -> None:
+def _reject_what_is_not_supported_yet(args: argparse.Namespace) -> None:
     flag = "--use-torch-fsdp2" if args.use_torch_fsdp2 else "--use-megatron-fsdp"
     several_stages = args.pipeline_model_parallel_size > 1
     cases = (

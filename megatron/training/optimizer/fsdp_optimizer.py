@@ -29,6 +29,7 @@ class FullyShardedOptimizer(SuiteOptimizerWrapper):
     sharded over other ranks, they are a part of their own (`parts`)."""
 
     def __init__(self, model: torch.nn.Module):
+        self.model = model
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.sharded = [p for _, p in self.named]
         if not all(isinstance(p, DTensor) for p in self.sharded):
@@ -103,6 +104,10 @@ class FullyShardedOptimizer(SuiteOptimizerWrapper):
         for rows, param in zip(self.rows, self.sharded):
             rows.grad = self.gradient_of(param)
         self.inner.step()
+        # Weights still gathered (a unit kept from its forward, an asynchronous schedule's
+        # microbatch in flight) are the old ones: free them, so that every later pass gathers
+        # the new rows, as the schedule's passes read the live weights without FSDP.
+        fsdp.reshard(self.model)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=True)
