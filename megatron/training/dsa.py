@@ -195,10 +195,9 @@ class IndexerLossLog:
         decoders = [getattr(chunk, "decoder", None) for chunk in chunks]
         self.layers = [layer.layer_number - 1 for decoder in decoders
                        for layer in getattr(decoder, "layers", [])]  # fmt: skip
-        self.forwards = 0
+        self.forwards = 0  # each layer sees every training forward of the first chunk
         self.history: list[float] = []  # every interval's loss (summary.json)
-        for chunk in chunks:
-            chunk.register_forward_hook(self._count)
+        chunks[0].register_forward_hook(self._count)
 
     def _count(self, module, inputs, output) -> None:
         if module.training and torch.is_grad_enabled():
@@ -213,7 +212,8 @@ class IndexerLossLog:
         values = DSAIndexerLossLoggingHelper.tracker["values"]
         if not self.layers or not self.forwards:
             return {}
-        loss = values[self.layers].detach().double().cpu().mean() / self.forwards
+        # reduced where the values are (NCCL reduces device tensors only)
+        loss = values[self.layers].detach().double().mean() / self.forwards
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(loss, group=group)
             loss /= dist.get_world_size(group)

@@ -119,7 +119,8 @@ class MTPLossLog:
         tracker = MTPLossLoggingHelper.tracker
         if not self.layers or not self.forwards or "values" not in tracker:
             return {}
-        values = tracker["values"].detach().double().cpu() / self.forwards
+        # reduced where the values are (NCCL reduces device tensors only)
+        values = tracker["values"].detach().double() / self.forwards
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(values, group=group)
             values /= dist.get_world_size(group)
