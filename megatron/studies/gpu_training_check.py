@@ -11,12 +11,14 @@ when it is installed, else the portable one), under `--pipeline-schedule 1f1b` a
 * `recompute-full`: `--bf16 --recompute-granularity full --recompute-method uniform
   --recompute-num-layers 1`;
 * `fused-cross-entropy`: `--bf16 --cross-entropy-loss-fusion` (megatron-core's fused cross
-  entropy, compiled by `torch.compile` at the first step).
+  entropy, compiled by `torch.compile` at the first step);
+* `fsdp`: `--bf16 --use-megatron-fsdp` (torch's fully_shard over NCCL);
+* `dsa`: DeepSeek sparse attention on MLA (`--experimental-attention-variant dsa`).
 
 Layouts follow the GPUs there are: NCCL refuses two ranks on one GPU ("Duplicate GPU
 detected"), so with one GPU every run is one process (PP = 1, where PACI runs its one stage);
-with 2 GPUs and more the runs take 2 pipeline stages, and the distributed optimizer also 2
-data-parallel ranks when there are 4.
+with 2 GPUs and more the runs take 2 pipeline stages, and the distributed optimizer and FSDP
+also 2 data-parallel ranks when there are 4.
 
 A run that ends with status 0 and a finite final loss in its summary.json passes. One that
 ends with status 2 and `error: ... is not supported yet` is SKIPPED: the feature has not
@@ -54,6 +56,14 @@ FEATURES = {
     "recompute-full": ["--bf16", "--recompute-granularity", "full", "--recompute-method",
                        "uniform", "--recompute-num-layers", "1"],
     "fused-cross-entropy": ["--bf16", "--cross-entropy-loss-fusion"],
+    # torch's fully_shard over NCCL (fsdp.py), a one-rank mesh on one GPU
+    "fsdp": ["--bf16", "--use-megatron-fsdp"],
+    # DeepSeek sparse attention on MLA (dsa.py): the torch Hadamard rotation on the GPU
+    "dsa": ["--bf16", "--multi-latent-attention", "--qk-head-dim", "32", "--qk-pos-emb-head-dim",
+            "16", "--v-head-dim", "32", "--kv-lora-rank", "64", "--q-lora-rank", "96",
+            "--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "8",
+            "--dsa-indexer-head-dim", "64", "--dsa-indexer-topk", "64",
+            "--dsa-indexer-loss-coeff", "0.01"],
 }  # fmt: skip
 SCHEDULES = ("1f1b", "paci")
 NOT_SUPPORTED = re.compile(r"^error: (.*) is not supported yet", re.MULTILINE)
@@ -93,7 +103,8 @@ def plan_checks(gpus: int) -> list[Check]:
     pipeline = 2 if gpus >= 2 else 1
     checks = []
     for name, flags in FEATURES.items():
-        data_parallel = 2 if name == "distributed-optimizer" and gpus >= 2 * pipeline else 1
+        sharded = name in ("distributed-optimizer", "fsdp")
+        data_parallel = 2 if sharded and gpus >= 2 * pipeline else 1
         for schedule in SCHEDULES:
             checks.append(Check(name, schedule, pipeline, data_parallel, list(flags)))
     return checks

@@ -48,7 +48,7 @@ def test_dry_run_plans_each_feature_under_both_schedules(gpus, pipeline, optimiz
     assert "calibrate_stage.py" not in proc.stdout
     runs = planned_runs(proc.stdout)
     features = ["bf16", "fp16", "distributed-optimizer", "recompute-selective", "recompute-full",
-                "fused-cross-entropy"]  # fmt: skip
+                "fused-cross-entropy", "fsdp", "dsa"]  # fmt: skip
     assert sorted(runs) == sorted(f"{f}/{s}" for f in features for s in ("1f1b", "paci"))
     expected_flags = {
         "bf16": "--bf16", "fp16": "--fp16",
@@ -57,6 +57,8 @@ def test_dry_run_plans_each_feature_under_both_schedules(gpus, pipeline, optimiz
         "recompute-full": "--bf16 --recompute-granularity full --recompute-method uniform "
         "--recompute-num-layers 1",
         "fused-cross-entropy": "--bf16 --cross-entropy-loss-fusion",
+        "fsdp": "--bf16 --use-megatron-fsdp",
+        "dsa": "--experimental-attention-variant dsa",
     }  # fmt: skip
     for label, words in runs.items():
         feature, schedule = label.split("/")
@@ -64,7 +66,8 @@ def test_dry_run_plans_each_feature_under_both_schedules(gpus, pipeline, optimiz
         text = " ".join(args)
         assert expected_flags[feature] in text and f"--pipeline-schedule {schedule}" in text
         assert f"--pipeline-model-parallel-size {pipeline}" in text and "--train-iters 7" in text
-        ranks = optimizer_ranks if feature == "distributed-optimizer" else pipeline
+        sharded = feature in ("distributed-optimizer", "fsdp")
+        ranks = optimizer_ranks if sharded else pipeline
         assert words[words.index("--nproc-per-node") + 1] == str(ranks)
         assert words[1:4] == ["-m", "torch.distributed.run", "--standalone"]
         _, unknown = build_parser().parse_known_args(args)  # Megatron's names, known here
