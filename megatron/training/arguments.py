@@ -493,7 +493,8 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
             raise UserError("emulated stages have no megatron-core model: checkpoint them with "
                             "--ckpt-format torch")  # fmt: skip
     validate_sample_options(args)
-    validate_fsdp_args(args)  # before the optimizer's: Megatron-FSDP turns the distributed one on
+    # before the optimizer's: Megatron-FSDP turns the distributed one on
+    validate_fsdp_args(args, replicas_order_on_their_own=_replicas_order_on_their_own(args))
     _validate_optimizer_suite_args(args)
     _validate_weight_stashing(args)
     _validate_precision_args(args)

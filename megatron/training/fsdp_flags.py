@@ -44,9 +44,11 @@ def add_fsdp_args(parser: argparse.ArgumentParser) -> None:
     add("--megatron-fsdp-grad-comm-dtype", default="auto", choices=DTYPE_CHOICES)
 
 
-def validate_fsdp_args(args: argparse.Namespace) -> None:
+def validate_fsdp_args(args: argparse.Namespace, *, replicas_order_on_their_own: bool = False):
     """Resolves `args.fully_sharded` ("torch_fsdp2", "megatron_fsdp" or None: no FSDP units)
-    and `args.reshard_after_forward`; what is not supported yet fails in one line."""
+    and `args.reshard_after_forward`; what is not supported yet fails in one line.
+    `replicas_order_on_their_own`: a reactive PACI arrival rule lets each data-parallel replica
+    order its passes by its own arrivals, and FSDP's gathers in every pass need one order."""
     if args.use_torch_fsdp2 and args.use_megatron_fsdp:
         raise UserError("--use-torch-fsdp2 and --use-megatron-fsdp exclude each other")
     args.fully_sharded, args.reshard_after_forward = None, True
@@ -60,6 +62,14 @@ def validate_fsdp_args(args: argparse.Namespace) -> None:
         _validate_megatron_fsdp(args)
     if args.fully_sharded is not None:
         _reject_what_is_not_supported_yet(args)
+        if replicas_order_on_their_own:
+            flag = "--use-torch-fsdp2" if args.use_torch_fsdp2 else "--use-megatron-fsdp"
+            raise UserError(
+                f"{flag} with --paci-arrival-rule {args.paci_arrival_rule} and data "
+                "parallelism is not supported yet (each replica orders its passes by its own "
+                "arrivals, and FSDP gathers over the replicas in every pass; add "
+                "--deterministic-mode or keep the fixed order)"
+            )
     elif args.ckpt_format == "fsdp_dtensor":
         raise UserError("--ckpt-format fsdp_dtensor needs a fully sharded model: "
                         "--use-megatron-fsdp (with --data-parallel-sharding-strategy "

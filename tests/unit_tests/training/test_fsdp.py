@@ -71,6 +71,12 @@ def test_what_the_flags_resolve_to(extra, fully_sharded, reshard, distributed_op
          "main weights and gradients"),
         (["--use-megatron-fsdp", "--outer-dp-sharding-strategy", "optim"],
          "--outer-dp-sharding-strategy optim is not supported yet (hybrid sharding)"),
+        (["--use-megatron-fsdp", "--pipeline-schedule", "paci", "--paci-arrival-rule",
+          "backward-first"],
+         "--use-megatron-fsdp with --paci-arrival-rule backward-first and data parallelism is "
+         "not supported yet (each replica orders its passes by its own arrivals, and FSDP "
+         "gathers over the replicas in every pass; add --deterministic-mode or keep the fixed "
+         "order)"),
         (["--ckpt-format", "fsdp_dtensor"],
          "--ckpt-format fsdp_dtensor needs a fully sharded model: --use-megatron-fsdp (with "
          "--data-parallel-sharding-strategy optim_grads_params or optim_grads) or "
