@@ -7,7 +7,6 @@ import dataclasses
 import errno
 import os
 import shutil
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -27,20 +26,8 @@ FLAGS = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    assert not dist.is_initialized()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+# every test here saves and loads on a one-process group (tests/unit_tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 FORMATS = ["torch", "torch_dist"]
