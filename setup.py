@@ -13,7 +13,15 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_namespace_packages(
-        include=["megatron.training*", "megatron.pipeline*", "megatron.studies*"]
+        include=[
+            "megatron.common*",
+            "megatron.pipeline*",
+            "megatron.distributed*",
+            "megatron.model*",
+            "megatron.training*",
+            "megatron.benchmarks*",
+            "megatron.studies*",
+        ]
     ),
     py_modules=["pretrain_gpt"],
     install_requires=[

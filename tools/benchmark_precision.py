@@ -19,7 +19,7 @@ import sys
 
 from benchmark_convergence import run_schedule  # the demo's flags, one schedule, its summary
 
-from megatron.training.errors import run_tool
+from megatron.common.errors import run_tool
 
 
 def window_means(losses: list[float], window: int) -> list[float]:

@@ -31,11 +31,11 @@ from megatron.benchmarks.emulated_benchmark import (
     simulated_definition,
 )
 from megatron.benchmarks.runtime_comparison import RUNTIME_NAMES, compare_in_runtime
+from megatron.common.errors import run_tool
 from megatron.pipeline.schedules import get_schedule
 from megatron.pipeline.schedules.paci import with_paci_options
 from megatron.pipeline.simulation.costs import stage_values
 from megatron.pipeline.simulation.results import steady_state_window
-from megatron.training.errors import run_tool
 
 
 def parse_model_args(argv) -> argparse.Namespace:

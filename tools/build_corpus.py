@@ -9,8 +9,8 @@ Example::
 
 import sys
 
+from megatron.common.errors import run_tool
 from megatron.training.data.corpus import main
-from megatron.training.errors import run_tool
 
 if __name__ == "__main__":
     sys.exit(run_tool(main))

@@ -11,7 +11,7 @@ A command line over ``megatron.training.tokenizer.tiktoken_vocab``
 
 import sys
 
-from megatron.training.errors import run_tool
+from megatron.common.errors import run_tool
 from megatron.training.tokenizer.tiktoken_vocab import main
 
 if __name__ == "__main__":

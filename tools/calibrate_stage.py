@@ -20,8 +20,8 @@ import json
 import os
 import sys
 
+from megatron.common.errors import UserError, run_tool
 from megatron.studies import calibration
-from megatron.training.errors import UserError, run_tool
 
 
 def write(path: str, text: str) -> None:

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from megatron.training.errors import run_tool
+from megatron.common.errors import run_tool
 
 
 def _mib(nbytes: float) -> str:

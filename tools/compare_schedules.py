@@ -19,8 +19,8 @@ import dataclasses
 import sys
 
 from megatron.benchmarks.comparison import MODELS, markdown, table, virtual_stage_costs
+from megatron.common.errors import run_tool
 from megatron.pipeline.schedules import SIMULATED_SCHEDULES
-from megatron.training.errors import run_tool
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 
-from megatron.training.errors import run_tool
+from megatron.common.errors import run_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

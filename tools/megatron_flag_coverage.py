@@ -32,6 +32,7 @@ import json
 import os
 import sys
 
+from megatron.common.errors import run_tool
 from megatron.studies.flag_coverage import (
     decode,
     encode,
@@ -41,7 +42,6 @@ from megatron.studies.flag_coverage import (
     parser_flag_table,
     report,
 )
-from megatron.training.errors import run_tool
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 DATA_FILE = os.path.join(TOOLS, "data", "megatron_gpt_command_lines.json")

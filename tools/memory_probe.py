@@ -6,8 +6,8 @@ python tools/memory_probe.py --analyze DIR [DIR ...]
 
 import sys
 
+from megatron.common.errors import run_tool
 from megatron.studies.memory_probe import main
-from megatron.training.errors import run_tool
 
 if __name__ == "__main__":
     sys.exit(run_tool(main))

@@ -7,8 +7,8 @@ Logic in megatron/studies/memory_report.py.
 
 import sys
 
+from megatron.common.errors import run_tool
 from megatron.studies.memory_report import main
-from megatron.training.errors import run_tool
 
 if __name__ == "__main__":
     sys.exit(run_tool(main))

@@ -22,8 +22,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from megatron.common.errors import run_tool
 from megatron.studies import time_to_accuracy as tta  # noqa: E402
-from megatron.training.errors import run_tool
 
 
 def main(argv=None) -> int:

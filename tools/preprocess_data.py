@@ -13,8 +13,8 @@ writes ``data/stdlib_text_document.bin`` and ``data/stdlib_text_document.idx``.
 
 import sys
 
+from megatron.common.errors import run_tool
 from megatron.training.data.preprocessing import main
-from megatron.training.errors import run_tool
 
 if __name__ == "__main__":
     sys.exit(run_tool(main))

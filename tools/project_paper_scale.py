@@ -18,7 +18,7 @@ import sys
 
 from megatron.benchmarks import projection
 from megatron.benchmarks.projection_report import markdown
-from megatron.training.errors import run_tool
+from megatron.common.errors import run_tool
 
 
 def _write(path: str, content: str) -> None:

@@ -23,7 +23,7 @@ import tempfile
 import time
 
 from megatron.benchmarks import real_compute as rc
-from megatron.training.errors import run_tool
+from megatron.common.errors import run_tool
 
 
 def parse_args(argv=None) -> argparse.Namespace:

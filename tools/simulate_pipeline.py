@@ -50,11 +50,11 @@ import sys
 
 from megatron.benchmarks.calibration_file import load_stage_costs
 from megatron.benchmarks.gantt import plot_gantt
+from megatron.common.errors import UserError, run_tool
 from megatron.pipeline.schedules import SIMULATED_SCHEDULES, paci
 from megatron.pipeline.simulation import StageCosts, simulate
 from megatron.pipeline.simulation.costs import parse_stage_costs
 from megatron.pipeline.trace import write_chrome_trace
-from megatron.training.errors import UserError, run_tool
 
 DEFAULT_STEPS = 200
 DEFAULT_COSTS = {"fwd": 1.0, "bwd": 2.0, "wgrad": 0.0, "step_cost": 0.0}

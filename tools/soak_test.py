@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from megatron.training.errors import run_tool
+from megatron.common.errors import run_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

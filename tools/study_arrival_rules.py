@@ -15,8 +15,8 @@ import sys
 import time
 
 from megatron.benchmarks import arrival_study
+from megatron.common.errors import run_tool
 from megatron.pipeline.schedules.paci import DEFAULT_ARRIVAL_RULE
-from megatron.training.errors import run_tool
 
 
 def number_list(cast):

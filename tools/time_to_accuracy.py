@@ -21,8 +21,8 @@ import argparse
 import json
 import sys
 
+from megatron.common.errors import run_tool
 from megatron.studies import time_to_accuracy as tta
-from megatron.training.errors import run_tool
 
 
 def parse_args(argv=None) -> argparse.Namespace:

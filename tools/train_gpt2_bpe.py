@@ -8,7 +8,7 @@ A command line over ``megatron.training.tokenizer.gpt2_bpe_training``, which doc
 
 import sys
 
-from megatron.training.errors import run_tool
+from megatron.common.errors import run_tool
 from megatron.training.tokenizer.gpt2_bpe_training import main
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ writes ``data/tokenizer/stdlib.model`` (for ``--tokenizer-model``) and a readabl
 
 import sys
 
-from megatron.training.errors import run_tool
+from megatron.common.errors import run_tool
 from megatron.training.tokenizer.sentencepiece_training import main
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 
 Launches `pretrain_gpt.py` through torchrun (gloo, one process per stage) once per schedule,
 with each stage's model replaced by a stand-in that sleeps ``--fwd-ms`` per forward and
-``--bwd-ms`` per backward (`megatron.training.emulated_stage`) and a tiny hidden size, so what is
+``--bwd-ms`` per backward (`megatron.model.emulated_stage`) and a tiny hidden size, so what is
 measured is the schedule, the runtime and the transfers, not the CPU. Each run writes its
 Chrome trace (``--timeline-file``) and ``summary.json`` (``--metrics-dir``). The simulator then
 runs the same schedule definition with costs and p2p latency measured from that trace, and

@@ -2,7 +2,7 @@
 
 `tools/benchmark_schedules.py --model NAME` is its command line. For each schedule it launches
 `pretrain_gpt.py` (torchrun, gloo, one process per rank) with emulated stages
-(`megatron.training.emulated_stage`) that sleep for the schedule's own per-virtual-stage costs from
+(`megatron.model.emulated_stage`) that sleep for the schedule's own per-virtual-stage costs from
 the comparison's FLOP model (`comparison.virtual_stage_costs`: forward, input gradient and
 weight gradient per virtual stage, for the schedule's placement; a schedule that does not split
 its backward sleeps both gradient parts in one pass), scaled to `ms_per_layer` milliseconds per

@@ -71,7 +71,7 @@ from megatron.benchmarks.calibration_file import (
     predicted_whole_model,
     profile_entry,
 )
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -280,9 +280,10 @@ def initialize_single_process(device, options: CalibrationOptions):
     functions below take it."""
     import torch.distributed as dist
 
+    from megatron.model.build import transformer_config
     from megatron.training.arguments import build_parser, validate_args
     from megatron.training.config import RunConfig
-    from megatron.training.training import initialize_distributed, transformer_config
+    from megatron.training.training import initialize_distributed
 
     if not dist.is_initialized():
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -297,7 +298,7 @@ def initialize_single_process(device, options: CalibrationOptions):
 def build_stage(config, kind: str, depth: int, options: CalibrationOptions, device):
     """A GPT stage with `depth` layers: 'first' (embedding), 'middle', 'last' (output + loss)
     or 'whole' (both ends, the one-stage model)."""
-    from megatron.training.model import StageLayout, build_gpt_stage
+    from megatron.model.gpt import StageLayout, build_gpt_stage
 
     pre, post = {"first": (1, 0), "middle": (0, 0), "last": (0, 1), "whole": (1, 1)}[kind]
     # A layout that puts this chunk where `kind` says (rank, size only decide pre/post and
@@ -327,7 +328,7 @@ def build_stage(config, kind: str, depth: int, options: CalibrationOptions, devi
 
 
 def layer_spec_name(device) -> str:
-    from megatron.training.model import transformer_engine_available
+    from megatron.model.gpt import transformer_engine_available
 
     if device.type == "cuda" and transformer_engine_available():
         return "transformer_engine"

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron.training.mtp import set_mtp_loss_scale
+from megatron.model.mtp import set_mtp_loss_scale
 
 
 @dataclass
@@ -58,7 +58,7 @@ def ensure_single_process_groups() -> None:
 def prepare_host(config, device) -> None:
     """What `pretrain` sets up for megatron-core's CUDA-minded parts on a CPU run: with MoE
     layers or --sequence-parallel, host buffers, streams and RNG tracker (one tensor rank)."""
-    from megatron.training.model import run_sequence_parallel_on_host
+    from megatron.model.gpt import run_sequence_parallel_on_host
 
     moe = config.moe is not None
     if (config.parallel.sequence_parallel or moe) and device.type == "cpu":
@@ -69,6 +69,7 @@ def build_local_stage(config, layout, device):
     """One stage's model (`layout`) and its optimizer step with no process group, so that one
     process can train it: what `pretrain` builds on a rank (the same builder, `build_chunk`),
     less the groups."""
+    from megatron.model.build import build_chunk, transformer_config
     from megatron.training.optimizer.build import (
         StageOptimizerStep,
         build_lr_scheduler,
@@ -77,7 +78,6 @@ def build_local_stage(config, layout, device):
     )
     from megatron.training.optimizer.delay_lookahead import for_stage
     from megatron.training.optimizer.lr_per_iteration import per_iteration
-    from megatron.training.training import build_chunk, transformer_config
 
     model = build_chunk(config, transformer_config(config, device), layout, device)
     stage_config = for_stage(config.optimizer, config.pipeline, config.training,
@@ -101,9 +101,9 @@ def build_local_stage(config, layout, device):
 
 def _build(config):
     """Model, optimizer step and data iterators, as `pretrain` builds them on one stage."""
+    from megatron.model.build import stage_layout
     from megatron.training.data.datasets import data_iterators_of_run
     from megatron.training.tokenizer.tokenizer import build_tokenizer_of_run
-    from megatron.training.training import stage_layout
 
     ensure_single_process_groups()
     torch.manual_seed(config.training.seed)
@@ -205,7 +205,7 @@ class _MoE:
         self.active = active
         self.routing_buffers, self.hooks = [], None
         if self.active:
-            from megatron.training.moe import MoEStepHooks, routing_buffers, set_aux_loss_scale
+            from megatron.model.moe import MoEStepHooks, routing_buffers, set_aux_loss_scale
 
             set_aux_loss_scale(1.0 / microbatches)
             self.routing_buffers, self.hooks = routing_buffers(model), MoEStepHooks(model)

@@ -17,8 +17,8 @@ import os
 import re
 import unittest.mock
 
+from megatron.common.errors import UserError
 from megatron.training.arguments import build_parser, validate_args
-from megatron.training.errors import UserError
 from megatron.training.megatron_flags import (
     DEPRECATED,
     NO_EFFECT,

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron.training.errors import UserError
-from megatron.training.mtp import set_mtp_loss_scale
+from megatron.common.errors import UserError
+from megatron.model.mtp import set_mtp_loss_scale
 
 # Flags whose runtime behaviour the engine does not reproduce.
 UNSUPPORTED = {
@@ -126,6 +126,7 @@ class _Stages:
     """The model's stages in one process, their data iterators and optimizer steps."""
 
     def __init__(self, config):
+        from megatron.model.build import stage_layout
         from megatron.studies.delayed_reference import (
             build_local_stage,
             ensure_single_process_groups,
@@ -134,7 +135,6 @@ class _Stages:
         from megatron.training.batch_schedule import total_train_samples
         from megatron.training.data.datasets import data_iterators_of_run
         from megatron.training.tokenizer.tokenizer import build_tokenizer_of_run
-        from megatron.training.training import stage_layout
 
         ensure_single_process_groups()
         torch.manual_seed(config.training.seed)
@@ -282,7 +282,7 @@ def _with_moe(runtimes, models, steps) -> list:
     weight-stashing schedules keep the expert bias with each weight version. Returns
     the steps to run. (megatron-core keeps one aux-loss scale per process; the stages' threads
     all set the same value between two drain points, where a changes.)"""
-    from megatron.training.moe import MoEStepHooks, routing_buffers, set_aux_loss_scale
+    from megatron.model.moe import MoEStepHooks, routing_buffers, set_aux_loss_scale
 
     def with_hooks(step, hooks):
         def run():

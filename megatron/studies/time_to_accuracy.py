@@ -25,7 +25,7 @@ import statistics
 import subprocess
 from dataclasses import dataclass, field
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

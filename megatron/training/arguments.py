@@ -8,6 +8,24 @@ import argparse
 import math
 import os
 
+from megatron.common.errors import UserError
+from megatron.distributed.context_parallel.attention import CP_COMM_TYPES
+from megatron.distributed.fsdp_flags import add_fsdp_args, validate_fsdp_args
+from megatron.model.dsa import add_dsa_args, validate_dsa_args
+from megatron.model.gated_delta_net import (
+    add_gated_delta_net_args,
+    validate_gated_delta_net_args,
+)
+from megatron.model.mla import add_mla_args, add_yarn_args, validate_mla_and_yarn_args
+from megatron.model.moe import (
+    add_moe_args,
+    add_moe_unsupported_args,
+    moe_config_fields,
+    validate_moe_args,
+)
+from megatron.model.mtp import add_mtp_args, validate_mtp_args
+from megatron.model.mup import add_mup_args, validate_mup_args
+from megatron.model.recompute import add_recompute_args, validate_recompute_args
 from megatron.pipeline.schedules import (
     SCHEDULES,
     VIRTUAL_STAGE_SCHEDULES,
@@ -28,22 +46,14 @@ from megatron.training.batch_schedule import (
     validate_rampup,
     validate_step_schedule,
 )
-from megatron.training.config import check_vocabulary_split, pipeline_plan
-from megatron.training.context_parallel_attention import CP_COMM_TYPES
-from megatron.training.data.sources import add_data_source_args, validate_sample_options
-from megatron.training.dsa import add_dsa_args, validate_dsa_args
-from megatron.training.errors import UserError
-from megatron.training.fsdp_flags import add_fsdp_args, validate_fsdp_args
-from megatron.training.gated_delta_net import (
-    add_gated_delta_net_args,
-    validate_gated_delta_net_args,
+from megatron.training.config import (
+    MoEConfig,
+    ParallelConfig,
+    check_vocabulary_split,
+    pipeline_plan,
 )
+from megatron.training.data.sources import add_data_source_args, validate_sample_options
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
-from megatron.training.mla import add_mla_args, add_yarn_args, validate_mla_and_yarn_args
-from megatron.training.moe import add_moe_args, add_moe_unsupported_args, validate_moe_args
-from megatron.training.mtp import add_mtp_args, validate_mtp_args
-from megatron.training.mup import add_mup_args, validate_mup_args
-from megatron.training.recompute import add_recompute_args, validate_recompute_args
 from megatron.training.rerun import add_rerun_args, validate_rerun_args
 from megatron.training.tokenizer.tokenizer import add_tiktoken_args
 from megatron.training.tracking.wandb_run import add_wandb_args, validate_wandb_args
@@ -447,6 +457,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _validate_moe_with_megatron_core(args) -> None:
+    """megatron-core's own rules on the MoE settings (TransformerConfig's checks: top-1
+    softmax routing needs pre-softmax, expert bias needs sigmoid scores, padding needs a
+    capacity factor, bias with expert tensor parallelism, ...), each as one line. Run here, after the MoE section's own checks: it builds the
+    run's typed sections, which the model package does not import."""
+    import warnings
+
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            TransformerConfig(
+                num_layers=args.num_layers,
+                hidden_size=args.hidden_size,
+                num_attention_heads=args.num_attention_heads,
+                ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+                add_bias_linear=not args.disable_bias_linear,
+                tensor_model_parallel_size=args.tensor_model_parallel_size,
+                pipeline_dtype=torch.float32,
+                **moe_config_fields(MoEConfig.from_flags(args), ParallelConfig.from_flags(args)),
+            )
+    except (AssertionError, ValueError) as error:
+        detail = " ".join(str(error).split()) or type(error).__name__
+        raise UserError(f"MoE settings: {detail}") from None
+
+
 def validate_args(args: argparse.Namespace, *, world_size: int, check_files: bool = True) -> None:
     """Fill defaults that depend on other flags and reject inconsistent ones.
 
@@ -457,6 +495,8 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_reliability(args)
     _validate_parallel_layout(args, world_size)
     validate_moe_args(args, world_size=world_size)
+    if args.num_experts is not None:
+        _validate_moe_with_megatron_core(args)
     _validate_model_shape(args)
     _validate_model_checks(args)
     validate_mla_and_yarn_args(args)

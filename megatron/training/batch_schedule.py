@@ -38,7 +38,7 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 
 @dataclass(frozen=True)

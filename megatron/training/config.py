@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from megatron.common.errors import UserError
 from megatron.pipeline.plan import PipelinePlan, resolve_plan
-from megatron.training.errors import UserError
 from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
 
 
@@ -70,7 +70,7 @@ class ModelConfig(_Section):
     bf16: bool = False
     fp16: bool = False
     calculate_per_token_loss: bool = False
-    # Megatron's model switches (TransformerConfig fields: training.model_switches)
+    # Megatron's model switches (TransformerConfig fields: model/build.py model_switches)
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
     apply_layernorm_1p: bool = False
@@ -243,7 +243,7 @@ class PipelineConfig(_Section):
     paci_accumulation_schedule: tuple = ()
     async_sync_warmup_iters: int = 0
     async_sync_cooldown_iters: int = 0
-    # emulated compute instead of the model (training/emulated_stage.py)
+    # emulated compute instead of the model (model/emulated_stage.py)
     emulated_forward_ms: object = None
     emulated_backward_ms: object = None
     emulated_weight_grad_ms: object = None

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron.common.errors import RunFailed
 from megatron.training.checkpointing import save_load as checkpointing
-from megatron.training.errors import RunFailed
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """The command line's run: parse and check the flags, train, and turn every way a run can end
 into an exit status, with one line saying why (`pretrain_gpt.py`, the memory probe)."""
 
+from megatron.common.errors import RunFailed, UserError
 from megatron.pipeline.p2p import PeerLost, describe_rank
 from megatron.training.arguments import parse_args
-from megatron.training.errors import RunFailed, UserError
 from megatron.training.faults import (
     another_rank_reported_an_error,
     end_stopped_peers,

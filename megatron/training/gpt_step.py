@@ -70,7 +70,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: b
 
 
 def _context_parallel_group():
-    from megatron.training.model import context_parallel_group  # after validation: megatron-core
+    from megatron.model.gpt import context_parallel_group  # after validation: megatron-core
 
     return context_parallel_group()
 

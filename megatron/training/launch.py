@@ -17,7 +17,7 @@ import time
 
 import torch.distributed as dist
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 _VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _HOW = "launch with torchrun (it sets them) or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"

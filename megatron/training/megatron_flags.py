@@ -18,7 +18,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron.common.errors import UserError
+from megatron.distributed import fsdp
 from megatron.pipeline.audit import audit_requested
 from megatron.pipeline.deferred_wgrad import deferral_report
 from megatron.pipeline.trace import write_chrome_trace
-from megatron.training import fsdp
 from megatron.training.checkpointing.save_load import atomic_write_text
-from megatron.training.errors import UserError
 
 
 def holds_the_loss(plan) -> bool:

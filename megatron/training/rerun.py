@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 EXIT_RESUME_TO_DISAMBIGUATE = 16  # Megatron's codes
 EXIT_FAILED_ON_RESULT_VALIDATION = 17

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import numpy
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 # flag -> smallest accepted value (None: the flag may be absent)
 _AT_LEAST_ONE = (

@@ -17,8 +17,8 @@ import sys
 
 import torch.distributed as dist
 
+from megatron.common.errors import RunFailed
 from megatron.training.arguments import parse_args
-from megatron.training.errors import RunFailed
 from megatron.training.training import pretrain
 from pretrain_gpt import forward_step  # installed beside megatron (setup.py py_modules)
 

@@ -28,6 +28,7 @@ def main(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
+    from megatron.model.build import stage_layout
     from megatron.pipeline.accounting import preserve_versions
     from megatron.pipeline.schedules import get_schedule
     from megatron.pipeline.schedules.paci import with_paci_options
@@ -36,7 +37,6 @@ def main(argv: list[str]) -> int:
     from megatron.training.config import RunConfig
     from megatron.training.data.datasets import data_iterators_of_run
     from megatron.training.tokenizer.tokenizer import build_tokenizer
-    from megatron.training.training import stage_layout
     from pretrain_gpt import forward_step
 
     torch.set_num_threads(1)

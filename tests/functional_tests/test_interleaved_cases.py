@@ -15,11 +15,11 @@ import run_cases
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from run_cases import relative_difference
 
+from megatron.model.build import transformer_config
 from megatron.pipeline.schedules import paci_interleaved, virtual_schedule
 from megatron.pipeline.simulation import simulate
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.config import RunConfig
-from megatron.training.training import transformer_config
 
 FLUSH = {  # case -> its one-process reference
     "gpt_pp4vp2_1f1b": "gpt_pp1_8layers_1f1b",

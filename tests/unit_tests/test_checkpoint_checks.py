@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron.common.errors import UserError
+from megatron.model.build import build_stage_model
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.checkpointing import save_load as checkpointing
 from megatron.training.config import RunConfig
-from megatron.training.errors import UserError
 from megatron.training.optimizer.build import build_lr_scheduler, build_optimizer
-from megatron.training.training import build_stage_model
 
 FLAGS = [
     "--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",

@@ -3,8 +3,8 @@
 import pytest
 from test_validation import validation_error, with_flags
 
+from megatron.common.errors import UserError
 from megatron.training.arguments import build_parser, validate_args
-from megatron.training.errors import UserError
 
 
 def validated(argv: list[str], world_size: int = 4):

@@ -1,5 +1,5 @@
 """The package layout: imports only go downward (tools -> studies -> benchmarks -> training ->
-pipeline), what pretrain_gpt.py imports holds no study or measurement module, the pipeline
+model -> distributed -> pipeline -> common), what pretrain_gpt.py imports holds no study or measurement module, the pipeline
 package starts no process, no module imports pretrain_gpt, and no two modules import each
 other."""
 
@@ -10,7 +10,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYERS = [
+    "megatron.common",
     "megatron.pipeline",
+    "megatron.distributed",
+    "megatron.model",
     "megatron.training",
     "megatron.benchmarks",
     "megatron.studies",

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from megatron.common.errors import UserError
 from megatron.training.checkpointing.writer_lock import OWNER_FILE, WriterLock, read_owner
-from megatron.training.errors import UserError
 
 HOLDER = """
 import sys, time

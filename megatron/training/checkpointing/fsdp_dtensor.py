@@ -21,6 +21,8 @@ from megatron.core import parallel_state as ps
 from torch.distributed import checkpoint
 from torch.distributed.tensor import DTensor
 
+from megatron.common.errors import UserError
+from megatron.model.gpt import is_expert_parameter
 from megatron.training.checkpointing import integrity
 from megatron.training.checkpointing.torch_dist import (
     GROUP_COUNTERS,
@@ -29,8 +31,6 @@ from megatron.training.checkpointing.torch_dist import (
     ensure_optimizer_state,
     first_line,
 )
-from megatron.training.errors import UserError
-from megatron.training.model import is_expert_parameter
 
 FORMAT = "fsdp_dtensor"
 COMMON_FILE = "fsdp_dtensor.pt"  # the common state; also the format's marker

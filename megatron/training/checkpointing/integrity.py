@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 MANIFEST = "integrity.json"
 ALGORITHM = "sha256"

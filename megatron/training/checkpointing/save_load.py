@@ -30,11 +30,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron.common.errors import UserError
+from megatron.distributed import fsdp
 from megatron.pipeline.schedules import SCHEDULES
-from megatron.training import faults, fsdp
+from megatron.training import faults
 from megatron.training.checkpointing import fsdp_dtensor, integrity, torch_dist
 from megatron.training.config import CheckpointConfig
-from megatron.training.errors import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 INJECT_STOP_ENV = "MEGATRON_INJECT_STOP_IN_SAVE"

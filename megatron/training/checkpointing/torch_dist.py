@@ -34,9 +34,9 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from torch.distributed import checkpoint
 from torch.distributed.checkpoint import CheckpointException
 
+from megatron.common.errors import UserError
+from megatron.model.moe import experts_apart_from_dense
 from megatron.training.checkpointing import integrity
-from megatron.training.errors import UserError
-from megatron.training.moe import experts_apart_from_dense
 
 FORMAT = "torch_dist"
 METADATA_FILE = "metadata.json"  # megatron-core's marker of a distributed checkpoint

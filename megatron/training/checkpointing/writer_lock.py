@@ -18,7 +18,7 @@ import os
 import socket
 import uuid
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 LOCK_FILE = ".writer.lock"
 OWNER_FILE = ".writer.json"

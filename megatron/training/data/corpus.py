@@ -22,7 +22,7 @@ _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 
 def iter_source_files(root: str, include_tests: bool = False):

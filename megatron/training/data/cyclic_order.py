@@ -16,7 +16,7 @@ Microbatch positions are counted in consumed samples, so a resumed run (consumed
 its checkpoint) reads on exactly where the interrupted one would have.
 """
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 
 class CyclicOrder:

@@ -20,9 +20,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy
 
+from megatron.common.errors import UserError
 from megatron.training.data.cyclic_order import CyclicOrder
 from megatron.training.data.fim import FimSettings, resolve_token_ids
-from megatron.training.errors import UserError
 
 # The .idx layout written by megatron-core's IndexedDatasetBuilder (indexed_dataset.py):
 # magic, version (<Q, 1), dtype code (<B), sequence count (<Q), document count (<Q), then

@@ -39,7 +39,7 @@ from typing import List, Optional, Sequence
 
 import numpy
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 
 @dataclass(frozen=True)

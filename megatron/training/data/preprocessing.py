@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 from megatron.training.tokenizer.tokenizer import (
     TOKENIZER_TYPES,
     add_tiktoken_args,

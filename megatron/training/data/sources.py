@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import List, Optional
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 SPLITS = ("train", "valid", "test")
 PER_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")

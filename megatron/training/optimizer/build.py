@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron.training.fsdp import is_fully_sharded
+from megatron.distributed.fsdp import is_fully_sharded
 from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
 from megatron.training.optimizer.main_params import (
     ModelGradients,

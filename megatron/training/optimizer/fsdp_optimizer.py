@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from megatron.training import fsdp
+from megatron.distributed import fsdp
 from megatron.training.optimizer.main_params import SuiteOptimizerWrapper, main_copy
 
 

@@ -188,7 +188,7 @@ def mup_settings_of(config: OptimizerConfig):
     None at width multiplier 1."""
     if config.mup_width_mult == 1.0:
         return None
-    from megatron.training.mup import group_overrides
+    from megatron.model.mup import group_overrides
 
     def settings(name: str, param: torch.nn.Parameter) -> dict:
         ndim = getattr(param, "model_ndim", param.ndim)  # a distributed optimizer's piece: 1-D

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 from megatron.training.tokenizer.tokenizer import (
     GPT2BPETokenizer,
     _gpt2_pattern,

@@ -27,7 +27,7 @@ import random
 import sys
 import time
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 

@@ -15,7 +15,7 @@ import base64
 import json
 from typing import Dict, List, Optional, Sequence
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 from megatron.training.tokenizer.base import Tokenizer
 
 # Megatron-LM's word-splitting patterns (the format's contract, as its tokenizer defines them).

@@ -6,7 +6,7 @@ import base64
 import json
 from typing import Dict, List
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 from megatron.training.tokenizer.tokenizer import GPT2BPETokenizer, bytes_to_unicode
 
 

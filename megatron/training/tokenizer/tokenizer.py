@@ -35,7 +35,7 @@ import re
 import unicodedata
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 from megatron.training.tokenizer.base import Tokenizer
 
 TOKENIZER_TYPES = (

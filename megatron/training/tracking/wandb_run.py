@@ -12,7 +12,7 @@ network; `wandb sync DIR` uploads it later).
 import argparse
 import os
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 
 def add_wandb_args(parser: argparse.ArgumentParser) -> None:

@@ -6,12 +6,12 @@ import pytest
 import torch
 from datatests_support import random_documents, write_indexed_dataset
 
+from megatron.common.errors import UserError
 from megatron.training.data.datasets import (
     build_data_iterators,
     check_batch_token_ids,
     locate_bad_tokens,
 )
-from megatron.training.errors import UserError
 from megatron.training.tokenizer.tokenizer import build_tokenizer
 
 SEQ = 32

@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 
+from megatron.common.errors import UserError
 from megatron.training.data.cyclic_order import CyclicOrder
 from megatron.training.data.datasets import MicrobatchIterator
-from megatron.training.errors import UserError
 
 
 def reference_microbatches(num_samples, mbs, rank, ranks, sharding):

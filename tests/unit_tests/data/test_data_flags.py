@@ -9,10 +9,10 @@ import pytest
 import torch
 from datatests_support import random_documents, write_indexed_dataset
 
+from megatron.common.errors import UserError
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.config import RunConfig
 from megatron.training.data.datasets import data_iterators_of_run
-from megatron.training.errors import UserError
 from megatron.training.tokenizer.tokenizer import build_tokenizer
 
 SEQ, VOCAB = 32, 100
@@ -143,7 +143,7 @@ def test_reset_attention_mask_is_megatron_cores_and_keeps_documents_apart(corpor
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron.training.training import build_stage_model
+    from megatron.model.build import build_stage_model
 
     low, _ = corpora
     extra = ("--data-path", low, "--reset-attention-mask", "--reset-position-ids",

@@ -7,6 +7,7 @@ import numpy
 import pytest
 from datatests_support import write_indexed_dataset
 
+from megatron.common.errors import UserError
 from megatron.training.data.datasets import build_data_iterators
 from megatron.training.data.fim import (
     FimSettings,
@@ -15,7 +16,6 @@ from megatron.training.data.fim import (
     resolve_token_ids,
     sample_generator,
 )
-from megatron.training.errors import UserError
 from megatron.training.tokenizer.base import Tokenizer
 from megatron.training.tokenizer.tokenizer import build_tokenizer
 

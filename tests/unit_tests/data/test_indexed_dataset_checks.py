@@ -7,6 +7,7 @@ import sys
 import pytest
 from datatests_support import REPO_ROOT
 
+from megatron.common.errors import UserError
 from megatron.training.data.datasets import (
     main,
     parse_data_path,
@@ -14,7 +15,6 @@ from megatron.training.data.datasets import (
     read_index_summary,
     validate_indexed_dataset,
 )
-from megatron.training.errors import UserError
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import numpy
 import pytest
 from datatests_support import REPO_ROOT, tiny_documents
 
+from megatron.common.errors import UserError
 from megatron.training.data import preprocessing
 from megatron.training.data.datasets import validate_indexed_dataset
-from megatron.training.errors import UserError
 from megatron.training.tokenizer.tokenizer import build_tokenizer
 
 SCRIPT = os.path.join(REPO_ROOT, "tools", "preprocess_data.py")

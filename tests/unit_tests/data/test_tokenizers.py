@@ -3,7 +3,7 @@ import json
 import pytest
 from datatests_support import TINY_VOCAB_SIZE, tiny_documents
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 from megatron.training.tokenizer import sentencepiece_training
 from megatron.training.tokenizer.tokenizer import (
     GPT2BPETokenizer,

@@ -4,8 +4,8 @@ one line its validation refuses it with."""
 
 import pytest
 
+from megatron.common.errors import UserError
 from megatron.training.arguments import build_parser, validate_args
-from megatron.training.errors import UserError
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",

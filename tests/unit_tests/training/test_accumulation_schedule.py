@@ -4,13 +4,13 @@ changes, and the flag's one-line mistakes."""
 import pytest
 from small_run_flags import validated
 
+from megatron.common.errors import UserError
 from megatron.training.batch_schedule import (
     BatchSchedule,
     accumulation_phases,
     total_train_samples,
 )
 from megatron.training.config import RunConfig
-from megatron.training.errors import UserError
 from megatron.training.training import drain_points
 
 PACI = ["--pipeline-schedule", "paci", "--pipeline-model-parallel-size", "2", "--eval-iters", "0",

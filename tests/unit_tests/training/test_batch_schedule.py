@@ -6,6 +6,7 @@ each threshold, the iteration count, the LR schedule's unit and its errors)."""
 import pytest
 from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
 
+from megatron.common.errors import UserError
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.batch_schedule import (
     BatchSchedule,
@@ -14,7 +15,6 @@ from megatron.training.batch_schedule import (
     train_iterations,
 )
 from megatron.training.config import RunConfig
-from megatron.training.errors import UserError
 from megatron.training.optimizer.config import LRScheduleConfig
 
 BASE = [

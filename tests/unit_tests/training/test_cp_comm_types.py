@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from megatron.core.parallel_state import create_hierarchical_groups
 
-from megatron.training import ring_attention as ring
-from megatron.training.context_parallel_attention import ContextParallelAttention
-from megatron.training.ring_attention import chunk_positions
+from megatron.distributed.context_parallel import ring
+from megatron.distributed.context_parallel.attention import ContextParallelAttention
+from megatron.distributed.context_parallel.ring import chunk_positions
 
 BATCH, HEADS, GROUPS, DIM, SEQ = 2, 4, 2, 8, 64
 SCALE, DROPOUT = DIM**-0.5, 0.3

@@ -12,7 +12,7 @@ from conftest import TinyGPT, optimizer_config, schedule_config
 from test_optimizer_args import validated
 from test_optimizers import set_random_grads
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 from megatron.training.optimizer.build import build_lr_scheduler, build_optimizer
 from megatron.training.optimizer.delay_lookahead import (
     LookaheadAdamW,

@@ -5,7 +5,7 @@ import pytest
 import torch
 from small_run_flags import configured, error_of
 
-from megatron.training.dsa import hadamard_rotation
+from megatron.model.dsa import hadamard_rotation
 
 MLA = "--multi-latent-attention --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16".split()
 DSA = (
@@ -31,7 +31,7 @@ def test_hadamard_rotation_is_the_orthonormal_sylvester_matrix(n):
 
 
 def test_the_flags_reach_the_model_config():
-    from megatron.training.dsa import dsa_config_fields
+    from megatron.model.dsa import dsa_config_fields
 
     config = configured(MLA + DSA + ["--dsa-indexer-use-sparse-loss"], vocab_size=100)
     assert dsa_config_fields(config.model) == {

@@ -119,7 +119,7 @@ def _sharded_copy(model):
 
     from torch.distributed.fsdp import fully_shard
 
-    from megatron.training import fsdp
+    from megatron.distributed import fsdp
 
     sharded = copy.deepcopy(model)
     sharded.layers[0].weight.tensor_model_parallel = True  # marks fully_shard must keep
@@ -139,7 +139,7 @@ def _adam(view):
 
 
 def test_row_ranges_follow_torch_chunk():
-    from megatron.training.fsdp import row_range
+    from megatron.distributed.fsdp import row_range
 
     class Fake:
         def __init__(self, rows, shards, rank):
@@ -183,7 +183,7 @@ def test_the_sharded_step_and_checkpoint_equal_the_unsharded_ones(one_rank_group
 
 
 def test_a_checkpoint_sees_whole_parameters_and_a_load_reaches_the_rows(one_rank_group):
-    from megatron.training import fsdp
+    from megatron.distributed import fsdp
     from megatron.training.optimizer.fsdp_optimizer import FullyShardedOptimizer
 
     sharded = _sharded_copy(TwoLayers())

@@ -1,4 +1,4 @@
-"""Gated DeltaNet hybrid attention (megatron/training/gated_delta_net.py): Megatron's flags and
+"""Gated DeltaNet hybrid attention (megatron/model/gated_delta_net.py): Megatron's flags and
 their one-line refusals, the hybrid model megatron-core builds from them in the portable spec
 (GDN where --linear-attention-freq puts it, the layer's initialization), the tensor-parallel
 slicing of its fused projections, and --apply-wd-to-qk-layernorm's weight decay groups."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 from small_run_flags import configured, validated
 
-from megatron.training.errors import UserError
-from megatron.training.gated_delta_net import tensor_parallel_slice
+from megatron.common.errors import UserError
+from megatron.model.gated_delta_net import tensor_parallel_slice
 
 GDN = [
     "--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2",
@@ -73,7 +73,7 @@ def test_hybrid_model_has_gdn_where_the_pattern_says(one_rank_group):
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
     from megatron.core.transformer.attention import SelfAttention
 
-    from megatron.training.training import build_stage_model
+    from megatron.model.build import build_stage_model
 
     config = configured(GDN + ["--attention-output-gate", "--swiglu"], vocab_size=128)
     model = build_stage_model(config, torch.device("cpu"))
@@ -105,8 +105,8 @@ def test_tensor_parallel_slice_takes_each_blocks_part():
 
 
 def test_weight_decay_on_qk_layernorms_only_when_asked(one_rank_group):
+    from megatron.model.build import build_stage_model
     from megatron.training.optimizer.suite import decay_groups, decay_qk_layernorms
-    from megatron.training.training import build_stage_model
 
     config = configured(["--qk-layernorm"], vocab_size=128)
     model = build_stage_model(config, torch.device("cpu"))

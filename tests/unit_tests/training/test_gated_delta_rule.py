@@ -1,4 +1,4 @@
-"""Our portable chunked gated delta rule (megatron/training/gated_delta_rule.py) against a
+"""Our portable chunked gated delta rule (megatron/model/gated_delta_rule.py) against a
 naive per-step recurrence written here in the textbook form: per head a state S [V, K],
 
     S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,    o_t = S_t (scale q_t),
@@ -11,7 +11,7 @@ changes)."""
 import pytest
 import torch
 
-from megatron.training.gated_delta_rule import chunk_gated_delta_rule, l2norm
+from megatron.model.gated_delta_rule import chunk_gated_delta_rule, l2norm
 
 
 def naive_gated_delta_rule(q, k, v, g, beta, scale, initial_state=None):

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 from megatron.training.tokenizer.tokenizer import build_tokenizer
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x = 0\n    y = 1\n"] * 20

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 from megatron.training.launch import launch_environment
 
 GOOD = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from conftest import TinyGPT, backward_with, optimizer_config
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 from megatron.training.optimizer.build import ExpertGroups, StageOptimizerStep, build_optimizer
 from megatron.training.optimizer.layer_wise import LayerWiseMainOptimizer, deal_owners
 from megatron.training.reporting import _optimizer_state_bytes

@@ -6,9 +6,9 @@ import os
 import pytest
 from small_run_flags import BASE, configured, validated
 
+from megatron.common.errors import UserError
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.config import RunConfig
-from megatron.training.errors import UserError
 from megatron.training.megatron_flags import NOT_SUPPORTED, OUR_BEHAVIOUR, not_supported_message
 from megatron.training.optimizer.config import LRScheduleConfig
 
@@ -196,7 +196,7 @@ def test_test_mode_refuses_a_reactive_rule_with_data_parallel_replicas():
 def test_model_switches_reach_transformer_config():
     import torch
 
-    from megatron.training.training import transformer_config
+    from megatron.model.build import transformer_config
 
     args = configured(["--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
                       "--num-query-groups", "2", "--disable-bias-linear", "--qk-layernorm",

@@ -9,9 +9,9 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from small_run_flags import configured, validated
 
-from megatron.training.errors import UserError
-from megatron.training.model import PortableNorm, SDPACoreAttention, _latent_norm, layer_spec_for
-from megatron.training.training import transformer_config
+from megatron.common.errors import UserError
+from megatron.model.build import transformer_config
+from megatron.model.gpt import PortableNorm, SDPACoreAttention, _latent_norm, layer_spec_for
 
 CPU = torch.device("cpu")
 

@@ -8,15 +8,15 @@ import pytest
 import torch
 from small_run_flags import BASE, configured, validated
 
+from megatron.common.errors import UserError
 from megatron.training.arguments import build_parser, validate_args
-from megatron.training.errors import UserError
 from megatron.training.megatron_flags import DEPRECATED, NOT_YET, not_supported_message
 
 ROPE = ["--position-embedding-type", "rope"]
 
 
 def stage(extra: list[str]):
-    from megatron.training.training import build_stage_model
+    from megatron.model.build import build_stage_model
 
     return build_stage_model(configured(extra, vocab_size=128), torch.device("cpu"))
 
@@ -40,7 +40,7 @@ def test_rope_scaling_and_interpolation_reach_megatron_cores_rotary_embedding(on
 def test_openai_gelu_is_megatron_cores(one_rank_group):
     from megatron.core.transformer.utils import openai_gelu
 
-    from megatron.training.training import transformer_config
+    from megatron.model.build import transformer_config
 
     config = transformer_config(configured(["--openai-gelu"]), torch.device("cpu"))
     assert config.activation_func is openai_gelu

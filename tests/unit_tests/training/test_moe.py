@@ -1,5 +1,5 @@
 """Mixture of experts: Megatron's MoE flags reach megatron-core, bad settings fail in one line,
-and the fixes applied to megatron-core 0.16.1 at model build do what they say (megatron/training/moe/).
+and the fixes applied to megatron-core 0.16.1 at model build do what they say (megatron/model/moe/).
 """
 
 import argparse
@@ -8,8 +8,8 @@ import pytest
 import torch
 from small_run_flags import configured, error_of, validated
 
-from megatron.training.model import StageLayout, global_parameter_name, is_expert_parameter
-from megatron.training.moe import (
+from megatron.model.gpt import StageLayout, global_parameter_name, is_expert_parameter
+from megatron.model.moe import (
     _all_to_all_with_int_splits,
     moe_layer_pattern,
     parse_moe_layer_freq,
@@ -86,8 +86,8 @@ def test_megatron_cores_own_moe_rules_are_one_line(extra, needle):
 
 
 def test_expert_tensor_parallel_size_of_a_dense_model_changes_nothing():
+    from megatron.model.moe import moe_config_fields
     from megatron.training.config import RunConfig
-    from megatron.training.moe import moe_config_fields
 
     config = RunConfig.from_args(validated(["--expert-tensor-parallel-size", "4"]))
     assert config.moe is None
@@ -101,7 +101,7 @@ def test_moe_flags_need_experts_and_biases_are_refused():
 
 
 def test_moe_flags_reach_transformer_config():
-    from megatron.training.training import transformer_config
+    from megatron.model.build import transformer_config
 
     args = configured(MOE + [
         "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01",
@@ -207,7 +207,7 @@ def test_experts_are_initialized_by_their_global_index():
 
 
 def test_host_streams_stand_in_for_cuda_streams():
-    from megatron.training.model import _HostCuda
+    from megatron.model.gpt import _HostCuda
 
     cuda = _HostCuda()
     stream = cuda.Stream()
@@ -224,7 +224,7 @@ def test_aux_loss_gradient_scale_is_what_each_backward_announces():
     test_rank_runtime.py checks the values per schedule); the aux-loss scaler takes it."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from megatron.training.moe import set_aux_loss_scale
+    from megatron.model.moe import set_aux_loss_scale
 
     set_aux_loss_scale(0.25)
     assert float(MoEAuxLossAutoScaler.main_loss_backward_scale) == 0.25
@@ -302,8 +302,8 @@ def test_a_backward_on_a_stashed_version_routes_as_its_forward_did(stash_the_bia
     as the forward did and the gradients are those of version 0 (a copy of it, no step, no
     recomputation). With only the weights stashed (the live bias), it routes differently and
     the gradients are wrong: the case the stash exists for."""
+    from megatron.model.moe import routing_buffers
     from megatron.pipeline.weight_stash import WeightStash
-    from megatron.training.moe import routing_buffers
 
     layer, x = _BiasRoutedLayer(), torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
     reference = _BiasRoutedLayer()

@@ -8,10 +8,10 @@ import pytest
 import torch
 from small_run_flags import configured, validated
 
-from megatron.training.errors import UserError
-from megatron.training.model import PortableNorm, SDPACoreAttention, layer_spec_for
-from megatron.training.mtp import _mtp_beside_loss, mtp_block_spec
-from megatron.training.training import transformer_config
+from megatron.common.errors import UserError
+from megatron.model.build import transformer_config
+from megatron.model.gpt import PortableNorm, SDPACoreAttention, layer_spec_for
+from megatron.model.mtp import _mtp_beside_loss, mtp_block_spec
 
 CPU = torch.device("cpu")
 ROPE = ["--position-embedding-type", "rope"]

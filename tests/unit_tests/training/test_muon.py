@@ -188,7 +188,7 @@ def test_zero_grad_clears_every_weight_a_stand_in_steps(split_qkv):
 def test_vocabulary_shards_are_not_orthogonalized():
     """--enable-vocab-parallel's rows of the output layer and the input embedding are no
     transformer matrices: Muon leaves them to its AdamW part, as the whole layers."""
-    from megatron.training.model import EMBEDDING_WEIGHT, VocabularyShardModule
+    from megatron.model.gpt import EMBEDDING_WEIGHT, VocabularyShardModule
     from megatron.training.optimizer.suite import is_hidden_matrix
 
     for whole in (EMBEDDING_WEIGHT, "output_layer.weight"):

@@ -10,11 +10,11 @@ import torch
 from conftest import TinyGPT, optimizer_config
 from small_run_flags import configured, validated
 
-from megatron.training import mup
-from megatron.training.errors import UserError
-from megatron.training.model import _init_kind
+from megatron.common.errors import UserError
+from megatron.model import mup
+from megatron.model.build import transformer_config
+from megatron.model.gpt import _init_kind
 from megatron.training.optimizer.build import build_optimizer
-from megatron.training.training import transformer_config
 
 MUP = ["--use-mup", "--mup-base-hidden-size", "16"]  # BASE has --hidden-size 64: w = 4
 

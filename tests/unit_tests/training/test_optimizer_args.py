@@ -8,8 +8,8 @@ import sys
 import pytest
 from conftest import REPO
 
+from megatron.common.errors import UserError
 from megatron.training.arguments import build_parser, validate_args
-from megatron.training.errors import UserError
 
 GOOD = (
     "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "

@@ -249,8 +249,8 @@ def test_distributed_optimizer_equals_the_unsharded_one_over_two_ranks():
 
 
 def test_distributed_optimizer_refuses_matrix_optimizers():
+    from megatron.common.errors import UserError
     from megatron.training.arguments import build_parser, validate_args
-    from megatron.training.errors import UserError
 
     argv = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
             "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "2", "--lr", "0.1",
@@ -311,8 +311,8 @@ def test_gradient_messages_carry_the_scale_exactly():
     ],
 )  # fmt: skip
 def test_precision_flags_are_checked(extra, message):
+    from megatron.common.errors import UserError
     from megatron.training.arguments import build_parser, validate_args
-    from megatron.training.errors import UserError
 
     argv = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
             "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "2", "--lr", "0.1",

@@ -5,7 +5,7 @@ import torch
 from conftest import TinyGPT, optimizer_config
 from small_run_flags import validated
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 from megatron.training.optimizer.build import build_optimizer
 from megatron.training.optimizer.precision_aware import PrecisionAwareAdamW
 from megatron.training.reporting import _optimizer_state_bytes

@@ -5,7 +5,7 @@ import pytest
 import torch
 from small_run_flags import configured, validated
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 
 @pytest.mark.parametrize(
@@ -83,7 +83,7 @@ def test_uneven_stages_bound_the_uniform_chunk():
     ],
 )  # fmt: skip
 def test_flags_reach_transformer_config(extra, granularity, method, layers, modules):
-    from megatron.training.training import transformer_config
+    from megatron.model.build import transformer_config
 
     config = transformer_config(configured(extra), torch.device("cpu"))
     assert config.recompute_granularity == granularity
@@ -103,7 +103,7 @@ def test_megatron_core_checkpoint_redraws_the_same_dropout_masks_on_cpu():
     those of the plain forward, and the generator continues as if nothing was recomputed."""
     from megatron.core import tensor_parallel
 
-    from megatron.training.recompute import use_host_rng_states
+    from megatron.model.recompute import use_host_rng_states
 
     use_host_rng_states()
     weight = torch.randn(16, 16, requires_grad=True)

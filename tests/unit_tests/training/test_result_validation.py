@@ -9,8 +9,8 @@ import pytest
 import torch
 from small_run_flags import validated
 
+from megatron.common.errors import UserError
 from megatron.training.config import TrainingConfig
-from megatron.training.errors import UserError
 from megatron.training.rerun import (
     EXIT_FAILED_ON_RESULT_VALIDATION,
     EXIT_RESUME_TO_DISAMBIGUATE,

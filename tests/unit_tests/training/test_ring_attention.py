@@ -1,4 +1,4 @@
-"""Ring attention (megatron/training/ring_attention.py) against full causal attention over the
+"""Ring attention (megatron/distributed/context_parallel/ring.py) against full causal attention over the
 whole sequence, forward and backward, with grouped-query attention: 4 real processes (gloo),
 context-parallel groups of 2 and of 4 in the same launch."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron.training.ring_attention import chunk_positions, ring_attention
+from megatron.distributed.context_parallel.ring import chunk_positions, ring_attention
 
 BATCH, HEADS, GROUPS, DIM, SEQ = 2, 4, 2, 8, 64
 

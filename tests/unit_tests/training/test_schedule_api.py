@@ -55,9 +55,9 @@ def test_paci_weight_stashing_stashes_in_both_orders_and_only_for_plain_paci():
     (--deterministic-mode) both stash; PACI's order is unchanged; other schedules refuse it."""
     from small_run_flags import validated
 
+    from megatron.common.errors import UserError
     from megatron.pipeline.plan import resolve_plan
     from megatron.training.arguments import pipeline_plan
-    from megatron.training.errors import UserError
 
     plain = resolve_plan("paci", num_stages=4, arrival_rule="backward-first")
     stashed = resolve_plan("paci", num_stages=4, arrival_rule="backward-first",

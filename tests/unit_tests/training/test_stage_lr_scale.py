@@ -7,8 +7,8 @@ import pytest
 import torch
 from small_run_flags import BASE, validated
 
+from megatron.common.errors import UserError
 from megatron.training.config import RunConfig
-from megatron.training.errors import UserError
 from megatron.training.optimizer.build import stage_lr_scale
 
 PACI4 = ["--pipeline-schedule", "paci", "--pipeline-model-parallel-size", "4", "--eval-iters",
@@ -31,9 +31,9 @@ def test_the_factor_is_one_over_one_plus_c_times_the_mean_staleness():
 def _stage_lrs(flags: list[str], steps: int) -> list[list[tuple[float, float, float]]]:
     """(lr, max_lr or None, min_lr or None) of every param group of every stage the engine
     builds, after `steps` scheduler steps."""
+    from megatron.model.build import stage_layout
     from megatron.studies.delayed_reference import build_local_stage, ensure_single_process_groups
     from megatron.studies.single_process_engine import parse_engine_args
-    from megatron.training.training import stage_layout
 
     config = RunConfig.from_args(parse_engine_args(BASE + PACI4 + flags), vocab_size=128)
     ensure_single_process_groups()

@@ -4,7 +4,7 @@ Megatron refuses (or we do not support yet), each one line through the validatio
 import pytest
 from small_run_flags import BASE, validated
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 PP4 = ["--pipeline-model-parallel-size", "4", "--num-layers", "8"]
 

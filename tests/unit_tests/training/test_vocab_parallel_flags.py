@@ -5,9 +5,9 @@ embedding's wherever the schedule does not stash weights)."""
 
 import pytest
 
+from megatron.common.errors import UserError
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.config import RunConfig
-from megatron.training.errors import UserError
 
 SPLIT = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",

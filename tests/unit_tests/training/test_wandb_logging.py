@@ -7,7 +7,7 @@ import os
 import pytest
 from small_run_flags import validated
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,10 @@ import pytest
 import torch
 from conftest import TinyGPT
 
+from megatron.common.errors import RunFailed, UserError
 from megatron.training import divergence
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.divergence import check_replicas_match, parameter_hashes
-from megatron.training.errors import RunFailed, UserError
 
 
 def test_hashes_are_per_parameter_and_see_one_ulp():

@@ -10,7 +10,7 @@ place in the training loop (docs/moe.md).
   the routing buffers a weight stash keeps, each stage's aux losses and load statistics.
 """
 
-from megatron.training.moe.flags import (
+from megatron.model.moe.flags import (
     add_moe_args,
     add_moe_unsupported_args,
     moe_config_fields,
@@ -18,8 +18,8 @@ from megatron.training.moe.flags import (
     parse_moe_layer_freq,
     validate_moe_args,
 )
-from megatron.training.moe.megatron_core import _all_to_all_with_int_splits, patch_megatron_core_moe
-from megatron.training.moe.training_hooks import (
+from megatron.model.moe.megatron_core import _all_to_all_with_int_splits, patch_megatron_core_moe
+from megatron.model.moe.training_hooks import (
     MoELoadStats,
     MoEStepHooks,
     experts_apart_from_dense,

@@ -11,7 +11,11 @@ the part of its own chunks.
 import torch
 import torch.distributed as dist
 
-from megatron.training.ring_attention import chunk_positions, differentiable, expand_groups
+from megatron.distributed.context_parallel.ring import (
+    chunk_positions,
+    differentiable,
+    expand_groups,
+)
 
 
 def _chunk_order(cp: int) -> list[int]:

@@ -23,7 +23,7 @@ import argparse
 
 import torch
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 DSA_VARIANT = "dsa"
 DSA_FIELDS = ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",

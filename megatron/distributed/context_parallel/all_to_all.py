@@ -22,7 +22,7 @@ repeated for its query heads (more to send, the same result).
 import torch
 import torch.distributed as dist
 
-from megatron.training.ring_attention import (
+from megatron.distributed.context_parallel.ring import (
     causal_attention,
     differentiable,
     expand_groups,

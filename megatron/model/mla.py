@@ -23,7 +23,7 @@ layer-norm linears of Transformer Engine's spec do.
 import argparse
 import copy
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 # Megatron-LM's names and defaults (megatron/training/arguments.py, `_add_mla_args`).
 MLA_FIELDS = {

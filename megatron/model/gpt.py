@@ -42,19 +42,19 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.pipeline.vocab_parallel import InputShard, OutputShard
-from megatron.training import gated_delta_net as gdn
-from megatron.training import mup
-from megatron.training.context_parallel_attention import (
+from megatron.distributed.context_parallel.attention import (
     ContextParallelAttention,
     hierarchical_groups,
     layer_comm_type,
 )
-from megatron.training.dsa import prepare_megatron_core as prepare_sparse_attention
-from megatron.training.dsa import uses_sparse_attention, with_sparse_attention
-from megatron.training.mla import with_mla
-from megatron.training.mtp import mtp_block_spec
-from megatron.training.recompute import use_host_rng_states
+from megatron.model import gated_delta_net as gdn
+from megatron.model import mup
+from megatron.model.dsa import prepare_megatron_core as prepare_sparse_attention
+from megatron.model.dsa import uses_sparse_attention, with_sparse_attention
+from megatron.model.mla import with_mla
+from megatron.model.mtp import mtp_block_spec
+from megatron.model.recompute import use_host_rng_states
+from megatron.pipeline.vocab_parallel import InputShard, OutputShard
 
 
 class SDPACoreAttention(MegatronModule):
@@ -792,7 +792,7 @@ def _prepare_megatron_core(config: TransformerConfig) -> None:
     if config.recompute_granularity is not None:
         use_host_rng_states()  # megatron-core's checkpoint reads the CUDA generator otherwise
     if config.num_moe_experts:
-        from megatron.training.moe import patch_megatron_core_moe
+        from megatron.model.moe import patch_megatron_core_moe
 
         patch_megatron_core_moe()
     if gdn.uses_gated_delta_net(config):

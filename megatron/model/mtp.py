@@ -26,7 +26,7 @@ the interval's microbatches and the data-parallel ranks).
 
 import argparse
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 
 def add_mtp_args(parser: argparse.ArgumentParser) -> None:

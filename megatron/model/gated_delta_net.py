@@ -25,8 +25,8 @@ import importlib
 
 import torch
 
-from megatron.training.errors import UserError
-from megatron.training.moe.flags import layer_pattern_parser
+from megatron.common.errors import UserError
+from megatron.model.moe.flags import layer_pattern_parser
 
 GDN_VARIANT = "gated_delta_net"
 
@@ -125,7 +125,7 @@ GDN_MODULE = "megatron.core.ssm.gated_delta_net"
 def use_portable_kernels_without_fla() -> None:
     """Our portable kernels where `fla` is not installed (megatron-core refuses to build the
     layer without it); fla's Triton kernels where it is."""
-    from megatron.training import gated_delta_rule
+    from megatron.model import gated_delta_rule
 
     module = importlib.import_module(GDN_MODULE)
     try:

@@ -11,9 +11,9 @@ of A, the ring between them).
 
 from dataclasses import dataclass
 
-from megatron.training.cp_all_gather import all_gather_attention
-from megatron.training.cp_all_to_all import all_to_all_attention
-from megatron.training.ring_attention import ring_attention
+from megatron.distributed.context_parallel.all_gather import all_gather_attention
+from megatron.distributed.context_parallel.all_to_all import all_to_all_attention
+from megatron.distributed.context_parallel.ring import ring_attention
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 

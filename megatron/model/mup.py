@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 
 def add_mup_args(parser: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ theirs), as Megatron-LM's arguments define them, and what they resolve to here (
 
 import argparse
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 DTYPE_CHOICES = ("fp32", "bf16", "fp16", "auto")

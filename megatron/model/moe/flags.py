@@ -172,7 +172,7 @@ def _as_list(value) -> list:
 
 def validate_moe_args(args, *, world_size: int) -> None:
     """One line for each bad MoE / expert-parallel setting, before anything starts."""
-    from megatron.training.errors import UserError
+    from megatron.common.errors import UserError
 
     for flag, why in MOE_NOT_SUPPORTED:
         if getattr(args, _dest(flag), False):
@@ -200,7 +200,6 @@ def validate_moe_args(args, *, world_size: int) -> None:
         # output of its tensor-parallel reduction, which autograd refuses at ETP=1 (and its
         # config refuses bias at ETP>1)
         raise UserError("MoE with linear biases is not supported yet: add --disable-bias-linear")
-    _check_with_megatron_core(args)
     _validate_expert_parallel_overlap(args)
     try:
         pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
@@ -213,7 +212,7 @@ def validate_moe_args(args, *, world_size: int) -> None:
 
 def _validate_expert_layout(args, world_size: int) -> None:
     """The experts' parallel sizes against the world and the dense layout."""
-    from megatron.training.errors import UserError
+    from megatron.common.errors import UserError
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     ep, etp, experts = (
@@ -254,7 +253,7 @@ def _validate_expert_layout(args, world_size: int) -> None:
 
 def _validate_router(args) -> None:
     """Top-k, the token dispatcher, the balancing losses and group-limited routing."""
-    from megatron.training.errors import UserError
+    from megatron.common.errors import UserError
 
     experts = args.num_experts
     if not 1 <= args.moe_router_topk <= experts:
@@ -294,7 +293,7 @@ def _validate_router(args) -> None:
 
 def _validate_with_the_rest_of_the_run(args) -> None:
     """Checkpoint format, the distributed optimizer and emulated compute with experts."""
-    from megatron.training.errors import UserError
+    from megatron.common.errors import UserError
 
     apart = args.expert_model_parallel_size > 1 or (
         args.expert_tensor_parallel_size != args.tensor_model_parallel_size
@@ -313,7 +312,7 @@ def _validate_with_the_rest_of_the_run(args) -> None:
 def _validate_expert_parallel_overlap(args) -> None:
     """--overlap-moe-expert-parallel-comm: accepted where Megatron accepts it (megatron-core's
     TransformerConfig asserts, one line each); what runs is the same without the overlap."""
-    from megatron.training.errors import UserError
+    from megatron.common.errors import UserError
 
     if not args.overlap_moe_expert_parallel_comm:
         return
@@ -337,36 +336,6 @@ def _validate_expert_parallel_overlap(args) -> None:
             raise UserError(f"--overlap-moe-expert-parallel-comm {rule} (as in Megatron)")
 
 
-def _check_with_megatron_core(args) -> None:
-    """megatron-core's own rules on the MoE settings (TransformerConfig's checks: top-1
-    softmax routing needs pre-softmax, expert bias needs sigmoid scores, padding needs a
-    capacity factor, bias with expert tensor parallelism, ...), each as one line."""
-    import warnings
-
-    import torch
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron.training.config import MoEConfig, ParallelConfig
-    from megatron.training.errors import UserError
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            TransformerConfig(
-                num_layers=args.num_layers,
-                hidden_size=args.hidden_size,
-                num_attention_heads=args.num_attention_heads,
-                ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-                add_bias_linear=not args.disable_bias_linear,
-                tensor_model_parallel_size=args.tensor_model_parallel_size,
-                pipeline_dtype=torch.float32,
-                **moe_config_fields(MoEConfig.from_flags(args), ParallelConfig.from_flags(args)),
-            )
-    except (AssertionError, ValueError) as error:
-        detail = " ".join(str(error).split()) or type(error).__name__
-        raise UserError(f"MoE settings: {detail}") from None
-
-
 # flags that mean something only with --num-experts, at their defaults
 _MOE_DEFAULTS = {
     "moe_ffn_hidden_size": None,
@@ -380,7 +349,7 @@ _MOE_DEFAULTS = {
 
 
 def _refuse_moe_flags_without_experts(args) -> None:
-    from megatron.training.errors import UserError
+    from megatron.common.errors import UserError
 
     for dest, default in _MOE_DEFAULTS.items():
         if getattr(args, dest) != default:

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from megatron.training.errors import UserError
+from megatron.common.errors import UserError
 
 GRANULARITIES = ("full", "selective")
 METHODS = ("uniform", "block")
