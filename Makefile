@@ -8,7 +8,7 @@ CORPUS := $(DATA)/stdlib.jsonl
 TOKENIZER := $(DATA)/tokenizer/stdlib.model
 DATASET := $(DATA)/stdlib_text_document
 
-.PHONY: venv data data-gpt2 data-small demo test cluster-test unit-test functional-test lint format clean
+.PHONY: venv data data-gpt2 data-small demo test cluster-test unit-test functional-test lint format clean docs-check
 
 venv: $(VENV)/.installed
 
@@ -84,6 +84,11 @@ unit-test: venv data
 
 functional-test: venv data
 	$(PY) -m pytest -q tests/functional_tests
+
+# Every command and snippet of README.md and the guides, run or checked (docs/tests.md); the
+# cheap part runs in the suite (tests/unit_tests/test_docs.py).
+docs-check: venv data data-small
+	$(PY) tools/check_docs.py
 
 lint: venv
 	$(PY) -m black --check -l 100 megatron tools tests pretrain_gpt.py setup.py
