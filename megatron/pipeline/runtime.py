@@ -196,8 +196,14 @@ class RankRuntime:
         # Buffers that decide what a forward computes (the MoE router's expert bias): a
         # weight-stashing schedule keeps them with each weight version (`WeightStash`).
         self.versioned_buffers: list[torch.Tensor] = []
+        # Told `before_final_pass(chunk)` when the pass about to run completes a chunk's
+        # gradients for the coming step, and `chunk_complete(other)` for the rank's chunks
+        # already done by then (a bucketed data-parallel reduction with overlap launches its
+        # buckets from then on).
+        self.gradient_syncs: list = []
         layout = placement or interleaved(context.num_stages, 1)
         self.state = RankState(context.stage, layout, chunked=placement is not None)
+        self._gradient_passes = [0] * len(self.state.chunks)  # per chunk, since the last step
         # steps between a microbatch's forward and its backward, per chunk (bounds are per chunk)
         self.chunk_drift = [collections.Counter() for _ in self.state.chunks]
         self._forward_only_microbatches = 0  # they share the activation stream with training
@@ -863,6 +869,8 @@ class RankRuntime:
             output = output * self.loss_scaler.scale  # fp16: the rank's scale, now
         version = self.state.chunks[lane.chunk].forward_versions[microbatch.microbatch]
         self._announce_backward_scale()
+        if not split:
+            self._announce_gradient_pass(lane.chunk)
         compute_start = time.perf_counter()
         with self._on_weights(version):
             if split:
@@ -914,6 +922,7 @@ class RankRuntime:
     def _weight_grad(self, lane: _Lane) -> None:
         microbatch = lane.awaiting_weight_grad.popleft()
         self._announce_backward_scale()
+        self._announce_gradient_pass(lane.chunk)
         compute_start = time.perf_counter()
         microbatch.pending_weight_grad.run()
         self.compute_s += time.perf_counter() - compute_start
@@ -931,6 +940,30 @@ class RankRuntime:
             scale /= self.schedule.microbatches_per_update(microbatches)
         for listener in self.backward_scale_listeners:
             listener(scale)
+
+    def _announce_gradient_pass(self, chunk: int) -> None:
+        """A pass that accumulates weight gradients (a full backward, or W) is about to run on
+        `chunk`: tell the gradient syncs when it is the last one before the step. A step takes
+        `microbatches_per_update` passes per chunk (the whole rank's under an asynchronous
+        schedule with several chunks, whose chunks need not take equal shares before a step);
+        a flushing schedule gives each chunk exactly its share, so a chunk is done early."""
+        if not self.gradient_syncs:
+            return
+        per_chunk = self.schedule.microbatches_per_update(
+            self.state.chunks[0].microbatches_per_step
+        )
+        passes = self._gradient_passes
+        passes[chunk] += 1
+        last_of_step = sum(passes) == per_chunk * len(passes)
+        if last_of_step or (self.schedule.flushes_every_call and passes[chunk] == per_chunk):
+            for sync in self.gradient_syncs:
+                if last_of_step:  # the rank's other chunks are done
+                    for other in range(len(passes)):
+                        if other != chunk:
+                            sync.chunk_complete(other)
+                sync.before_final_pass(chunk)
+        if sum(passes) >= per_chunk * len(passes):
+            self._gradient_passes = [0] * len(passes)  # the next pass is the next step's
 
     def _record_gradient_taken(
         self, lane: _Lane, microbatch: _InFlight, forward_version: int
@@ -956,6 +989,7 @@ class RankRuntime:
             optimizer_step_func()  # with a per-token loss it reads tokens_since_step
         self.compute_s += time.perf_counter() - compute_start
         self.tokens_since_step = 0
+        self._gradient_passes = [0] * len(self._gradient_passes)
         self.state.record_step()
         if stash is not None:
             stash.stepped()

@@ -1403,7 +1403,13 @@ def _add_precision_args(parser: argparse.ArgumentParser) -> None:
         "one data-parallel rank, the AdamW ones too (Megatron's legacy layer-wise path); "
         "the only layer-wise path here, so the default gives the same run")  # fmt: skip
     add("--overlap-grad-reduce", action="store_true",
-        help="accepted; gradients are reduced once the accumulation ends (no overlap)")  # fmt: skip
+        help="launch each bucket's data-parallel reduction as soon as its gradients of the step "
+        "are final, during the last accumulated backward (distributed/data_parallel.py)")  # fmt: skip
+    add("--ddp-bucket-size", type=int, default=None,
+        help="parameters per data-parallel reduction bucket (default with --overlap-grad-reduce: "
+        "max(40M, 1M x data-parallel size); without it one bucket, unless given)")  # fmt: skip
+    add("--ddp-num-buckets", type=int, default=None,
+        help="the stage's parameters in this many buckets instead (excludes --ddp-bucket-size)")  # fmt: skip
     add("--overlap-param-gather", action="store_true",
         help="accepted with --use-distributed-optimizer; parameters are gathered after the step")  # fmt: skip
     add("--overlap-param-gather-with-optimizer-step", action="store_true",
@@ -1462,6 +1468,16 @@ def _validate_precision_aware_optimizer(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} {value} is not supported yet")
 
 
+def _validate_ddp_buckets(args: argparse.Namespace) -> None:
+    """--ddp-bucket-size / --ddp-num-buckets, as Megatron checks them."""
+    if args.ddp_num_buckets is not None and args.ddp_bucket_size is not None:
+        raise UserError("--ddp-num-buckets and --ddp-bucket-size exclude each other")
+    if args.ddp_num_buckets is not None and args.ddp_num_buckets <= 0:
+        raise UserError(f"--ddp-num-buckets must be > 0, got {args.ddp_num_buckets}")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
+        raise UserError(f"--ddp-bucket-size must be > 0 parameters, got {args.ddp_bucket_size}")
+
+
 def _validate_precision_args(args: argparse.Namespace) -> None:
     _validate_precision_aware_optimizer(args)
     if args.fp16 and args.bf16:
@@ -1474,6 +1490,7 @@ def _validate_precision_args(args: argparse.Namespace) -> None:
         raise UserError("--min-loss-scale is above --initial-loss-scale")
     if args.loss_scale_window < 1 or args.hysteresis < 1:
         raise UserError("--loss-scale-window and --hysteresis must be >= 1")
+    _validate_ddp_buckets(args)
     if args.overlap_param_gather and not (
         args.use_distributed_optimizer and args.overlap_grad_reduce
     ):

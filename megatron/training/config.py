@@ -209,6 +209,10 @@ class ParallelConfig(_Section):
     fully_sharded: str | None = None
     reshard_after_forward: bool = True  # the gathered weights freed after each forward
     ddp_average_in_collective: bool = False
+    # the data-parallel reduction in buckets (distributed/data_parallel.py)
+    overlap_grad_reduce: bool = False
+    ddp_bucket_size: int | None = None
+    ddp_num_buckets: int | None = None
     deterministic_mode: bool = False
     cpu_mmap_threshold_kib: int = 128
 

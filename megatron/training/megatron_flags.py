@@ -79,8 +79,6 @@ OUR_BEHAVIOUR = [
         "--no-pin-cpu-params",
     ),
     Flag("--local-rank", int, None, supported=None),
-    Flag("--ddp-bucket-size", int, None, supported=None),
-    Flag("--ddp-num-buckets", int, None, supported=None),
     Flag("--dist-ckpt-workers", int, 1, supported=None),
     Flag("--async-ckpt-cpu-priority", int, None, supported=None),
     Flag("--async-ckpt-io-priority", int, None, supported=None),

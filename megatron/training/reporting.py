@@ -88,7 +88,14 @@ def log_iteration(config, state, runtime, step_func, losses, elapsed, writer, fi
     # other fields (MoE: this stage's aux losses and load imbalance, moe/training_hooks.py)
     extra += "".join(f"{name}: {value:.6E} | " for name, value in fields.items()
                      if name not in dict(known))  # fmt: skip
-    # Megatron's field order; our per-stage weight drift comes last.
+    reduction = ""
+    times = getattr(step_func, "reduction_times", None)
+    if times is not None and config.parallel.data_parallel_size > 1:
+        reduce_s, exposed_s = times.take()
+        per_iteration = 1000.0 / config.logging.log_interval
+        reduction = (f"dp reduce/exposed per iteration (ms): {reduce_s * per_iteration:.1f}/"
+                     f"{exposed_s * per_iteration:.1f} | ")  # fmt: skip
+    # Megatron's field order; our data-parallel reduction and per-stage weight drift come last.
     print(
         f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {state.iteration:8d}/"
         f"{config.training.train_iters:8d} | consumed samples: {state.consumed_train_samples:12d} | "
@@ -97,7 +104,7 @@ def log_iteration(config, state, runtime, step_func, losses, elapsed, writer, fi
         f"global batch size: {batch:5d} | lm loss: {loss:.6E} | "
         f"loss scale: {step_func.loss_scale:.1f} | grad norm: {report.grad_norm:.3f} | {extra}"
         f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nans:3d} | "
-        f"weight drift max/mean by stage: {drift_text} |",
+        f"{reduction}weight drift max/mean by stage: {drift_text} |",
         flush=True,
     )
     if writer is not None:
@@ -202,6 +209,9 @@ def _stage_report(config, runtime, step_func, optimizer) -> dict:
         skipped_steps=step_func.skipped_steps,
         runtime_overhead_us_per_action=runtime.overhead_per_action_us(),
     )
+    times = getattr(step_func, "reduction_times", None)  # the data-parallel reduction
+    if times is not None:
+        report.update(times.report())
     decoder = getattr(getattr(runtime.model, "decoder", None), "layers", None)
     if decoder is not None:  # the stage's transformer layers: count, first global index
         report["layers"] = len(decoder)

@@ -22,6 +22,7 @@ from megatron.core.config import set_experimental_flag
 
 from megatron.common.errors import RunFailed, UserError
 from megatron.distributed import fsdp
+from megatron.distributed.data_parallel import resolve_bucket_size
 from megatron.model.build import build_stage_model, shard_stage_model
 from megatron.model.dsa import (
     IndexerLossLog,
@@ -75,6 +76,7 @@ from megatron.training.optimizer.build import (
     ExpertGroups,
     StageOptimizerStep,
     StepReport,
+    attach_reduction,
     build_lr_scheduler,
     build_optimizer,
     logged_learning_rate,
@@ -210,6 +212,66 @@ def build_step(config, model, optimizer, scheduler) -> "MegatronStep":
         experts=_expert_groups(config),
     )
     return MegatronStep(step_func, model, config)
+
+
+def _bucket_the_reduction(config, model, step: "MegatronStep") -> None:
+    """--overlap-grad-reduce, --ddp-bucket-size, --ddp-num-buckets: the stage's data-parallel
+    reduction in buckets (distributed/data_parallel.py); without them one blocking reduction
+    at the step, as always."""
+    layout = config.parallel
+    if not (layout.overlap_grad_reduce or layout.ddp_bucket_size or layout.ddp_num_buckets):
+        return
+    if layout.fully_sharded:
+        return  # FSDP reduce-scatters each unit's gradients in its backward (fsdp.py)
+    params = step.step_func.params
+    bucket_size = resolve_bucket_size(
+        overlap=layout.overlap_grad_reduce,
+        bucket_size=layout.ddp_bucket_size,
+        num_buckets=layout.ddp_num_buckets,
+        num_parameters=sum(p.numel() for p in params),
+        data_parallel_size=layout.data_parallel_size * layout.context_parallel_size,
+    )
+    chunks = getattr(model, "chunks", [model])
+    chunk_index = {id(p): c for c, chunk in enumerate(chunks) for p in chunk.parameters()}
+    problem = attach_reduction(
+        step.step_func,
+        bucket_size=bucket_size,
+        overlap=layout.overlap_grad_reduce,
+        late=_changed_before_the_reduction(config, model, params),
+        chunk_of=lambda param: chunk_index.get(id(param), 0),
+    )
+    if problem is not None:
+        print_rank_0(f"> --overlap-grad-reduce / buckets: not used on this stage ({problem}); "
+                     "its gradients reduce as one at the step")  # fmt: skip
+        return
+    reduction = step.step_func.reduction
+    if reduction is not None and is_stage_leader():
+        late = sum(bucket.late for bucket in reduction.buckets)
+        print(f"> stage {parallel_state.get_pipeline_model_parallel_rank()}: data-parallel "
+              f"reduction in {len(reduction.buckets)} bucket(s) ({late} at the step), "
+              f"{'overlapped with the backward' if reduction.overlaps else 'at the step'}",
+              flush=True)  # fmt: skip
+
+
+def _changed_before_the_reduction(config, model, params) -> list:
+    """Parameters whose gradient changes between the backward and the data-parallel reduction
+    (reduced at the step, after the change): the tied embedding's copies (summed or exchanged
+    between the first and last stage), the vocabulary split's rows (their gradients come from
+    vocabulary passes), a deferred output-layer gradient, and with a per-token loss all of
+    them (the step divides by the step's token count first)."""
+    if config.model.calculate_per_token_loss:
+        return list(params)
+    late = [p for p in params if getattr(p, "shared_embedding", False)]
+    for chunk in getattr(model, "chunks", [model]):
+        for name in ("output_shard", "input_shard"):
+            shard = getattr(chunk, name, None)
+            if isinstance(shard, torch.nn.Module):
+                late += list(shard.parameters())
+        if config.pipeline.defer_embedding_wgrad_compute:
+            layer = getattr(chunk, "output_layer", None)
+            if isinstance(layer, torch.nn.Module):
+                late += list(layer.parameters())
+    return late
 
 
 def _expert_shard_group(config):
@@ -369,6 +431,7 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
         optimizer, config.lr, lr_scale=stage_lr_scale(config.pipeline, config.training, stage)
     )
     step_func = build_step(config, model, optimizer, scheduler)
+    _bucket_the_reduction(config, model, step_func)
     state = TrainingState()
     if config.checkpoint.load:
         state.iteration, state.consumed_train_samples = checkpointing.load(
@@ -380,6 +443,8 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
         )
     runtime = _build_stage_runtime(config, model, device)
     runtime.loss_scaler = step_func.loss_scaler  # fp16: the stage's scale, on its messages
+    if step_func.reduction is not None:  # its buckets launch during the step's last pass
+        runtime.gradient_syncs.append(step_func.reduction)
     train_iter, valid_iter = _build_train_valid_iterators(config, tokenizer, state, step_func)
     train_iter, valid_iter = _per_chunk_data(model, train_iter), _per_chunk_data(model, valid_iter)
     writer = tensorboard_writer(config)
@@ -632,7 +697,7 @@ class MegatronStep:
     def _drop_gradients(self) -> StepReport:
         """The iteration runs again (or the run ends): no update, no LR step, the MoE token
         counts of the dropped run forgotten."""
-        self.step_func.optimizer.zero_grad(set_to_none=True)
+        self.step_func.drop_gradients()
         self.moe_hooks.forget_counts()
         learning_rate = logged_learning_rate(self.step_func.optimizer.param_groups)
         return StepReport(grad_norm=float("nan"), learning_rate=learning_rate, skipped=True)

@@ -16,12 +16,19 @@ stage sees the same norm, so all skip together, as Megatron's model-wide found-i
 
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron.distributed.data_parallel import (
+    BucketedReduction,
+    CopiedAllReduce,
+    ReductionTimes,
+    bucket_ranges,
+)
 from megatron.distributed.fsdp import is_fully_sharded
 from megatron.training.optimizer.config import LRScheduleConfig, OptimizerConfig
 from megatron.training.optimizer.main_params import (
@@ -318,6 +325,9 @@ class StageOptimizerStep:
         )
         if self.separate_experts and getattr(self.gradients, "norm_group", None) is not None:
             raise ValueError("a sharded optimizer with expert parallelism shards in two parts")
+        # The bucketed data-parallel reduction (attach_reduction), None: one blocking reduction
+        self.reduction: BucketedReduction | None = None
+        self.reduction_times = ReductionTimes()  # either way (dp_reduce_s, dp_exposed_s)
         self.last = StepReport(grad_norm=0.0, learning_rate=0.0)
         self.calls = 0  # step calls, skipped ones included
         self.skipped_steps = 0  # steps this stage skipped, over the run
@@ -336,12 +346,10 @@ class StageOptimizerStep:
     def __call__(self) -> StepReport:
         self.calls += 1
         self._sum_over_tensor_parallel()
-        if self.separate_experts:
-            self._average_dense_and_experts()
+        if self.reduction is not None:
+            self.reduction.finish()
         else:
-            self.gradients.average_over(
-                self.data_parallel_group, in_collective=self.average_in_collective
-            )
+            self._reduce_as_one()
         self._maybe_inject_overflow()
         grad_norm = self._grad_norm()
         found_inf = not math.isfinite(grad_norm)
@@ -359,6 +367,32 @@ class StageOptimizerStep:
         self.optimizer.zero_grad(set_to_none=True)
         self.last = StepReport(grad_norm=grad_norm, learning_rate=learning_rate)
         return self.last
+
+    def _reduce_as_one(self) -> None:
+        """The data-parallel average without buckets: one blocking reduction, timed."""
+        start = time.perf_counter()
+        if self.separate_experts:
+            self._average_dense_and_experts()
+        else:
+            self.gradients.average_over(
+                self.data_parallel_group, in_collective=self.average_in_collective
+            )
+        end = time.perf_counter()
+        if (
+            self.data_parallel_group is not None
+            and dist.get_world_size(self.data_parallel_group) > 1
+        ):
+            self.reduction_times.add_span(start, end)
+            self.reduction_times.add_exposed(end - start)
+            self.reduction_times.close_step()
+            self.reduction_times.buckets_at_step += 1
+            self.reduction_times.bytes += 4 * sum(p.numel() for p in self.params)  # fp32
+
+    def drop_gradients(self) -> None:
+        """No step this time: the gradients are cleared, a reduction in flight forgotten."""
+        if self.reduction is not None:
+            self.reduction.reset()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def forget_skips(self) -> None:
         """After a rollback the skips in a row start again from zero."""
@@ -461,3 +495,51 @@ class StageOptimizerStep:
                 if group is not None and dist.get_world_size(group) > 1:
                     dist.all_reduce(total, group=group)
         return dense + expert
+
+
+def attach_reduction(
+    step: StageOptimizerStep,
+    *,
+    bucket_size: int | None,
+    overlap: bool,
+    late=(),
+    chunk_of=lambda param: 0,
+) -> str | None:
+    """Reduce the stage's gradients in buckets of `bucket_size` parameters (None: one), with
+    `overlap` from hooks during the pass that completes them (distributed/data_parallel.py).
+    `late`: parameters whose gradient changes between the backward and the reduction, reduced
+    at the step. Returns why the buckets cannot be used for this stage's gradients (then they
+    reduce as one at the step, as without the flags), or None."""
+    from megatron.training.optimizer.distributed_optimizer import (
+        ShardedMainOptimizer,
+        ShardedReduceScatter,
+    )
+
+    group = step.data_parallel_group
+    if group is None or dist.get_world_size(group) == 1:
+        return None  # nothing to reduce
+    if step.separate_experts:
+        return "the routed experts reduce over their own group"
+    holder = step.gradients
+    if isinstance(holder, ShardedMainOptimizer):
+        strategy = ShardedReduceScatter(holder, in_collective=step.average_in_collective)
+    elif isinstance(holder, ModelGradients) or isinstance(holder, ReplicatedMainOptimizer):
+        strategy = CopiedAllReduce(
+            holder.gradient_of, group, in_collective=step.average_in_collective
+        )
+    else:
+        return f"{type(holder).__name__} reduces its gradients its own way"
+    params = holder.params
+    chunks = [chunk_of(p) for p in params]
+    starts = [i for i in range(1, len(params)) if chunks[i] != chunks[i - 1]]
+    ranges = bucket_ranges([p.numel() for p in params], bucket_size, chunk_starts=starts)
+    if isinstance(holder, ShardedMainOptimizer):
+        strategy.set_ranges(ranges)
+    reduction = BucketedReduction(
+        params, ranges, strategy, chunk_of=chunk_of, times=step.reduction_times
+    )
+    reduction.mark_late(list(late) + step.summed_over_tensor_parallel)
+    if overlap:
+        reduction.attach_hooks()
+    step.reduction = reduction
+    return None

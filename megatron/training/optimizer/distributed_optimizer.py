@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron.distributed.data_parallel import Bucket, BucketStrategy
 from megatron.training.optimizer.main_params import MainParamsOptimizer, main_copy
 from megatron.training.optimizer.suite import decay_groups, group_key
 
@@ -185,6 +186,73 @@ class ShardedMainOptimizer(MainParamsOptimizer):
         position = {id(p): i for i, p in enumerate(self.params)}
         groups = decay_groups(self.named, self.decoupled_lr, self.mup)
         return [(group_key(g), [position[id(p)] for p in g["params"]]) for g in groups]
+
+
+class ShardedReduceScatter(BucketStrategy):
+    """The distributed optimizer's buckets (distributed/data_parallel.py): each bucket's part of
+    every rank's range reduce-scattered to that rank (uneven parts; one bucket is the whole
+    buffer, the collective of `ShardedMainOptimizer.average_over`), into a buffer of its own,
+    then over the other optimizer copies, divided and copied into this rank's range."""
+
+    def __init__(self, optimizer: ShardedMainOptimizer, *, in_collective: bool = False):
+        self.optimizer, self.in_collective = optimizer, in_collective
+        self.flat_ranges: list[tuple[int, int]] = []
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def set_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        """The buckets' parameter index ranges, as flat-buffer ranges (the padding at the end
+        of the buffer goes with the bucket that holds the last parameter)."""
+        buffer = self.optimizer.buffer
+        ends = buffer.offsets[1:] + [buffer.padded_numel]
+        self.flat_ranges = [(buffer.offsets[a], ends[b - 1]) for a, b in ranges]
+
+    def _part(self, bucket: Bucket, rank: int) -> tuple[int, int]:
+        start, end = self.flat_ranges[bucket.index]
+        size = self.optimizer.shard_numel
+        low, high = max(start, rank * size), min(end, (rank + 1) * size)
+        return low, max(low, high)
+
+    def start(self, bucket: Bucket) -> list:
+        opt = self.optimizer
+        op = dist.ReduceOp.AVG if self.in_collective else dist.ReduceOp.SUM
+        flat = opt.buffer.flat
+        if len(self.flat_ranges) == 1:
+            out = torch.empty_like(opt._my_range())
+            self.outputs[bucket.index] = out
+            if opt.shards == 1:
+                out.copy_(opt._my_range())
+                return []
+            return [dist.reduce_scatter_tensor(out, flat, op=op, group=opt.group, async_op=True)]
+        parts = [self._part(bucket, rank) for rank in range(opt.shards)]
+        low, high = parts[opt.rank]
+        out = torch.empty(high - low, dtype=flat.dtype, device=flat.device)
+        self.outputs[bucket.index] = out
+        if opt.shards == 1:
+            out.copy_(flat[low:high])
+            return []
+        inputs = [flat[a:b] for a, b in parts]
+        return [dist.reduce_scatter(out, inputs, op=op, group=opt.group, async_op=True)]
+
+    def finish(self, bucket: Bucket) -> None:
+        opt = self.optimizer
+        out = self.outputs.pop(bucket.index)
+        if opt.replicas > 1:
+            op = dist.ReduceOp.AVG if self.in_collective else dist.ReduceOp.SUM
+            dist.all_reduce(out, op=op, group=opt.replica_group)
+        if not self.in_collective:
+            out.div_(opt.shards * opt.replicas)
+        if len(self.flat_ranges) == 1:
+            opt._my_range().copy_(out)
+        else:
+            low, high = self._part(bucket, opt.rank)
+            opt.buffer.flat[low:high].copy_(out)
+
+    def discard(self, bucket: Bucket) -> None:
+        self.outputs.pop(bucket.index, None)
+
+    def bytes_of(self, bucket: Bucket) -> int:
+        start, end = self.flat_ranges[bucket.index]
+        return (end - start) * self.optimizer.buffer.flat.element_size()
 
 
 # ---------------------------------------------------------------------------- MoE experts
