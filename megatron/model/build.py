@@ -165,6 +165,7 @@ def build_stage_model(config, device: torch.device) -> torch.nn.Module:
                 seed=config.training.seed, weight_grad_ms=pipeline.emulated_weight_grad_ms,
                 virtual_stage=rank if stages is None else stages[c],
                 num_virtual_stages=config.parallel.pipeline_model_parallel_size * chunks_per_rank,
+                param_count=pipeline.emulated_param_count,
             )
             for c in range(chunks_per_rank)
         ]  # fmt: skip

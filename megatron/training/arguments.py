@@ -425,6 +425,11 @@ def _add_paci_args(parser: argparse.ArgumentParser) -> None:
         help="PACI: multiply pipeline stage s's LR (max and min, every param group) by "
         "1 / (1 + C (N - 1 - s) / a), N stages, a microbatches per step: (N - 1 - s) / a is the "
         "mean number of steps its gradients are stale; the last stage keeps its LR")  # fmt: skip
+    add("--paci-deferred-step", action="store_true",
+        help="PACI: a stage goes on with its next passes while the data-parallel reduction of "
+        "its step is in flight, and applies the update before its next step's last backward; "
+        "the reduction hides behind a whole step's passes, at one more step of drift on the "
+        "last stage (bound ceil((N - s) / a)) and one extra copy of the gradients")  # fmt: skip
     add("--paci-weight-stashing", action="store_true",
         help="PACI (a study variant): each backward runs on the weights its forward used, as "
         "PipeDream stashes them; PACI's order and gradient staleness, without the forward/"
@@ -449,6 +454,11 @@ def _add_benchmark_args(parser: argparse.ArgumentParser) -> None:
         "gradient), ms, or one per pipeline rank")  # fmt: skip
     add("--emulated-noise-cv", type=stage_values, default=0.0,
         help="lognormal noise on each emulated action: CV, or one per stage (seeded by --seed)")  # fmt: skip
+    add("--emulated-param-count", type=int, default=None, metavar="N",
+        help="give each emulated stage (each model chunk) N more parameters, in 8 tensors, whose "
+        "gradients (ones) its backward produces over its course and the optimizer steps: a "
+        "data-parallel reduction of 4N bytes (fp32) per stage and step, in buckets as a real "
+        "model's (communication benchmarks)")  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -517,6 +527,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         raise UserError("--emulated-weight-grad-ms is part of --emulated-backward-ms: give both")
     if args.calculate_per_token_loss and args.emulated_forward_ms is not None:
         raise UserError("--calculate-per-token-loss needs the model's loss, not emulated compute")
+    _validate_emulated_param_count(args)
     if args.verify_integrity and args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
         raise UserError("--verify-integrity is only supported with --ckpt-format torch_dist "
                         "or fsdp_dtensor")  # fmt: skip
@@ -537,6 +548,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_fsdp_args(args, replicas_order_on_their_own=_replicas_order_on_their_own(args))
     _validate_optimizer_suite_args(args)
     _validate_weight_stashing(args)
+    _validate_deferred_step(args)
     _validate_precision_args(args)
     validate_accumulation_schedule(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
@@ -545,6 +557,17 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
             "each other"
         )
     pipeline_plan(args)  # a combination no schedule defines fails here, in one line
+
+
+def _validate_emulated_param_count(args: argparse.Namespace) -> None:
+    count = args.emulated_param_count
+    if count is None:
+        return
+    if count < 1:
+        raise UserError(f"--emulated-param-count must be >= 1, got {count}")
+    if args.emulated_forward_ms is None:
+        raise UserError("--emulated-param-count gives emulated stages parameters: it needs "
+                        "--emulated-forward-ms and --emulated-backward-ms")  # fmt: skip
 
 
 def _validate_defer_embedding_wgrad(args: argparse.Namespace) -> None:
@@ -892,6 +915,33 @@ def _stashes_weights(args: argparse.Namespace) -> bool:
                             "supported yet")  # fmt: skip
         return True
     return get_schedule(args.pipeline_schedule).stashes_weights
+
+
+def _validate_deferred_step(args: argparse.Namespace) -> None:
+    """--paci-deferred-step: PACI only; what it does not support yet. At data-parallel size 1
+    there is nothing to overlap, but the update still lands late (the semantics a study of
+    it needs; the start-up line says so)."""
+    if not args.paci_deferred_step:
+        return
+    if args.pipeline_schedule != "paci":
+        raise UserError("--paci-deferred-step needs --pipeline-schedule paci")
+    unsupported = [
+        (not args.untie_embeddings_and_output_weights and args.pipeline_model_parallel_size > 1,
+         "tied embeddings over several stages (add --untie-embeddings-and-output-weights)"),
+        (args.use_distributed_optimizer, "--use-distributed-optimizer"),
+        (args.use_torch_fsdp2 or args.use_megatron_fsdp, "FSDP"),
+        (args.num_experts is not None, "MoE"),
+        (args.virtual_pipeline_model_parallel_size is not None, "virtual stages"),
+        (args.enable_vocab_parallel, "--enable-vocab-parallel"),
+        (args.calculate_per_token_loss, "--calculate-per-token-loss"),
+        (args.paci_weight_stashing, "--paci-weight-stashing"),
+        (bool(args.paci_accumulation_schedule), "--paci-accumulation-schedule"),
+        (args.async_sync_warmup_iters or args.async_sync_cooldown_iters,
+         "synchronous warm-up or cool-down phases"),
+    ]  # fmt: skip
+    for refused, what in unsupported:
+        if refused:
+            raise UserError(f"--paci-deferred-step with {what} is not supported yet")
 
 
 def _validate_weight_stashing(args: argparse.Namespace) -> None:
