@@ -711,26 +711,34 @@ def check_pytest(call: Call, args: list, checks: Checks, report: Report) -> None
 
 # ---------------------------------------------------------------- pretrain_gpt.py's parser
 
-VALIDATOR = r"""
-import json, sys, contextlib, io, os
-from megatron.common.errors import UserError
-from megatron.training.arguments import build_parser, validate_args
-results = []
-for argv, world, cwd, check_files in json.load(sys.stdin):
-    os.chdir(cwd)
-    stderr = io.StringIO()
+
+def validate_pretrain_lines(jobs: list) -> list:
+    """For each [argv, world size, directory, check files]: None when pretrain_gpt.py's parser
+    and validate_args() accept the command line there, else its one error line."""
+    import contextlib
+    import io
+
+    from megatron.common.errors import UserError
+    from megatron.training.arguments import build_parser, validate_args
+
+    results, start = [], os.getcwd()
     try:
-        with contextlib.redirect_stderr(stderr):
-            args = build_parser().parse_args(argv)
-        validate_args(args, world_size=world, check_files=check_files)
-        results.append(None)
-    except SystemExit:
-        lines = stderr.getvalue().strip().splitlines() or ["argparse error"]
-        results.append(lines[-1])
-    except UserError as error:
-        results.append(f"error: {error}")
-print("DOCS-CHECK-RESULTS " + json.dumps(results))
-"""
+        for argv, world, cwd, check_files in jobs:
+            os.chdir(cwd)
+            stderr = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(stderr):
+                    args = build_parser().parse_args(argv)
+                validate_args(args, world_size=world, check_files=check_files)
+                results.append(None)
+            except SystemExit:
+                lines = stderr.getvalue().strip().splitlines() or ["argparse error"]
+                results.append(lines[-1])
+            except UserError as error:
+                results.append(f"error: {error}")
+    finally:
+        os.chdir(start)
+    return results
 
 
 def python_executable() -> str:
@@ -738,8 +746,12 @@ def python_executable() -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
-def check_pretrain(checks: Checks, report: Report) -> None:
-    """Every pretrain_gpt.py command line through build_parser() and validate_args()."""
+RESULTS = "DOCS-CHECK-RESULTS "
+
+
+def check_pretrain(checks: Checks, report: Report, in_process: bool = False) -> None:
+    """Every pretrain_gpt.py command line through build_parser() and validate_args(), in this
+    process or in one of the venv's python."""
     if not checks.pretrain:
         return
     jobs = []
@@ -763,21 +775,24 @@ def check_pretrain(checks: Checks, report: Report) -> None:
                     continue
                 report.problem(where, f"pretrain_gpt.py {arg}: {path} does not exist")
         jobs.append([argv, world, cwd, not missing_but_made])
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run(
-        [python_executable(), "-c", VALIDATOR],
-        input=json.dumps(jobs),
-        text=True,
-        capture_output=True,
-        cwd=REPO,
-        env=env,
-        timeout=600,
-    )
-    marker = [line for line in result.stdout.splitlines() if line.startswith("DOCS-CHECK-RESULTS")]
-    if not marker:
-        report.problem("pretrain_gpt.py", f"the flag validator failed: {result.stderr[-2000:]}")
-        return
-    results = json.loads(marker[0].split(" ", 1)[1])
+    if in_process:
+        results = validate_pretrain_lines(jobs)
+    else:  # a process of the venv's python, whatever runs this script
+        env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        result = subprocess.run(
+            [python_executable(), __file__, "--validate-pretrain"],
+            input=json.dumps(jobs),
+            text=True,
+            capture_output=True,
+            cwd=REPO,
+            env=env,
+            timeout=600,
+        )
+        marker = [line for line in result.stdout.splitlines() if line.startswith(RESULTS)]
+        if not marker:
+            report.problem("pretrain_gpt.py", f"the flag validator failed: {result.stderr[-2000:]}")
+            return
+        results = json.loads(marker[0][len(RESULTS) :])
     for (where, argv, world, _, _), error in zip(checks.pretrain, results):
         if error:
             report.problem(where, f"pretrain_gpt.py at world size {world}: {error}")
@@ -911,10 +926,19 @@ def executable_pages(pages: dict) -> list:
     ]
 
 
-def check(quick: bool, verbose: bool = True, only: list | None = None) -> Report:
+def check(
+    quick: bool,
+    verbose: bool = True,
+    only: list | None = None,
+    pages: dict | None = None,
+    in_process: bool = False,
+) -> Report:
+    """The pages' checks (unless `pages` are given: then they were checked), then the
+    commands'; `quick`: the static part only."""
     report = Report(verbose)
-    pages = {path: parse_page(path) for path in all_pages()}
-    check_pages(pages, report)
+    if pages is None:
+        pages = {path: parse_page(path) for path in all_pages()}
+        check_pages(pages, report)
     for page in pages.values():  # python snippets on every page, runnable or not
         for block in page.blocks:
             if block.lang in ("python", "py") and block.directive != "skip":
@@ -943,7 +967,7 @@ def check(quick: bool, verbose: bool = True, only: list | None = None) -> Report
                 check_call(call, checks, report)
             if block.directive == "run":
                 to_run.append(block)
-    check_pretrain(checks, report)
+    check_pretrain(checks, report, in_process)
     if verbose:
         counted = ", ".join(f"{name} x{count}" for name, count in sorted(checks.counts.items()))
         print(f"recorded commands: {counted}")
@@ -970,7 +994,11 @@ def main(argv=None) -> int:
                         help="the static checks only: no tool parser, collection or real run")  # fmt: skip
     parser.add_argument("--page", action="append", default=None,
                         help="check the commands of this page only (repeatable)")  # fmt: skip
+    parser.add_argument("--validate-pretrain", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
+    if options.validate_pretrain:  # check_pretrain's process: jobs on stdin, results out
+        print(RESULTS + json.dumps(validate_pretrain_lines(json.load(sys.stdin))))
+        return 0
     start = time.monotonic()
     report = check(options.quick, verbose=True, only=options.page)
     for problem in report.problems:

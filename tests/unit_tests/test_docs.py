@@ -33,10 +33,10 @@ def test_sizes_kinds_index_links_and_names(check_docs, pages):
     assert report.problems == []
 
 
-def test_every_command_of_the_readme_and_the_guides(check_docs):
+def test_every_command_of_the_readme_and_the_guides(check_docs, pages):
     """Python snippets compile and name what exists; shell blocks run in record mode; every
     pretrain_gpt.py command line passes build_parser() and validate_args()."""
-    report = check_docs.check(quick=True, verbose=False)
+    report = check_docs.check(quick=True, verbose=False, pages=pages, in_process=True)
     assert report.problems == []
 
 
