@@ -88,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="PACI's arrival rule (as in training)")  # fmt: skip
     parser.add_argument("--paci-inflight-limit", choices=list(paci.INFLIGHT_LIMITS),
                         help="PACI's in-flight window: depth (N - s) or flush (min(N - s, m))")  # fmt: skip
+    parser.add_argument("--paci-deferred-step", action="store_true",
+                        help="PACI: each update lands before the stage's next last backward")  # fmt: skip
     parser.add_argument("--virtual-stages", type=int, metavar="V",
                         help="model chunks per rank (schedules with virtual stages)")  # fmt: skip
     return parser.parse_args(argv)
@@ -148,6 +150,8 @@ def run(args: argparse.Namespace) -> dict:
     except ValueError as error:
         raise UserError(str(error)) from None
     chunks = chunks_per_rank(args)
+    if args.paci_deferred_step and (args.schedule != "paci" or chunks != 1):
+        raise UserError("--paci-deferred-step applies to --schedule paci (one chunk per rank)")
     costs = stage_costs(args, chunks)
     latency = args.p2p if args.p2p is not None else (costs.p2p_latency or 0.0)
     virtual = {} if schedule.placement is None else {"chunks_per_rank": chunks}
@@ -158,6 +162,7 @@ def run(args: argparse.Namespace) -> dict:
         steps=args.steps,
         p2p_latency=latency,
         record_timeline=bool(args.timeline or args.plot),
+        deferred_step=args.paci_deferred_step,
         **virtual,
         **costs.simulate_kwargs(),
     )

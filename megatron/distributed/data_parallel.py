@@ -239,6 +239,7 @@ class BucketedReduction:
         self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.armed_chunks: set[int] = set()
         self.next_to_launch = 0  # buckets launch in index order, late ones skipped
+        self.held = False  # launched and left in flight while the next step accumulates
         self.overlaps = False
         self.times = times or ReductionTimes()
         self._hooks: list = []
@@ -285,6 +286,8 @@ class BucketedReduction:
         if bucket is None:
             return
         if bucket.launched:
+            if self.held:  # PACI's deferred step: the next step's gradients, beside the copy
+                return
             raise RuntimeError(
                 f"a gradient was accumulated into {bucket}, whose reduction is in flight: the "
                 "pass that completes the step's gradients was announced too early"
@@ -322,15 +325,27 @@ class BucketedReduction:
         bucket.landed_at = time.perf_counter()
 
     # ------------------------------------------------------------------ at the step
-    def finish(self) -> None:
-        """Launch what is left (in bucket order, then the late buckets), wait for every bucket
-        and write the averaged gradients back. The time spent here is the exposed time."""
-        start = time.perf_counter()
+    def launch_rest(self) -> None:
+        """Launch every bucket not launched yet (in bucket order, then the late ones), without
+        waiting: PACI's deferred step waits later, in `finish`."""
         for late in (False, True):
             for bucket in self.buckets:
                 if not bucket.launched and bucket.late == late:
                     self._launch(bucket)
                     self.times.buckets_at_step += 1
+        self.armed_chunks.clear()
+
+    def hold(self) -> None:
+        """Leave the launched buckets in flight while the next step's passes accumulate into
+        the gradients (their copies are what is reduced); `finish` lands them."""
+        self.launch_rest()
+        self.held = True
+
+    def finish(self) -> None:
+        """Launch what is left (in bucket order, then the late buckets), wait for every bucket
+        and write the averaged gradients back. The time spent here is the exposed time."""
+        start = time.perf_counter()
+        self.launch_rest()
         for bucket in self.buckets:
             for work in bucket.works:
                 work.wait()
@@ -354,6 +369,7 @@ class BucketedReduction:
             bucket.works, bucket.launched = [], False
         self.armed_chunks.clear()
         self.next_to_launch = 0
+        self.held = False
 
     @property
     def in_flight(self) -> bool:

@@ -201,6 +201,9 @@ class RankRuntime:
         # already done by then (a bucketed data-parallel reduction with overlap launches its
         # buckets from then on).
         self.gradient_syncs: list = []
+        # Steps the schedule took whose update is not applied yet (PACI's deferred step): the
+        # weights the passes use are version `state.steps - pending_updates`.
+        self.pending_updates = 0
         layout = placement or interleaved(context.num_stages, 1)
         self.state = RankState(context.stage, layout, chunked=placement is not None)
         self._gradient_passes = [0] * len(self.state.chunks)  # per chunk, since the last step
@@ -825,7 +828,7 @@ class RankRuntime:
         pins it (PipeDream-2BW: batch b on W(b-1); one lane)."""
         state, pinned = self.state.chunks[0], self.schedule.forward_weight_version
         if pinned is None:
-            return state.steps
+            return state.steps - self.pending_updates
         version = pinned(state.forwards, state.microbatches_per_step, state.steps)
         if version > state.steps:
             raise RuntimeError(
@@ -956,12 +959,15 @@ class RankRuntime:
         passes[chunk] += 1
         last_of_step = sum(passes) == per_chunk * len(passes)
         if last_of_step or (self.schedule.flushes_every_call and passes[chunk] == per_chunk):
-            for sync in self.gradient_syncs:
-                if last_of_step:  # the rank's other chunks are done
-                    for other in range(len(passes)):
-                        if other != chunk:
-                            sync.chunk_complete(other)
-                sync.before_final_pass(chunk)
+            compute_start = time.perf_counter()
+            with preserve_versions(self.model.parameters()):  # a deferred update may land
+                for sync in self.gradient_syncs:
+                    if last_of_step:  # the rank's other chunks are done
+                        for other in range(len(passes)):
+                            if other != chunk:
+                                sync.chunk_complete(other)
+                    sync.before_final_pass(chunk)
+            self.compute_s += time.perf_counter() - compute_start
         if sum(passes) >= per_chunk * len(passes):
             self._gradient_passes = [0] * len(passes)  # the next pass is the next step's
 
@@ -970,7 +976,7 @@ class RankRuntime:
     ) -> None:
         """The microbatch's weight gradient is in: its drift (steps since its forward), and its
         activations are released."""
-        steps_since_forward = self.state.steps - forward_version
+        steps_since_forward = self.state.steps - self.pending_updates - forward_version
         self.chunk_drift[lane.chunk][steps_since_forward] += 1
         if self.stash is None:
             self.stats.record_drift(steps_since_forward, self.state.chunks[0].microbatches_per_step)

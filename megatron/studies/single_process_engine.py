@@ -177,9 +177,16 @@ class _Stages:
         self.tied = _tied_exchanges(config, self.models, self.steps) if self.count > 1 else []
         for s, exchange in zip((0, self.count - 1), self.tied):
             self.steps[s] = _around(self.steps[s], exchange)
+        if config.pipeline.paci_deferred_step:  # (validation refuses it with tied or MoE)
+            self.steps = [_Deferred(step, runtime) for step, runtime in zip(self.steps,
+                                                                            self.runtimes)]  # fmt: skip
 
     def at_drain(self) -> None:
-        """The pipeline is empty: the last stage's tied copy catches up with the first's."""
+        """The pipeline is empty: deferred updates land; the last stage's tied copy catches up
+        with the first's."""
+        for step in self.steps:
+            if isinstance(step, _Deferred):
+                step.land()
         for exchange in self.tied:
             exchange.catch_up()
 
@@ -259,6 +266,41 @@ def _around(step, exchange):
 
     run.stage_step = _stage_step(step)
     return run
+
+
+class _Deferred:
+    """--paci-deferred-step on one stage, as the ranks' MegatronStep runs it: the schedule's step
+    sets the gradients aside (a reduction over one rank is a copy), the update lands before the
+    stage's next last backward or at a drain."""
+
+    def __init__(self, step, runtime):
+        from megatron.training.optimizer.build import attach_reduction
+
+        self.step, self.runtime, self.pending = step, runtime, False
+        attach_reduction(step, bucket_size=None, overlap=False, force=True)
+        runtime.gradient_syncs.append(self)
+
+    def __call__(self):
+        self.step.launch()
+        self.pending = True
+        self.runtime.pending_updates += 1
+        return self.step.last
+
+    def land(self) -> None:
+        if self.pending:
+            self.step.land()
+            self.pending = False
+            self.runtime.pending_updates -= 1
+
+    def before_final_pass(self, chunk: int) -> None:
+        self.land()
+
+    def chunk_complete(self, chunk: int) -> None:
+        pass
+
+    @property
+    def stage_step(self):
+        return self.step
 
 
 def _executors(config, models, device) -> list:

@@ -425,6 +425,11 @@ def _add_paci_args(parser: argparse.ArgumentParser) -> None:
         help="PACI: multiply pipeline stage s's LR (max and min, every param group) by "
         "1 / (1 + C (N - 1 - s) / a), N stages, a microbatches per step: (N - 1 - s) / a is the "
         "mean number of steps its gradients are stale; the last stage keeps its LR")  # fmt: skip
+    add("--paci-deferred-step", action="store_true",
+        help="PACI: a stage goes on with its next passes while the data-parallel reduction of "
+        "its step is in flight, and applies the update before its next step's last backward; "
+        "the reduction hides behind a whole step's passes, at one more step of drift on the "
+        "last stage (bound ceil((N - s) / a)) and one extra copy of the gradients")  # fmt: skip
     add("--paci-weight-stashing", action="store_true",
         help="PACI (a study variant): each backward runs on the weights its forward used, as "
         "PipeDream stashes them; PACI's order and gradient staleness, without the forward/"
@@ -543,6 +548,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_fsdp_args(args, replicas_order_on_their_own=_replicas_order_on_their_own(args))
     _validate_optimizer_suite_args(args)
     _validate_weight_stashing(args)
+    _validate_deferred_step(args)
     _validate_precision_args(args)
     validate_accumulation_schedule(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
@@ -909,6 +915,33 @@ def _stashes_weights(args: argparse.Namespace) -> bool:
                             "supported yet")  # fmt: skip
         return True
     return get_schedule(args.pipeline_schedule).stashes_weights
+
+
+def _validate_deferred_step(args: argparse.Namespace) -> None:
+    """--paci-deferred-step: PACI only; what it does not support yet. At data-parallel size 1
+    there is nothing to overlap, but the update still lands late (the semantics a study of
+    it needs; the start-up line says so)."""
+    if not args.paci_deferred_step:
+        return
+    if args.pipeline_schedule != "paci":
+        raise UserError("--paci-deferred-step needs --pipeline-schedule paci")
+    unsupported = [
+        (not args.untie_embeddings_and_output_weights and args.pipeline_model_parallel_size > 1,
+         "tied embeddings over several stages (add --untie-embeddings-and-output-weights)"),
+        (args.use_distributed_optimizer, "--use-distributed-optimizer"),
+        (args.use_torch_fsdp2 or args.use_megatron_fsdp, "FSDP"),
+        (args.num_experts is not None, "MoE"),
+        (args.virtual_pipeline_model_parallel_size is not None, "virtual stages"),
+        (args.enable_vocab_parallel, "--enable-vocab-parallel"),
+        (args.calculate_per_token_loss, "--calculate-per-token-loss"),
+        (args.paci_weight_stashing, "--paci-weight-stashing"),
+        (bool(args.paci_accumulation_schedule), "--paci-accumulation-schedule"),
+        (args.async_sync_warmup_iters or args.async_sync_cooldown_iters,
+         "synchronous warm-up or cool-down phases"),
+    ]  # fmt: skip
+    for refused, what in unsupported:
+        if refused:
+            raise UserError(f"--paci-deferred-step with {what} is not supported yet")
 
 
 def _validate_weight_stashing(args: argparse.Namespace) -> None:

@@ -243,6 +243,7 @@ class PipelineConfig(_Section):
     paci_arrival_rule: str | None = None
     paci_inflight_limit: str | None = None
     paci_stage_lr_scale: float | None = None
+    paci_deferred_step: bool = False  # the update lands before the next step's last pass
     # [(a, iterations), ...] (validated by batch_schedule.validate_accumulation_schedule)
     paci_accumulation_schedule: tuple = ()
     async_sync_warmup_iters: int = 0

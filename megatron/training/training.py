@@ -219,8 +219,10 @@ def _bucket_the_reduction(config, model, step: "MegatronStep") -> None:
     reduction in buckets (distributed/data_parallel.py); without them one blocking reduction
     at the step, as always."""
     layout = config.parallel
+    deferred = config.pipeline.paci_deferred_step
     if not (layout.overlap_grad_reduce or layout.ddp_bucket_size or layout.ddp_num_buckets):
-        return
+        if not deferred:
+            return
     if layout.fully_sharded:
         return  # FSDP reduce-scatters each unit's gradients in its backward (fsdp.py)
     params = step.step_func.params
@@ -239,6 +241,7 @@ def _bucket_the_reduction(config, model, step: "MegatronStep") -> None:
         overlap=layout.overlap_grad_reduce,
         late=_changed_before_the_reduction(config, model, params),
         chunk_of=lambda param: chunk_index.get(id(param), 0),
+        force=deferred,
     )
     if problem is not None:
         print_rank_0(f"> --overlap-grad-reduce / buckets: not used on this stage ({problem}); "
@@ -321,6 +324,23 @@ def _note_inflight_window(config) -> None:
         f"microbatches in flight per stage, flush at most {flush} (more activation memory); "
         "--paci-inflight-limit flush keeps flush's"
     )
+
+
+def _note_deferred_step(config) -> None:
+    """--paci-deferred-step: the drift bound it implies, per stage (paci.py derives it)."""
+    if not config.pipeline.paci_deferred_step:
+        return
+    from megatron.pipeline.schedules.paci import deferred_step_drift_bound, drift_bound
+
+    n, a = config.parallel.pipeline_model_parallel_size, config.training.num_microbatches
+    limit = config.pipeline.paci_inflight_limit or "depth"
+    bounds = " ".join(str(deferred_step_drift_bound(s, n, a, limit)) for s in range(n))
+    plain = " ".join(str(drift_bound(s, n, a, limit)) for s in range(n))
+    print_rank_0(f"> --paci-deferred-step: updates land before the next step's last backward; "
+                 f"drift bound by stage {bounds} (plain PACI {plain})")  # fmt: skip
+    if config.parallel.data_parallel_size * config.parallel.context_parallel_size == 1:
+        print_rank_0("> --paci-deferred-step at data-parallel size 1: no reduction to overlap; "
+                     "the updates still land late")  # fmt: skip
 
 
 def pretrain(args, forward_step_func) -> TrainingState:
@@ -420,6 +440,7 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
     print_rank_0(f"> rank order {RANK_ORDERS[layout.use_tp_pp_dp_mapping]}: rank 0's pipeline "
                  f"is ranks {pipeline}")  # fmt: skip
     _note_inflight_window(config)
+    _note_deferred_step(config)
     tokenizer, config = _build_checked_tokenizer(config)
     model = shard_stage_model(config, build_stage_model(config, device))
     stage = parallel_state.get_pipeline_model_parallel_rank()
@@ -443,6 +464,9 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
         )
     runtime = _build_stage_runtime(config, model, device)
     runtime.loss_scaler = step_func.loss_scaler  # fp16: the stage's scale, on its messages
+    if step_func.deferred:  # a deferred update lands before the next step's last pass
+        step_func.runtime = runtime
+        runtime.gradient_syncs.append(step_func)
     if step_func.reduction is not None:  # its buckets launch during the step's last pass
         runtime.gradient_syncs.append(step_func.reduction)
     train_iter, valid_iter = _build_train_valid_iterators(config, tokenizer, state, step_func)
@@ -668,6 +692,12 @@ class MegatronStep:
         self.num_zeros, self.params_norm_squared = (0.0, 0.0), (0.0, 0.0)  # dense, experts
         self.step_seconds = 0.0
         self.validation: ResultValidation | None = None  # --rerun-mode validate_results
+        # --paci-deferred-step: the schedule's step launches the reduction, the update lands
+        # before the next step's last pass (or at a drain); the runtime counts the updates
+        # not yet applied, so that drift is measured on the weights the passes really use
+        self.deferred = config.pipeline.paci_deferred_step
+        self.pending = False
+        self.runtime = None
 
     def __call__(self):
         if self.validation is not None and not self.validation.at_step(
@@ -686,13 +716,40 @@ class MegatronStep:
             self.num_zeros = _zeros_in_grad(self.step_func)
         self.moe_hooks.before_step()
         start = time.perf_counter()
+        if self.deferred:
+            self.step_func.launch()
+            self.pending = True
+            self.runtime.pending_updates += 1
+            self.step_seconds += time.perf_counter() - start
+            return self.step_func.last  # the last update applied
         report = self.step_func()
         self.step_seconds += time.perf_counter() - start
+        return self._after_update(report)
+
+    def _after_update(self, report: StepReport) -> StepReport:
         if self.tied_exchange is not None:
             self.tied_exchange.after_step()
         if self.norm:
             self.params_norm_squared = _squared_norm(self.step_func.params)
         return report
+
+    def land(self) -> None:
+        """--paci-deferred-step: apply the update whose reduction is in flight (before the
+        next step's last pass, and at a drain)."""
+        if not self.pending:
+            return
+        start = time.perf_counter()
+        report = self.step_func.land()
+        self.step_seconds += time.perf_counter() - start
+        self.pending = False
+        self.runtime.pending_updates -= 1
+        self._after_update(report)
+
+    def before_final_pass(self, chunk: int) -> None:  # a gradient sync of the runtime
+        self.land()
+
+    def chunk_complete(self, chunk: int) -> None:
+        pass
 
     def _drop_gradients(self) -> StepReport:
         """The iteration runs again (or the run ends): no update, no LR step, the MoE token
@@ -703,7 +760,9 @@ class MegatronStep:
         return StepReport(grad_norm=float("nan"), learning_rate=learning_rate, skipped=True)
 
     def at_drain(self) -> None:
-        """The pipeline is empty: the last stage's tied copy catches up with the first's."""
+        """The pipeline is empty: a deferred update lands; the last stage's tied copy catches
+        up with the first's."""
+        self.land()
         if self.tied_exchange is not None:
             self.tied_exchange.catch_up()
 

@@ -36,6 +36,7 @@ CASES = [
     "engine_pp4_pipedream_moe",
     "engine_pp4_paci_tied_rope",
     "engine_pp4_2bw_tied",
+    "engine_pp4_paci_deferred",
 ]
 # The engine alone, without the flag under test, for the difference it makes.
 UNSTASHED = "engine_pp4_paci_stash:without stashing"
@@ -85,6 +86,7 @@ ASYNC_CASES = [
     "engine_pp4_pipedream_moe",
     "engine_pp4_paci_tied_rope",
     "engine_pp4_2bw_tied",
+    "engine_pp4_paci_deferred",
 ]
 
 
@@ -120,6 +122,25 @@ def test_engine_flush_equals_the_four_stage_flush(case_results, engine_results, 
 
 def drift_bound(stage: int, num_stages: int, a: int) -> int:
     return math.ceil((num_stages - 1 - stage) / a)
+
+
+def test_the_deferred_step_reaches_its_drift_bound_in_both(case_results, engine_results):
+    """--paci-deferred-step at a = 2 on 4 stages: the updates land before each next step's last
+    backward, so stage s crosses up to ceil((N - s) / a) = 2 2 1 1 steps, one more than plain
+    PACI on stages 1 and 3, in the runtime and in the engine; and it changes the numbers
+    (engine_pp4_paci_ef is the same run without it)."""
+    from megatron.pipeline.schedules.paci import deferred_step_drift_bound
+
+    runtime = case_results["engine_pp4_paci_deferred"]
+    n, a = runtime["pipeline_stages"], runtime["num_microbatches"]
+    expected = [deferred_step_drift_bound(s, n, a) for s in range(n)]
+    assert expected == [2, 2, 1, 1]
+    assert [report["max_drift"] for report in runtime["stages"]] == expected
+    assert [
+        phase["max_drift"] for phase in engine_results["engine_pp4_paci_deferred"]["phases"]
+    ] == [expected]
+    plain = case_results["engine_pp4_paci_ef"]["loss"]
+    assert run_cases.relative_difference(runtime["loss"], plain) > 1e-5
 
 
 def test_accumulation_schedule_drift_equals_each_phases_bound(case_results, engine_results):

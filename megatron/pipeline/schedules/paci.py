@@ -126,6 +126,19 @@ def drift_bound(
     return -(-(window(stage, num_stages, accumulation, limit) - 1) // accumulation)
 
 
+def deferred_step_drift_bound(
+    stage: int, num_stages: int, accumulation: int, limit: str = DEFAULT_INFLIGHT_LIMIT
+) -> int:
+    """`drift_bound` with --paci-deferred-step, where the update of step k is applied just
+    before the last backward of step k + 1 instead of just after the last backward of step k.
+    Updates then land right before every a-th backward, the microbatch's own backward among
+    the ones that can follow one: between a forward and its backward there are the window's
+    other W - 1 backwards and its own, so at most ceil(W / a) updates, ceil((N - s) / a) by
+    depth. The last stage (W = 1) now crosses one; with a >= N every stage crosses at most
+    one, as plain PACI's first stage does."""
+    return -(-window(stage, num_stages, accumulation, limit) // accumulation)
+
+
 # --paci-arrival-rule: what a stage does when both an input and a gradient may be waiting.
 # Every rule keeps admission (so the memory and the drift bound) and the per-stage step.
 _RULES = {

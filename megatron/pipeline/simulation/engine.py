@@ -118,6 +118,8 @@ class _Stage:
         self.backward_ends: dict[int, float] = {}  # microbatch -> end of its backward
         self.stash: dict[int, int] = {}  # version -> in-flight microbatches that stashed it
         self.pending_grads: list[int] = []  # forward versions of gradients not yet applied
+        self.pending_updates = 0  # deferred steps not applied yet (deferred_step)
+        self.backwards_since_step = 0
         self.max_drift = 0
         self.drift_sum = 0
         self.drift_count = 0
@@ -151,6 +153,7 @@ class _Simulator:
         self.last_virtual_stage = placement.num_virtual_stages - 1
         self.m = m
         self.calls = steps
+        self.deferred_step = False
         self.forward_cost, self.backward_cost, self.wgrad_cost, self.step_cost = costs
         self.latency = p2p_latency
         self.stages = [_Stage(self._new_state(s)) for s in range(self.n)]
@@ -403,6 +406,9 @@ class _Simulator:
 
     def _finished_step(self, st: _Stage, part: Action) -> None:
         st.state.record_step()
+        if self.deferred_step:
+            st.pending_updates += 1
+        st.backwards_since_step = 0
         self.count_versions(st)
 
     def _finished_vocab_forward(self, st: _Stage, part: Action) -> None:
@@ -450,7 +456,7 @@ class _Simulator:
 
     def on_forward(self, st: _Stage, chunk: int, mb: int) -> None:
         state = st.state
-        version = state.steps
+        version = state.steps - st.pending_updates
         pinned = self.schedule.forward_weight_version
         if pinned is not None:
             version = pinned(mb, self.m, state.steps)
@@ -465,8 +471,12 @@ class _Simulator:
             self.count_versions(st)
 
     def on_backward(self, st: _Stage, chunk: int) -> None:
+        st.backwards_since_step += 1
+        if st.pending_updates and st.backwards_since_step == self.m * len(st.state.chunks):
+            st.pending_updates -= 1  # landed just before the step's last backward
         version = st.state.record_backward(chunk)
-        drift = 0 if self.schedule.stashes_weights else st.state.steps - version
+        applied = st.state.steps - st.pending_updates
+        drift = 0 if self.schedule.stashes_weights else applied - version
         st.max_drift = max(st.max_drift, drift)
         st.drift_sum += drift
         st.drift_count += 1
@@ -605,6 +615,7 @@ def simulate(
     vocab_backward_cost: float | Sequence[float] = 0.0,
     embed_forward_cost: float | Sequence[float] = 0.0,
     embed_backward_cost: float | Sequence[float] = 0.0,
+    deferred_step: bool = False,
 ) -> SimulationResult:
     """Run `steps` calls of `schedule` on `num_stages` stages and measure the run.
 
@@ -623,6 +634,10 @@ def simulate(
     and `vocab_backward_cost` per rank (VF, VB; the last stage's costs leave the output out);
     with `embedding_passes` its input embedding's rows too (`embed_forward_cost`,
     `embed_backward_cost`: EF, EB).
+
+    `deferred_step` (PACI's --paci-deferred-step): a STEP starts the update, which is applied
+    just before the stage's last backward of its next step (the passes in between run on the
+    weights before it); drift is counted on the weights applied.
     """
     v = schedule.default_chunks_per_rank if chunks_per_rank is None else chunks_per_rank
     _check_arguments(schedule, num_stages, microbatches_per_step, steps, p2p_latency, v)
@@ -642,5 +657,6 @@ def simulate(
                                                       embed_forward_cost, embed_backward_cost))  # fmt: skip
     sim = _Simulator(schedule, placement, microbatches_per_step, steps, costs,
                      float(p2p_latency), record_timeline, noise, vocab_costs)  # fmt: skip
+    sim.deferred_step = deferred_step
     sim.run()
     return sim.result()

@@ -350,6 +350,30 @@ class StageOptimizerStep:
             self.reduction.finish()
         else:
             self._reduce_as_one()
+        return self._apply()
+
+    # ------------------------------------------------------------------ PACI's deferred step
+    # --paci-deferred-step: `launch` at the schedule's step starts the data-parallel reduction
+    # of the step's gradients (each bucket reduces a copy of its gradients) and clears the
+    # gradients, so the passes that follow accumulate the next step's; `land` applies the
+    # step once the reduction is in, with the next step's partial gradients set aside.
+    def launch(self) -> None:
+        self.calls += 1
+        self._sum_over_tensor_parallel()
+        self.reduction.hold()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def land(self) -> StepReport:
+        kept = self.gradients.set_aside()
+        self.reduction.finish()
+        try:
+            return self._apply()
+        finally:
+            self.gradients.bring_back(kept)
+
+    def _apply(self) -> StepReport:
+        """The step on the averaged gradients: the norm, the loss scale, clipping, the update,
+        the LR schedule; the gradients are cleared."""
         self._maybe_inject_overflow()
         grad_norm = self._grad_norm()
         found_inf = not math.isfinite(grad_norm)
@@ -504,20 +528,22 @@ def attach_reduction(
     overlap: bool,
     late=(),
     chunk_of=lambda param: 0,
+    force: bool = False,
 ) -> str | None:
     """Reduce the stage's gradients in buckets of `bucket_size` parameters (None: one), with
     `overlap` from hooks during the pass that completes them (distributed/data_parallel.py).
     `late`: parameters whose gradient changes between the backward and the reduction, reduced
     at the step. Returns why the buckets cannot be used for this stage's gradients (then they
-    reduce as one at the step, as without the flags), or None."""
+    reduce as one at the step, as without the flags), or None. `force`: buckets even without
+    data parallelism (a reduction over one rank is a copy: PACI's deferred step at DP 1)."""
     from megatron.training.optimizer.distributed_optimizer import (
         ShardedMainOptimizer,
         ShardedReduceScatter,
     )
 
     group = step.data_parallel_group
-    if group is None or dist.get_world_size(group) == 1:
-        return None  # nothing to reduce
+    if not force and (group is None or dist.get_world_size(group) == 1):
+        return None  # nothing to reduce (`force`: PACI's deferred step needs the copies)
     if step.separate_experts:
         return "the routed experts reduce over their own group"
     holder = step.gradients

@@ -86,6 +86,18 @@ class ModelGradients:
     def first_gradient(self) -> torch.Tensor:
         return self.gradient_of(self.params[0])
 
+    def set_aside(self) -> list:
+        """The gradients as they are (PACI's deferred step: the next step's partial sums),
+        taken out of the way; `bring_back` puts them back."""
+        kept = [param.grad for param in self.params]
+        for param in self.params:
+            param.grad = None
+        return kept
+
+    def bring_back(self, kept: list) -> None:
+        for param, grad in zip(self.params, kept):
+            param.grad = grad
+
 
 # ---------------------------------------------------------------------------- fp32 accumulation
 class GradBuffer:
@@ -189,6 +201,16 @@ class MainParamsOptimizer(SuiteOptimizerWrapper):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
         self.buffer.zero()
+
+    def set_aside(self) -> torch.Tensor:
+        """The fp32 gradient buffer as it is (PACI's deferred step: the next step's partial
+        sums), copied out and zeroed; `bring_back` restores it."""
+        kept = self.buffer.flat.clone()
+        self.buffer.zero()
+        return kept
+
+    def bring_back(self, kept: torch.Tensor) -> None:
+        self.buffer.flat.copy_(kept)
 
     def _extra_state(self) -> dict:
         """What a checkpoint needs besides the optimizer's own state."""
