@@ -37,6 +37,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.common.errors import UserError
+
 # Megatron's default bucket size with overlap: max(40M, 1M x data-parallel size) parameters
 DEFAULT_BUCKET_PARAMS = 40_000_000
 DEFAULT_BUCKET_PARAMS_PER_RANK = 1_000_000
@@ -93,6 +95,28 @@ def _fill_backwards(numels, low: int, high: int, bucket_size: int | None):
     if last > low:
         ranges.append((low, last))
     return ranges
+
+
+def add_data_parallel_args(parser) -> None:
+    add = parser.add_argument_group("data-parallel reduction").add_argument
+    add("--overlap-grad-reduce", action="store_true",
+        help="launch each bucket's data-parallel reduction as soon as its gradients of the step "
+        "are final, during the pass that completes them; the step waits for the rest")  # fmt: skip
+    add("--ddp-bucket-size", type=int, default=None,
+        help="parameters per data-parallel reduction bucket (default with --overlap-grad-reduce: "
+        "max(40M, 1M x data-parallel size); without it one bucket, unless given)")  # fmt: skip
+    add("--ddp-num-buckets", type=int, default=None,
+        help="the stage's parameters in this many buckets instead (excludes --ddp-bucket-size)")  # fmt: skip
+
+
+def validate_data_parallel_args(args) -> None:
+    """--ddp-bucket-size / --ddp-num-buckets, as Megatron checks them."""
+    if args.ddp_num_buckets is not None and args.ddp_bucket_size is not None:
+        raise UserError("--ddp-num-buckets and --ddp-bucket-size exclude each other")
+    if args.ddp_num_buckets is not None and args.ddp_num_buckets <= 0:
+        raise UserError(f"--ddp-num-buckets must be > 0, got {args.ddp_num_buckets}")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
+        raise UserError(f"--ddp-bucket-size must be > 0 parameters, got {args.ddp_bucket_size}")
 
 
 # ---------------------------------------------------------------------------- timing

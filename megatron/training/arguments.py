@@ -10,6 +10,7 @@ import os
 
 from megatron.common.errors import UserError
 from megatron.distributed.context_parallel.attention import CP_COMM_TYPES
+from megatron.distributed.data_parallel import add_data_parallel_args, validate_data_parallel_args
 from megatron.distributed.fsdp_flags import add_fsdp_args, validate_fsdp_args
 from megatron.model.dsa import add_dsa_args, validate_dsa_args
 from megatron.model.gated_delta_net import (
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_group(parser)
     _add_optimizer_suite_args(parser)
     _add_precision_args(parser)
+    add_data_parallel_args(parser)
     add_fsdp_args(parser)
     add_data_source_args(parser)
     add_wandb_args(parser)
@@ -1452,14 +1454,6 @@ def _add_precision_args(parser: argparse.ArgumentParser) -> None:
         help="--optimizer muon with --use-distributed-optimizer: every parameter owned whole by "
         "one data-parallel rank, the AdamW ones too (Megatron's legacy layer-wise path); "
         "the only layer-wise path here, so the default gives the same run")  # fmt: skip
-    add("--overlap-grad-reduce", action="store_true",
-        help="launch each bucket's data-parallel reduction as soon as its gradients of the step "
-        "are final, during the last accumulated backward (distributed/data_parallel.py)")  # fmt: skip
-    add("--ddp-bucket-size", type=int, default=None,
-        help="parameters per data-parallel reduction bucket (default with --overlap-grad-reduce: "
-        "max(40M, 1M x data-parallel size); without it one bucket, unless given)")  # fmt: skip
-    add("--ddp-num-buckets", type=int, default=None,
-        help="the stage's parameters in this many buckets instead (excludes --ddp-bucket-size)")  # fmt: skip
     add("--overlap-param-gather", action="store_true",
         help="accepted with --use-distributed-optimizer; parameters are gathered after the step")  # fmt: skip
     add("--overlap-param-gather-with-optimizer-step", action="store_true",
@@ -1518,16 +1512,6 @@ def _validate_precision_aware_optimizer(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} {value} is not supported yet")
 
 
-def _validate_ddp_buckets(args: argparse.Namespace) -> None:
-    """--ddp-bucket-size / --ddp-num-buckets, as Megatron checks them."""
-    if args.ddp_num_buckets is not None and args.ddp_bucket_size is not None:
-        raise UserError("--ddp-num-buckets and --ddp-bucket-size exclude each other")
-    if args.ddp_num_buckets is not None and args.ddp_num_buckets <= 0:
-        raise UserError(f"--ddp-num-buckets must be > 0, got {args.ddp_num_buckets}")
-    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
-        raise UserError(f"--ddp-bucket-size must be > 0 parameters, got {args.ddp_bucket_size}")
-
-
 def _validate_precision_args(args: argparse.Namespace) -> None:
     _validate_precision_aware_optimizer(args)
     if args.fp16 and args.bf16:
@@ -1540,7 +1524,7 @@ def _validate_precision_args(args: argparse.Namespace) -> None:
         raise UserError("--min-loss-scale is above --initial-loss-scale")
     if args.loss_scale_window < 1 or args.hysteresis < 1:
         raise UserError("--loss-scale-window and --hysteresis must be >= 1")
-    _validate_ddp_buckets(args)
+    validate_data_parallel_args(args)
     if args.overlap_param_gather and not (
         args.use_distributed_optimizer and args.overlap_grad_reduce
     ):
