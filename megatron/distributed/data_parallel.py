@@ -30,6 +30,7 @@ waited for one (`dp_reduce_s`, `dp_exposed_s` in the log and summary.json).
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -134,13 +135,20 @@ class ReductionTimes:
     buckets_at_step: int = 0
     _interval: list = field(default_factory=lambda: [0.0, 0.0])
     _spans: list = field(default_factory=list)
+    # (name, start, end) of each bucket's reduction and each wait for one, for the timeline
+    # (--timeline-file); None: not recorded
+    events: list | None = None
 
-    def add_span(self, start: float, end: float) -> None:
+    def add_span(self, start: float, end: float, name: str = "reduce") -> None:
         self._spans.append((start, end))
+        if self.events is not None:
+            self.events.append((name, start, end))
 
-    def add_exposed(self, seconds: float) -> None:
+    def add_exposed(self, seconds: float, end: float | None = None) -> None:
         self.exposed_s += seconds
         self._interval[1] += seconds
+        if self.events is not None and end is not None and seconds > 0:
+            self.events.append(("wait", end - seconds, end))
 
     def close_step(self) -> None:
         """Count this step's bucket spans once where they overlap."""
@@ -170,6 +178,24 @@ class ReductionTimes:
             "dp_buckets_in_backward": self.buckets_in_backward,
             "dp_buckets_at_step": self.buckets_at_step,
         }
+
+
+class ReductionFailed(RuntimeError):
+    """A bucket's data-parallel collective failed: it timed out (a replica is stuck) or a
+    replica is gone. The message names this rank, the bucket and the group's ranks."""
+
+    def __init__(self, bucket: "Bucket", group, cause: BaseException):
+        text = str(cause).strip()
+        self.timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+        if self.timed_out:
+            problem = "got nothing within --distributed-timeout-minutes: a replica is stuck"
+        else:  # gloo's message starts with its source location: keep what follows
+            problem = (re.sub(r"^\[[^\]]*\]\s*", "", text) or type(cause).__name__).splitlines()[0]
+        ranks = dist.get_process_group_ranks(group) if group is not None else "all"
+        super().__init__(
+            f"rank {dist.get_rank()}: the data-parallel reduction of {bucket} over ranks "
+            f"{ranks} failed: {problem}"
+        )
 
 
 # ---------------------------------------------------------------------------- buckets
@@ -372,12 +398,17 @@ class BucketedReduction:
         self.launch_rest()
         for bucket in self.buckets:
             for work in bucket.works:
-                work.wait()
+                try:
+                    work.wait()
+                except RuntimeError as error:
+                    raise ReductionFailed(bucket, self.strategy.group, error) from error
             bucket.works = []
             self.strategy.finish(bucket)
             end = bucket.landed_at or time.perf_counter()
-            self.times.add_span(bucket.launched_at, max(end, bucket.launched_at))
-        self.times.add_exposed(time.perf_counter() - start)
+            self.times.add_span(bucket.launched_at, max(end, bucket.launched_at),
+                                f"reduce bucket {bucket.index}")  # fmt: skip
+        now = time.perf_counter()
+        self.times.add_exposed(now - start, now)
         self.times.close_step()
         self.reset()
 

@@ -13,7 +13,9 @@ and the optimizer steps them in place (optimizer/fsdp_optimizer.py). A pass all-
 unit's weights in the model's dtype just before it runs and frees them after it: after the
 forward too unless reshard-after-forward is off (`--torch-fsdp2-no-reshard-after-forward`,
 Megatron-FSDP's `optim_grads`), then the gathered weights stay from the forward to the backward.
-The backward reduce-scatters each unit's gradient in fp32 onto the rank's rows, averaged over
+Each layer's forward starts the next layer's all-gather (its backward the previous layer's), so
+a gather overlaps a layer's compute (`_prefetch_neighbours`). The backward reduce-scatters each
+unit's gradient in fp32 onto the rank's rows, averaged over
 the unit's group (the step turns the experts' mean over the expert-data-parallel group into
 their sum over it divided by the data-parallel size, as Megatron's DDP). Every backward
 reduces, so the schedule may step a stage after any backward (PACI steps after its a-th) with
@@ -88,7 +90,8 @@ def shard_model(model: torch.nn.Module, *, group, expert_group=None,
     expert_mesh = None if expert_group is None else _mesh(expert_group, device)
     chunks = list(model.chunks) if hasattr(model, "chunks") else [model]
     for chunk in chunks:
-        for layer in [m for m in chunk.modules() if isinstance(m, TransformerLayer)]:
+        layers = [m for m in chunk.modules() if isinstance(m, TransformerLayer)]
+        for layer in layers:
             experts = _routed_experts(layer)
             if experts is not None:
                 fully_shard(experts, mesh=expert_mesh or mesh, mp_policy=precision,
@@ -96,9 +99,20 @@ def shard_model(model: torch.nn.Module, *, group, expert_group=None,
             fully_shard(layer, mesh=mesh, mp_policy=precision,
                         reshard_after_forward=reshard_after_forward)  # fmt: skip
         fully_shard(chunk, mesh=mesh, mp_policy=precision, reshard_after_forward=False)
+        _prefetch_neighbours(layers)
     _restore_marks(model, marks)
     model.fsdp_compute_dtype = compute_dtype  # what the optimizer's checkpoints write
     return model
+
+
+def _prefetch_neighbours(layers: list[torch.nn.Module]) -> None:
+    """Each layer's all-gather of the next layer's weights is issued when its own forward
+    starts (of the previous layer's when its backward starts), so the gather runs while the
+    layer computes: within one pass, so a step between two passes never finds a gather in
+    flight. The gathered values are the same: no number changes."""
+    for before, after in zip(layers, layers[1:]):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -38,6 +38,32 @@ class TraceEvent:
         return self.end_s - self.start_s
 
 
+@dataclass(frozen=True)
+class SpanEvent:
+    """Something that ran beside a stage's actions (a data-parallel reduction in flight, the
+    step waiting for one): drawn on the stage's second track, `SPAN_TRACK` + stage."""
+
+    stage: int
+    name: str
+    start_s: float
+    end_s: float
+
+
+SPAN_TRACK = 1000
+
+
+def _span_record(span: SpanEvent, pid: int) -> dict:
+    return {
+        "name": span.name,
+        "cat": "communication",
+        "ph": "X",
+        "pid": pid,
+        "tid": SPAN_TRACK + span.stage,
+        "ts": span.start_s * _US_PER_S,
+        "dur": max(span.end_s - span.start_s, 0.0) * _US_PER_S,
+    }
+
+
 def _event_record(event: TraceEvent, pid: int) -> dict:
     action = event.action
     args = {"kind": action.kind.value}
@@ -68,20 +94,33 @@ def _metadata_records(stages: Iterable[int], process_name: str, pid: int) -> lis
     return records
 
 
-def chrome_trace(events: Iterable[TraceEvent], *, process_name: str = "pipeline") -> dict:
-    """The trace as a JSON-ready object (``{"traceEvents": [...], "displayTimeUnit": "ms"}``)."""
-    events = list(events)
+def chrome_trace(events: Iterable[TraceEvent], *, process_name: str = "pipeline",
+                 spans: Iterable[SpanEvent] = ()) -> dict:  # fmt: skip
+    """The trace as a JSON-ready object (``{"traceEvents": [...], "displayTimeUnit": "ms"}``);
+    `spans` on a second track per stage ("stage i: data-parallel reduction")."""
+    events, spans = list(events), list(spans)
     pid = 0
     records = _metadata_records({e.stage for e in events}, process_name, pid)
+    for stage in sorted({span.stage for span in spans}):
+        track = {"ph": "M", "pid": pid, "tid": SPAN_TRACK + stage}
+        name = f"stage {stage}: data-parallel reduction"
+        records.append({"name": "thread_name", **track, "args": {"name": name}})
+        records.append({"name": "thread_sort_index", **track, "args": {"sort_index": stage}})
     records.extend(_event_record(e, pid) for e in sorted(events, key=lambda e: e.start_s))
+    records.extend(_span_record(s, pid) for s in sorted(spans, key=lambda s: s.start_s))
     return {"traceEvents": records, "displayTimeUnit": "ms"}
 
 
 def write_chrome_trace(
-    path: str, events: Iterable[TraceEvent], *, process_name: str = "pipeline"
+    path: str,
+    events: Iterable[TraceEvent],
+    *,
+    process_name: str = "pipeline",
+    spans: Iterable[SpanEvent] = (),
 ) -> None:
-    """Write `events` to `path` as a Chrome trace (written to a temporary file, then renamed)."""
-    trace = chrome_trace(events, process_name=process_name)
+    """Write `events` (and `spans`) to `path` as a Chrome trace (written to a temporary file,
+    then renamed)."""
+    trace = chrome_trace(events, process_name=process_name, spans=spans)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"

@@ -2,6 +2,7 @@
 into an exit status, with one line saying why (`pretrain_gpt.py`, the memory probe)."""
 
 from megatron.common.errors import RunFailed, UserError
+from megatron.distributed.data_parallel import ReductionFailed
 from megatron.pipeline.p2p import PeerLost, describe_rank
 from megatron.training.arguments import parse_args
 from megatron.training.faults import (
@@ -25,7 +26,7 @@ def run_pretraining(argv, forward_step_func) -> int:
     except RunFailed as failure:  # diverged
         report_error(str(failure))
         return failure.exit_code
-    except PeerLost as lost:  # a neighbouring stage is stuck or gone
+    except (PeerLost, ReductionFailed) as lost:  # a neighbour or a replica is stuck or gone
         if not lost.timed_out and another_rank_reported_an_error():
             return 1  # it failed first and said why; "lost" here is only the consequence
         stopped = end_stopped_peers() if lost.timed_out else []

@@ -20,7 +20,7 @@ from megatron.common.errors import UserError
 from megatron.distributed import fsdp
 from megatron.pipeline.audit import audit_requested
 from megatron.pipeline.deferred_wgrad import deferral_report
-from megatron.pipeline.trace import write_chrome_trace
+from megatron.pipeline.trace import SpanEvent, write_chrome_trace
 from megatron.training.checkpointing.save_load import atomic_write_text
 
 
@@ -334,15 +334,27 @@ def finite_or_none(value):
     return value
 
 
-def write_timelines(config, runtime) -> None:
+def write_timelines(config, runtime, step_func=None) -> None:
+    """The stage leaders' actions, and their data-parallel reductions and the waits for them
+    (a second track per stage), in one Chrome trace."""
     gathered: list = [None] * dist.get_world_size()
-    events = runtime.trace if is_stage_leader() else []
-    dist.all_gather_object(gathered, events)
+    times = getattr(step_func, "reduction_times", None)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    spans = [SpanEvent(stage, f"data-parallel {name}", start, end)
+             for name, start, end in (times.events or [])] if times is not None else []  # fmt: skip
+    mine = (runtime.trace, spans) if is_stage_leader() else ([], [])
+    dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:
-        merged = [event for events in gathered for event in events]
+        merged = [event for events, _ in gathered for event in events]
+        merged_spans = [span for _, spans in gathered for span in spans]
         origin = min((e.start_s for e in merged), default=0.0)  # one host's monotonic clock
         shifted = [replace(e, start_s=e.start_s - origin, end_s=e.end_s - origin) for e in merged]
+        shifted_spans = [replace(s, start_s=s.start_s - origin, end_s=s.end_s - origin)
+                         for s in merged_spans]  # fmt: skip
         write_chrome_trace(
-            config.logging.timeline_file, shifted, process_name=f"{config.pipeline.plan.name} run"
+            config.logging.timeline_file,
+            shifted,
+            process_name=f"{config.pipeline.plan.name} run",
+            spans=shifted_spans,
         )
         print(f"> wrote timeline {config.logging.timeline_file}", flush=True)

@@ -452,6 +452,8 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
         optimizer, config.lr, lr_scale=stage_lr_scale(config.pipeline, config.training, stage)
     )
     step_func = build_step(config, model, optimizer, scheduler)
+    if config.logging.timeline_file is not None:  # the reductions on the timeline too
+        step_func.reduction_times.events = []
     _bucket_the_reduction(config, model, step_func)
     state = TrainingState()
     if config.checkpoint.load:
@@ -636,7 +638,7 @@ def _finish_run(config, state, runtime, step_func, optimizer, writer, wall_start
     """Write the timelines and summary, close the writer and tear down model parallelism;
     raises ``RunFailed`` when training diverged."""
     if config.logging.timeline_file:
-        write_timelines(config, runtime)
+        write_timelines(config, runtime, step_func)
     write_summary(config, state, runtime, step_func, optimizer, wall_start)
     if writer is not None:
         writer.close()

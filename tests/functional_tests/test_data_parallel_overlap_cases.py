@@ -72,3 +72,21 @@ def test_the_log_line_shows_the_reduction(case_results):
     log = case_results["gpt_dp2pp2_paci_overlap"]["log"]
     assert "dp reduce/exposed per iteration (ms): " in log
     assert "data-parallel reduction in " in log and "overlapped with the backward" in log
+
+
+@pytest.mark.parametrize(
+    "saved, loaded, uninterrupted",
+    [
+        ("gpt_dp2pp2_paci_overlap_resume_1_save", "gpt_dp2pp2_paci_overlap_resume_2_load",
+         "gpt_dp2pp2_paci_overlap"),
+        ("gpt_dp2pp2_paci_plain_resume_1_save", "gpt_dp2pp2_paci_plain_resume_2_load",
+         "gpt_dp2pp2_paci"),
+    ],
+)  # fmt: skip
+def test_a_checkpoint_resumes_with_the_overlap_switched(case_results, saved, loaded,
+                                                        uninterrupted):  # fmt: skip
+    """Saved with the bucketed overlap and resumed without it, and the reverse: the halves
+    continue the uninterrupted run (the save comes at a drain, with no reduction in flight)."""
+    whole = case_results[uninterrupted]["loss"]
+    assert case_results[saved]["loss"] == whole[:4]
+    assert run_cases.relative_difference(case_results[loaded]["loss"], whole[4:]) <= 1e-6

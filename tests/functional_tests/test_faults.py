@@ -187,9 +187,12 @@ def start_frozen_runs(pool, directory: str) -> concurrent.futures.Future:
     is collected: a future of name -> what each measured."""
     root = pathlib.Path(directory)
     (root / "stage").mkdir(), (root / "save").mkdir()
+    (root / "replica").mkdir()
     stage = pool.submit(_freeze_a_stage, root / "stage")
     save = pool.submit(_freeze_a_rank_in_its_save, root / "save")
-    return pool.submit(lambda: {"stage": stage.result(), "save": save.result()})
+    replica = pool.submit(_freeze_a_replica_during_its_reduction, root / "replica")
+    return pool.submit(lambda: {"stage": stage.result(), "save": save.result(),
+                                "replica": replica.result()})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +218,41 @@ def _freeze_a_stage(out) -> dict:
     finally:
         _kill_group(process)
     return {"ended_after": ended_after, "left": left, "output": open(log_path).read()}
+
+
+def _freeze_a_replica_during_its_reduction(out) -> dict:
+    """PP 2 x DP 2 under PACI with the deferred step: rank 1 (stage 0's second replica) stops,
+    so its replica's data-parallel reduction, in flight while the stage goes on, never lands."""
+    log_path = str(out / "log")
+    args = list(SMALL)
+    args[args.index("--pipeline-model-parallel-size") + 1] = "2"
+    args += MOCK + ["--train-iters", "100000", "--lr", "1e-4", "--distributed-timeout-minutes",
+                    "1", "--paci-deferred-step", "--overlap-grad-reduce"]  # fmt: skip
+    process, pids = launch_until(args, log_path, "iteration        3/")
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        frozen_at = time.time()
+        process.wait(timeout=150)
+        ended_after = time.time() - frozen_at
+        left = [rank for rank, pid in pids.items() if alive(pid)]
+    finally:
+        _kill_group(process)
+    return {"ended_after": ended_after, "left": left, "output": open(log_path).read()}
+
+
+def test_a_replica_frozen_during_a_reduction_is_named_and_ended(frozen_runs):
+    """Every process ends within the timeout; its replica names the reduction that never
+    landed, and the stopped rank is named and ended."""
+    run = frozen_runs["replica"]
+    output, errors = run["output"], our_errors(run["output"])
+    print(f"every process ended {run['ended_after']:.1f} s after rank 1 was frozen")
+    print("\n".join(errors))
+    assert not run["left"], run["left"]
+    assert run["ended_after"] < 90, (run["ended_after"], output[-3000:])
+    assert any("the data-parallel reduction of bucket" in line and "over ranks [0, 1]" in line
+               for line in errors), output[-3000:]  # fmt: skip
+    assert any("(rank 1) was stopped: ended" in line for line in errors), output[-3000:]
+    assert not worker_traceback(output), output[-3000:]
 
 
 def test_frozen_stage_ends_every_rank_within_the_timeout(frozen_runs):

@@ -55,3 +55,31 @@ def test_deferred_runs_train_and_keep_replicas_equal(case_results, name, plain):
         reference = case_results[plain]["loss"]
         assert losses[0] == reference[0] and losses != reference
         assert run_cases.relative_difference(losses, reference) < 0.05
+
+
+def test_the_timeline_shows_the_reductions_beside_the_passes(case_results):
+    """--timeline-file: each stage's actions on its track, its data-parallel reductions (one
+    event per bucket and step) and the waits for them on a second track."""
+    import json
+    import os
+
+    run = case_results["gpt_dp2pp2_paci_deferred"]
+    trace = json.load(open(os.path.join(run["metrics_dir"], "timeline.json")))
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    reductions = [e for e in events if e["name"].startswith("data-parallel reduce bucket")]
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert {"stage 0: data-parallel reduction", "stage 1: data-parallel reduction"} <= names
+    for stage in run["stages"]:
+        mine = [e for e in reductions if e["tid"] == 1000 + stage["stage"]]
+        assert len(mine) == stage["dp_buckets_in_backward"] + stage["dp_buckets_at_step"]
+        assert all(e["dur"] >= 0 for e in mine)
+    assert any(e["name"].startswith("F") for e in events)  # the passes are there too
+
+
+def test_a_deferred_run_resumes_exactly(case_results):
+    """The save comes at a drain, where the deferred update lands first: nothing half-reduced
+    is written, and the resumed run continues the uninterrupted one."""
+    whole = case_results["gpt_dp2pp2_paci_deferred"]["loss"]
+    assert case_results["gpt_dp2pp2_paci_deferred_resume_1_save"]["loss"] == whole[:4]
+    second_half = case_results["gpt_dp2pp2_paci_deferred_resume_2_load"]["loss"]
+    assert run_cases.relative_difference(second_half, whole[4:]) <= 1e-6

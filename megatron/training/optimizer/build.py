@@ -407,7 +407,7 @@ class StageOptimizerStep:
             and dist.get_world_size(self.data_parallel_group) > 1
         ):
             self.reduction_times.add_span(start, end)
-            self.reduction_times.add_exposed(end - start)
+            self.reduction_times.add_exposed(end - start, end)
             self.reduction_times.close_step()
             self.reduction_times.buckets_at_step += 1
             self.reduction_times.bytes += 4 * sum(p.numel() for p in self.params)  # fp32

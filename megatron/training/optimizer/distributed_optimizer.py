@@ -199,6 +199,10 @@ class ShardedReduceScatter(BucketStrategy):
         self.flat_ranges: list[tuple[int, int]] = []
         self.outputs: dict[int, torch.Tensor] = {}
 
+    @property
+    def group(self):
+        return self.optimizer.group
+
     def set_ranges(self, ranges: list[tuple[int, int]]) -> None:
         """The buckets' parameter index ranges, as flat-buffer ranges (the padding at the end
         of the buffer goes with the bucket that holds the last parameter)."""
