@@ -33,6 +33,10 @@ summary.json) with the hidden share 1 - exposed / in flight (over the stages). W
 `--repeats R` every run is repeated R times, interleaved, and a row gives the median run's
 figures and the range of the repeats' medians.
 
+Every launch imports the code of the checkout it runs from: on a shared working tree that others
+edit, run it from a snapshot (`git worktree add --detach DIR HEAD`, with `data/` linked in and
+PYTHONPATH=DIR), so that a half-made edit elsewhere cannot fail or change a launch.
+
 A benchmark, not a test (needs root for the network namespace). The full matrix takes about
 30 minutes on 2 cores; `--quick` runs the 1 Gbit/s emulated and real pp2xdp2 rows with the
 plain optimizer only.
@@ -365,7 +369,7 @@ def run_launch(
     every few seconds (the machine is shared: how busy it was belongs with the figures)."""
     outcome: dict[str, dict] = {}
     pending = list(launch_cases)
-    attempt = 0
+    attempt, retried = 0, False
     while pending:
         attempt += 1
         cases_file = os.path.join(output, rate, f"cases_{attempt}.json")
@@ -378,7 +382,11 @@ def run_launch(
             text = file.read()
         parts = split_log(text)
         done = [case for case in pending if case["name"] in parts]
-        if not done:  # failed before its first run: nothing to learn by going on
+        if not done:  # failed before its first run: once more (a port taken, say), then stop
+            if returncode != 0 and not retried:
+                retried = True
+                print(f"  launch at {rate} failed before any run; trying once more", flush=True)
+                continue
             raise RuntimeError(f"launch at {rate} failed before any run:\n{text[-3000:]}")
         for case in done:
             outcome[case["name"]] = {"lines": parts[case["name"]]}
