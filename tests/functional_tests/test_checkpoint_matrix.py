@@ -19,7 +19,7 @@ import sys
 import pytest
 from run_cases import HERE, REPO
 
-from megatron.training.arguments import OPTIMIZER_NAMES
+from megatron.training.optimizer.flags import OPTIMIZER_NAMES
 
 MODEL = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "

@@ -36,7 +36,7 @@ def built(model, config):
 
 
 def test_argument_names_match_the_suite():
-    from megatron.training.arguments import OPTIMIZER_NAMES
+    from megatron.training.optimizer.flags import OPTIMIZER_NAMES
 
     assert OPTIMIZER_NAMES == OPTIMIZERS
 
