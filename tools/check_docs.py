@@ -692,7 +692,7 @@ def check_pytest(call: Call, args: list, checks: Checks, report: Report) -> None
         if skip_next:
             skip_next = False
             continue
-        if arg in ("-k", "-m", "-p", "-o", "--durations", "-n", "--deselect"):
+        if arg in PYTEST_VALUE_OPTIONS:
             skip_next = True
             continue
         if arg.startswith("-"):
@@ -845,6 +845,8 @@ def run_tool_parsers(checks: Checks, report: Report) -> None:
         seconds = time.monotonic() - start
         if "DOCS-CHECK-PARSED" in result.stdout:
             report.note(where, f"{shown}: its parser accepts the flags ({seconds:.1f} s)")
+        elif result.returncode == 0 and "--help" in args and "usage:" in result.stdout:
+            report.note(where, f"{shown}: --help prints its usage ({seconds:.1f} s)")
         elif "DOCS-CHECK-NO-PARSER" in result.stdout and result.returncode == 0:
             report.note(where, f"{shown}: ran without an argument parser ({seconds:.1f} s)")
         else:
@@ -852,25 +854,44 @@ def run_tool_parsers(checks: Checks, report: Report) -> None:
             report.problem(where, f"{shown} {' '.join(args)[:80]}: {tail}")
 
 
+PYTEST_VALUE_OPTIONS = ("-k", "-m", "-p", "-o", "--durations", "-n", "--deselect")
+
+
+def pytest_paths(args: list, cwd: str) -> list:
+    """The test files and directories a pytest command line names, as absolute paths."""
+    paths, skip_next = [], False
+    for arg in args:
+        if skip_next:
+            skip_next = False
+        elif arg in PYTEST_VALUE_OPTIONS:
+            skip_next = True
+        elif not arg.startswith("-"):
+            paths.append(str((Path(cwd) / arg.split("::")[0]).resolve()))
+    return paths
+
+
 def run_pytest_collection(checks: Checks, report: Report) -> None:
-    seen = set()
-    for where, args, cwd, env in checks.pytest:
-        key = (tuple(args), cwd, tuple(sorted(env.items())))
-        if key in seen:
-            continue
-        seen.add(key)
-        start = time.monotonic()
-        command = [python_executable(), "-m", "pytest", "--collect-only", "-q",
-                   "-p", "no:cacheprovider"] + [a for a in args if a not in ("-q", "-x", "-v")]  # fmt: skip
-        result = subprocess.run(command, cwd=cwd, env=dict(os.environ, **env), text=True,
-                                capture_output=True, timeout=600)  # fmt: skip
-        seconds = time.monotonic() - start
-        collected = re.search(r"(\d+) tests? collected|^(\d+) selected", result.stdout, re.M)
-        summary = result.stdout.strip().splitlines()[-1:] or ["(no output)"]
-        if result.returncode == 0 and collected:
-            report.note(where, f"pytest collects: {summary[0]} ({seconds:.1f} s)")
-        else:
-            report.problem(where, f"pytest --collect-only {' '.join(args)[:80]}: {summary[0]}")
+    """Every test file the pytest commands name, collected in one pytest process (what a
+    command selects with FUNCTIONAL_CASES or -k is checked by the quick part)."""
+    if not checks.pytest:
+        return
+    paths = sorted({path for _, args, cwd, _ in checks.pytest for path in pytest_paths(args, cwd)})
+    start = time.monotonic()
+    command = [python_executable(), "-m", "pytest", "--collect-only", "-q", "-p",
+               "no:cacheprovider"] + paths  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, text=True, capture_output=True, timeout=900)
+    seconds = time.monotonic() - start
+    summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
+    failed = set(re.findall(r"ERROR collecting (\S+)", result.stdout))
+    for where, args, cwd, _ in checks.pytest:
+        mine = [os.path.relpath(path, REPO) for path in pytest_paths(args, cwd)]
+        bad = [
+            path for path in mine if any(path.startswith(f) or f.startswith(path) for f in failed)
+        ]
+        if bad or (result.returncode != 0 and not failed):
+            report.problem(where, f"pytest --collect-only {' '.join(mine)[:80]}: {summary}")
+    if result.returncode == 0:
+        report.note("pytest", f"{len(paths)} paths collect: {summary} ({seconds:.0f} s)")
 
 
 def run_block(block: Block, report: Report) -> None:
@@ -881,7 +902,9 @@ def run_block(block: Block, report: Report) -> None:
     env = dict(os.environ, **variables)
     shown = " ".join(f"{k}={v}" for k, v in variables.items())
     start = time.monotonic()
-    process = subprocess.Popen(["nice", "-n", "10", "bash", "-eo", "pipefail", "-c", text],
+    # as a shell runs it, stopping at the first failing command (a pipeline's status is its
+    # last command's, as without pipefail)
+    process = subprocess.Popen(["nice", "-n", "10", "bash", "-e", "-c", text],
                                cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
@@ -895,7 +918,9 @@ def run_block(block: Block, report: Report) -> None:
     if process.returncode == 0:
         report.note(where, f"ran for real{' with ' + shown if shown else ''}: {seconds:.0f} s")
     else:
-        tail = " | ".join(output.strip().splitlines()[-3:])
+        lines = output.strip().splitlines()
+        errors = [line for line in lines if re.search(r"\berror\b", line, re.I)]
+        tail = " | ".join((errors[:2] or []) + lines[-2:])
         report.problem(where, f"exit {process.returncode} after {seconds:.0f} s ({shown}): {tail}")
 
 
