@@ -36,26 +36,14 @@ from megatron.pipeline.schedules import (
     get_schedule,
     virtual_schedule,
 )
-from megatron.pipeline.schedules.paci import (
-    ARRIVAL_RULES,
-    DEFAULT_ARRIVAL_RULE,
-    DEFAULT_INFLIGHT_LIMIT,
-    INFLIGHT_LIMITS,
-)
-from megatron.pipeline.schedules.vocab_passes import cannot_take
-from megatron.pipeline.simulation.costs import stage_values
+from megatron.pipeline.schedules.paci import DEFAULT_ARRIVAL_RULE
 from megatron.training.batch_schedule import (
     set_step_schedule_iterations,
     validate_accumulation_schedule,
     validate_rampup,
     validate_step_schedule,
 )
-from megatron.training.config import (
-    MoEConfig,
-    ParallelConfig,
-    check_vocabulary_split,
-    pipeline_plan,
-)
+from megatron.training.config import MoEConfig, ParallelConfig, pipeline_plan
 from megatron.training.data.sources import add_data_source_args, validate_sample_options
 from megatron.training.megatron_flags import add_compatibility_flags, reject_unsupported_flags
 from megatron.training.optimizer.flags import (
@@ -65,7 +53,16 @@ from megatron.training.optimizer.flags import (
     validate_lr_schedule_source,
     validate_optimizer_suite_args,
     validate_precision_args,
-    validate_stage_lr_scale,
+)
+from megatron.training.pipeline_flags import (
+    add_benchmark_args,
+    add_paci_args,
+    validate_defer_embedding_wgrad,
+    validate_deferred_step,
+    validate_emulated_stages,
+    validate_emulation_and_rule,
+    validate_vocab_parallel,
+    validate_weight_stashing,
 )
 from megatron.training.rerun import add_rerun_args, validate_rerun_args
 from megatron.training.tokenizer.tokenizer import add_tiktoken_args
@@ -91,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for add_group in (add_model_args, _add_parallel_args, _add_training_args,
                       add_optimizer_args, _add_data_args, _add_logging_args,
-                      _add_checkpoint_args, _add_paci_args, _add_benchmark_args):  # fmt: skip
+                      _add_checkpoint_args, add_paci_args, add_benchmark_args):  # fmt: skip
         add_group(parser)
     add_optimizer_suite_args(parser)
     add_precision_args(parser)
@@ -305,58 +302,6 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         help="load the model only and start at iteration 0")  # fmt: skip
 
 
-def _add_paci_args(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument_group("PACI (--pipeline-schedule paci)").add_argument
-    add("--paci-arrival-rule", default=None, choices=list(ARRIVAL_RULES),
-        help=f"what a PACI stage runs first when it may (default {DEFAULT_ARRIVAL_RULE})")  # fmt: skip
-    add("--paci-inflight-limit", default=None, choices=list(INFLIGHT_LIMITS),
-        help="most microbatches a PACI stage s holds: depth = N - s (default), flush = "
-        "min(N - s, microbatches per step), flush's activation memory also when there are fewer "
-        "microbatches per step than stages")  # fmt: skip
-    add("--paci-accumulation-schedule", default=None, metavar="A:ITERS[,A:ITERS...]",
-        help="PACI's accumulation factor a by phase: a = A for the next ITERS iterations, "
-        "phase after phase, then the a of --global-batch-size; the global batch of an "
-        "iteration is a x micro batch x data parallel; the pipeline drains at each change")  # fmt: skip
-    add("--paci-stage-lr-scale", type=float, default=None, metavar="C",
-        help="PACI: multiply pipeline stage s's LR (max and min, every param group) by "
-        "1 / (1 + C (N - 1 - s) / a), N stages, a microbatches per step: (N - 1 - s) / a is the "
-        "mean number of steps its gradients are stale; the last stage keeps its LR")  # fmt: skip
-    add("--paci-deferred-step", action="store_true",
-        help="PACI: a stage goes on with its next passes while the data-parallel reduction of "
-        "its step is in flight, and applies the update before its next step's last backward; "
-        "the reduction hides behind a whole step's passes, at one more step of drift on the "
-        "last stage (bound ceil((N - s) / a)) and one extra copy of the gradients")  # fmt: skip
-    add("--paci-weight-stashing", action="store_true",
-        help="PACI (a study variant): each backward runs on the weights its forward used, as "
-        "PipeDream stashes them; PACI's order and gradient staleness, without the forward/"
-        "backward weight mismatch, at up to ceil((N - 1 - s) / a) extra weight copies on "
-        "stage s")  # fmt: skip
-
-
-def _add_benchmark_args(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument_group("benchmarking").add_argument
-    add("--emulated-forward-ms", type=stage_values, default=None,
-        help="replace each stage's forward by a wait of this many ms, or a comma list with one "
-        "value per stage (schedule benchmarks)")  # fmt: skip
-    add("--emulated-backward-ms", type=stage_values, default=None)
-    add("--emulated-weight-grad-ms", type=stage_values, default=None,
-        help="the part of each emulated backward that computes the weight gradient, which a "
-        "split-backward schedule (zb-h1, zb-v, dualpipe-v) runs apart; ms, or one per stage")  # fmt: skip
-    add("--emulated-vocab-forward-ms", type=stage_values, default=0.0,
-        help="with --enable-vocab-parallel: each rank's emulated VF pass (its output shard's "
-        "logits), ms, or one per pipeline rank")  # fmt: skip
-    add("--emulated-vocab-backward-ms", type=stage_values, default=0.0,
-        help="with --enable-vocab-parallel: each rank's emulated VB pass (its shard's weight "
-        "gradient), ms, or one per pipeline rank")  # fmt: skip
-    add("--emulated-noise-cv", type=stage_values, default=0.0,
-        help="lognormal noise on each emulated action: CV, or one per stage (seeded by --seed)")  # fmt: skip
-    add("--emulated-param-count", type=int, default=None, metavar="N",
-        help="give each emulated stage (each model chunk) N more parameters, in 8 tensors, whose "
-        "gradients (ones) its backward produces over its course and the optimizer steps: a "
-        "data-parallel reduction of 4N bytes (fp32) per stage and step, in buckets as a real "
-        "model's (communication benchmarks)")  # fmt: skip
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     validate_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
@@ -418,13 +363,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         _validate_data_args(args)
     elif args.mock_data and args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise UserError("NullTokenizer needs --vocab-size")
-    if (args.emulated_forward_ms is None) != (args.emulated_backward_ms is None):
-        raise UserError("--emulated-forward-ms and --emulated-backward-ms go together")
-    if args.emulated_weight_grad_ms is not None and args.emulated_backward_ms is None:
-        raise UserError("--emulated-weight-grad-ms is part of --emulated-backward-ms: give both")
-    if args.calculate_per_token_loss and args.emulated_forward_ms is not None:
-        raise UserError("--calculate-per-token-loss needs the model's loss, not emulated compute")
-    _validate_emulated_param_count(args)
+    validate_emulated_stages(args)
     if args.verify_integrity and args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
         raise UserError("--verify-integrity is only supported with --ckpt-format torch_dist "
                         "or fsdp_dtensor")  # fmt: skip
@@ -435,7 +374,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
         raise UserError(f"--save-retain-interval {retain} must be a positive multiple of "
                         f"--save-interval ({args.save_interval})")  # fmt: skip
     _validate_ckpt_step(args)
-    _validate_defer_embedding_wgrad(args)
+    validate_defer_embedding_wgrad(args)
     if args.emulated_forward_ms is not None and (args.save or args.load):
         if args.ckpt_format == "torch_dist":  # its keys come from megatron-core's model
             raise UserError("emulated stages have no megatron-core model: checkpoint them with "
@@ -444,40 +383,12 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     # before the optimizer's: Megatron-FSDP turns the distributed one on
     validate_fsdp_args(args, replicas_order_on_their_own=_replicas_order_on_their_own(args))
     validate_optimizer_suite_args(args)
-    _validate_weight_stashing(args)
-    _validate_deferred_step(args)
+    validate_weight_stashing(args)
+    validate_deferred_step(args)
     validate_precision_args(args)
     validate_accumulation_schedule(args)
     validate_lr_schedule_source(args)
     pipeline_plan(args)  # a combination no schedule defines fails here, in one line
-
-
-def _validate_emulated_param_count(args: argparse.Namespace) -> None:
-    count = args.emulated_param_count
-    if count is None:
-        return
-    if count < 1:
-        raise UserError(f"--emulated-param-count must be >= 1, got {count}")
-    if args.emulated_forward_ms is None:
-        raise UserError("--emulated-param-count gives emulated stages parameters: it needs "
-                        "--emulated-forward-ms and --emulated-backward-ms")  # fmt: skip
-
-
-def _validate_defer_embedding_wgrad(args: argparse.Namespace) -> None:
-    """As megatron-core refuses them (its gradient-accumulation-fusion requirement is its
-    fused CUDA kernel's, not the deferral's: ours uses a plain product)."""
-    if not args.defer_embedding_wgrad_compute:
-        return  # megatron-core reads --wgrad-deferral-limit only with the flag
-    if args.wgrad_deferral_limit < 0:
-        raise UserError("--wgrad-deferral-limit must be >= 0 (0: defer every microbatch)")
-    if args.pipeline_model_parallel_size == 1:
-        raise UserError("--defer-embedding-wgrad-compute needs --pipeline-model-parallel-size > 1")
-    if args.enable_vocab_parallel:
-        raise UserError("--defer-embedding-wgrad-compute with --enable-vocab-parallel is not "
-                        "supported yet (the output layer is split over the stages)")  # fmt: skip
-    if args.emulated_forward_ms is not None:
-        raise UserError("--defer-embedding-wgrad-compute needs the model's output layer, not "
-                        "emulated compute")  # fmt: skip
 
 
 def _validate_ckpt_step(args: argparse.Namespace) -> None:
@@ -514,7 +425,7 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
         raise UserError(f"unknown --pipeline-schedule {args.pipeline_schedule!r} (known: {known})")
     _validate_layer_split(args, pp)
     _validate_virtual_pipeline(args, pp)
-    _validate_vocab_parallel(args)
+    validate_vocab_parallel(args)
     tied = not args.untie_embeddings_and_output_weights
     if tied and pp > 1 and not get_schedule(args.pipeline_schedule).flushes_every_call:
         for flag in ("async_sync_warmup_iters", "async_sync_cooldown_iters"):
@@ -545,38 +456,6 @@ def _chunks_from_layers_per_chunk(args: argparse.Namespace, pp: int, per_chunk: 
             f"--num-layers-per-virtual-pipeline-stage {per_chunk}"
         )
     return per_stage // per_chunk
-
-
-def _validate_vocab_parallel(args: argparse.Namespace) -> None:
-    """--enable-vocab-parallel: what the split output layer and input embedding run with so
-    far."""
-    if not args.enable_vocab_parallel:
-        return
-    schedule = pipeline_plan(args, vocab_passes=False).schedule
-    problem = cannot_take(schedule)
-    unsupported = [
-        (not args.untie_embeddings_and_output_weights and schedule.stashes_weights,
-         f"with tied embeddings and --pipeline-schedule {args.pipeline_schedule}",
-         "a weight-stashing schedule keeps the input embedding whole on the first stage: add "
-         "--untie-embeddings-and-output-weights"),
-        (problem is not None, f"with --pipeline-schedule {args.pipeline_schedule}", problem),
-        (args.context_parallel_size > 1, "with --context-parallel-size > 1", None),
-        (bool(getattr(args, "mtp_num_layers", None)), "with --mtp-num-layers", None),
-        (args.deterministic_mode and not get_schedule(args.pipeline_schedule).flushes_every_call,
-         "with --deterministic-mode and an asynchronous schedule",
-         "a shard's weight version depends on when the hidden state arrives"),
-    ]  # fmt: skip
-    for failed, what, why in unsupported:
-        if failed:
-            raise UserError(
-                f"--enable-vocab-parallel {what} is not supported yet"
-                + (f" ({why})" if why else "")
-            )
-    if args.tokenizer_type == "NullTokenizer" and args.vocab_size:  # known before any process
-        vocab = args.vocab_size + 1  # and the end-of-document id
-        multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-        shards = args.pipeline_model_parallel_size * args.tensor_model_parallel_size
-        check_vocabulary_split(-(-vocab // multiple) * multiple, shards)
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
@@ -748,73 +627,6 @@ def check_virtual_microbatches(args: argparse.Namespace, microbatches: int | Non
         ) from None
 
 
-def _stashes_weights(args: argparse.Namespace) -> bool:
-    """2bw, pipedream, and paci with --paci-weight-stashing keep old weight versions."""
-    if getattr(args, "paci_weight_stashing", False):
-        if args.pipeline_schedule != "paci":
-            raise UserError("--paci-weight-stashing applies to --pipeline-schedule paci only")
-        if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
-            raise UserError("--paci-weight-stashing with virtual pipeline stages is not "
-                            "supported yet")  # fmt: skip
-        return True
-    return get_schedule(args.pipeline_schedule).stashes_weights
-
-
-def _validate_deferred_step(args: argparse.Namespace) -> None:
-    """--paci-deferred-step: PACI only; what it does not support yet. At data-parallel size 1
-    there is nothing to overlap, but the update still lands late (the semantics a study of
-    it needs; the start-up line says so)."""
-    if not args.paci_deferred_step:
-        return
-    if args.pipeline_schedule != "paci":
-        raise UserError("--paci-deferred-step needs --pipeline-schedule paci")
-    unsupported = [
-        (not args.untie_embeddings_and_output_weights and args.pipeline_model_parallel_size > 1,
-         "tied embeddings over several stages (add --untie-embeddings-and-output-weights)"),
-        (args.use_distributed_optimizer, "--use-distributed-optimizer"),
-        (args.use_torch_fsdp2 or args.use_megatron_fsdp, "FSDP"),
-        (args.num_experts is not None, "MoE"),
-        (args.virtual_pipeline_model_parallel_size is not None, "virtual stages"),
-        (args.enable_vocab_parallel, "--enable-vocab-parallel"),
-        (args.calculate_per_token_loss, "--calculate-per-token-loss"),
-        (args.paci_weight_stashing, "--paci-weight-stashing"),
-        (bool(args.paci_accumulation_schedule), "--paci-accumulation-schedule"),
-        (args.async_sync_warmup_iters or args.async_sync_cooldown_iters,
-         "synchronous warm-up or cool-down phases"),
-    ]  # fmt: skip
-    for refused, what in unsupported:
-        if refused:
-            raise UserError(f"--paci-deferred-step with {what} is not supported yet")
-
-
-def _validate_weight_stashing(args: argparse.Namespace) -> None:
-    """2bw, pipedream and PACI with stashing: what stashed weight versions do not support yet."""
-    if not _stashes_weights(args):
-        return
-    schedule = pipeline_plan(args).schedule
-    name, pp = args.pipeline_schedule, args.pipeline_model_parallel_size
-    least = schedule.min_microbatches_per_step(pp)
-    if args.num_microbatches < least:
-        deeper = ", one more with --enable-vocab-parallel" if schedule.vocab_passes else ""
-        raise UserError(
-            f"--pipeline-schedule {name} on {pp} stages needs at least {least} microbatches per "
-            f"step (pipeline size - 1{deeper}, so that two weight versions suffice), got "
-            f"{args.num_microbatches}"
-        )
-    unsupported = {
-        "async_sync_warmup_iters": "switching to and from 1f1b",
-        "async_sync_cooldown_iters": "switching to and from 1f1b",
-        "save": "checkpointing the stashed weight versions",
-        "load": "checkpointing the stashed weight versions",
-    }
-    for flag, missing in unsupported.items():
-        if getattr(args, flag):
-            raise UserError(
-                f"--{flag.replace('_', '-')} is not supported yet with --pipeline-schedule "
-                f"{name} ({missing} is not implemented)"
-            )
-
-
 def _replicas_order_on_their_own(args: argparse.Namespace) -> bool:
     """Data-parallel replicas under a reactive PACI arrival rule: each orders its forwards,
     backwards and steps by its own arrivals."""
@@ -883,25 +695,7 @@ def _validate_run_length(args: argparse.Namespace) -> None:
     )
     if args.train_iters < 1 and not counts_own:
         raise UserError("--train-iters must be >= 1 (or --train-samples >= --global-batch-size)")
-    _validate_emulation_and_rule(args)
-
-
-def _validate_emulation_and_rule(args: argparse.Namespace) -> None:
-    pp = args.pipeline_model_parallel_size
-    for flag, value, default in (
-        ("--paci-arrival-rule", args.paci_arrival_rule, DEFAULT_ARRIVAL_RULE),
-        ("--paci-inflight-limit", args.paci_inflight_limit, DEFAULT_INFLIGHT_LIMIT),
-    ):
-        if value not in (None, default) and args.pipeline_schedule != "paci":
-            raise UserError(f"{flag} applies to --pipeline-schedule paci only")
-    validate_stage_lr_scale(args)
-    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    for flag in ("emulated_forward_ms", "emulated_backward_ms", "emulated_weight_grad_ms",
-                 "emulated_noise_cv", "emulated_vocab_forward_ms",
-                 "emulated_vocab_backward_ms"):  # fmt: skip
-        if isinstance(getattr(args, flag), list) and len(getattr(args, flag)) != pp * chunks:
-            each = f"virtual stage ({pp * chunks})" if chunks > 1 else f"pipeline stage ({pp})"
-            raise UserError(f"--{flag.replace('_', '-')}: one value, or one per {each}")
+    validate_emulation_and_rule(args)
 
 
 def _validate_layer_split(args: argparse.Namespace, pp: int) -> None:

@@ -3,7 +3,8 @@
 import pytest
 from test_validation import validation_error, with_flags
 
-from megatron.training.arguments import build_parser, pipeline_plan, validate_args
+from megatron.training.arguments import build_parser, validate_args
+from megatron.training.config import pipeline_plan
 from megatron.training.optimizer.lr_per_iteration import SchedulerPerIteration, per_iteration
 
 CASES = {

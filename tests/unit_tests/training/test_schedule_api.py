@@ -57,7 +57,7 @@ def test_paci_weight_stashing_stashes_in_both_orders_and_only_for_plain_paci():
 
     from megatron.common.errors import UserError
     from megatron.pipeline.plan import resolve_plan
-    from megatron.training.arguments import pipeline_plan
+    from megatron.training.config import pipeline_plan
 
     plain = resolve_plan("paci", num_stages=4, arrival_rule="backward-first")
     stashed = resolve_plan("paci", num_stages=4, arrival_rule="backward-first",
