@@ -8,7 +8,7 @@ CORPUS := $(DATA)/stdlib.jsonl
 TOKENIZER := $(DATA)/tokenizer/stdlib.model
 DATASET := $(DATA)/stdlib_text_document
 
-.PHONY: venv data data-gpt2 data-small demo test cluster-test unit-test functional-test lint format clean docs-check
+.PHONY: venv data data-gpt2 data-small demo test test-quick cluster-test unit-test functional-test lint format clean docs-check
 
 venv: $(VENV)/.installed
 
@@ -72,6 +72,15 @@ demo: venv data
 
 test: venv data
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The edit loop's tier: the unit tests but the slowest (tests/unit_tests/conftest.py, SLOW) and
+# two 4-process launches (PACI with and without the bucketed overlap of the data-parallel
+# reduction, equal bit for bit). `make test` runs everything.
+QUICK_LAUNCH := tests/functional_tests/test_data_parallel_overlap_cases.py::test_overlap_gives_the_same_numbers_bit_for_bit[gpt_dp2pp2_paci_overlap-gpt_dp2pp2_paci]
+
+test-quick: venv data
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/unit_tests
+	FUNCTIONAL_CASES=gpt_dp2pp2_paci,gpt_dp2pp2_paci_overlap $(PY) -m pytest -q -p no:cacheprovider "$(QUICK_LAUNCH)"
 
 # The Slurm launch test on a one-node cluster it starts on loopback. Installs Debian's Slurm and
 # MUNGE first (needs root); there a missing package fails the test instead of skipping it.
