@@ -645,7 +645,7 @@ class StageLayout:
     Layers are split evenly over the stages unless `stage_layers` gives each stage's count:
     megatron-core's assignment for Megatron's layout flags (--decoder-first/last-pipeline-num-
     layers, --account-for-embedding/loss-in-pipeline-split, --pipeline-model-parallel-layout),
-    which arguments.layers_by_stage computes.
+    which training/layout_flags.py's `layers_by_stage` computes.
     """
 
     pipeline_rank: int

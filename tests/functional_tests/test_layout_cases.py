@@ -14,7 +14,8 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from run_cases import relative_difference
 from test_gpt_cases import drift_bound
 
-from megatron.training.arguments import build_parser, layers_by_stage, layout_config
+from megatron.training.arguments import build_parser
+from megatron.training.layout_flags import layers_by_stage, layout_config
 
 CASES = {  # case -> (one-process reference, layers per stage)
     "gpt_pp4_1f1b_account_embedding": ("gpt_pp1_tied_7layers_1f1b", [1, 2, 2, 2]),

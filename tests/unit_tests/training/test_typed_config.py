@@ -18,7 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[3] / "megatron"
 # The flag modules: the parser, its checks, Megatron's flags we refuse or accept as ours
 ARGUMENT_MODULES = {"training/arguments.py", "training/validation.py",
                     "training/megatron_flags.py", "model/moe/flags.py",
-                    "training/optimizer/flags.py", "training/pipeline_flags.py"}  # fmt: skip
+                    "training/optimizer/flags.py", "training/pipeline_flags.py",
+                    "training/layout_flags.py"}  # fmt: skip
 CONFIG_MODULES = {"training/config.py", "training/optimizer/config.py"}
 # Flag checks and parser groups that live beside what they check (e.g. batch_schedule.py's
 # validate_rampup): the edge too
