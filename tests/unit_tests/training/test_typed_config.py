@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3] / "megatron"
 ARGUMENT_MODULES = {"training/arguments.py", "training/validation.py",
                     "training/megatron_flags.py", "model/moe/flags.py",
                     "training/optimizer/flags.py", "training/pipeline_flags.py",
-                    "training/layout_flags.py"}  # fmt: skip
+                    "training/layout_flags.py", "training/loop_flags.py"}  # fmt: skip
 CONFIG_MODULES = {"training/config.py", "training/optimizer/config.py"}
 # Flag checks and parser groups that live beside what they check (e.g. batch_schedule.py's
 # validate_rampup): the edge too
