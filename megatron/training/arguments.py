@@ -28,6 +28,7 @@ from megatron.model.mup import add_mup_args, validate_mup_args
 from megatron.model.recompute import add_recompute_args, validate_recompute_args
 from megatron.pipeline.schedules import get_schedule
 from megatron.training.batch_schedule import validate_accumulation_schedule
+from megatron.training.checkpointing.flags import add_checkpoint_args, validate_checkpoint_args
 from megatron.training.config import MoEConfig, ParallelConfig, pipeline_plan
 from megatron.training.data.sources import add_data_source_args, validate_sample_options
 from megatron.training.layout_flags import add_parallel_args, validate_parallel_layout
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for add_group in (add_model_args, add_parallel_args, add_training_args,
                       add_optimizer_args, _add_data_args, add_logging_args,
-                      _add_checkpoint_args, add_paci_args, add_benchmark_args):  # fmt: skip
+                      add_checkpoint_args, add_paci_args, add_benchmark_args):  # fmt: skip
         add_group(parser)
     add_optimizer_suite_args(parser)
     add_precision_args(parser)
@@ -139,48 +140,6 @@ def _add_fim_args(parser: argparse.ArgumentParser) -> None:
     add("--fim-pad-token", default="<fim_pad>")
     add("--fim-eod-token", default="<|endoftext|>",
         help="the token between documents (each rearranged on its own)")  # fmt: skip
-
-
-# megatron-core's StrictHandling values (dist_checkpointing.validation)
-DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
-                        "raise_all", "return_unexpected", "return_all", "ignore_all")  # fmt: skip
-
-
-def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument_group("checkpoints").add_argument
-    add("--save", default=None)
-    add("--save-interval", type=int, default=None)
-    add("--save-retain-interval", type=int, default=None,
-        help="keep only the checkpoints of its multiples, and the newest")  # fmt: skip
-    add("--load", default=None)
-    add("--ckpt-step", type=int, default=None,
-        help="load the checkpoint of this iteration from --load, not the newest one")  # fmt: skip
-    add(
-        "--ckpt-format",
-        default="torch_dist",
-        help="torch_dist (Megatron's default: megatron-core's distributed checkpoint, loads into "
-        "any TP x PP x DP layout), torch (one file per model-parallel rank, same layout only) "
-        "or fsdp_dtensor (a fully sharded model's rows as the ranks hold them, any DP size)",
-    )
-    add(
-        "--auto-detect-ckpt-format",
-        action="store_true",
-        help="load a checkpoint in whichever format it is (else it must be --ckpt-format's)",
-    )
-    add(
-        "--dist-ckpt-strictness",
-        default="assume_ok_unexpected",
-        choices=DIST_CKPT_STRICTNESS,
-        help="torch_dist: what to do with keys the checkpoint and the model do not share",
-    )
-    add("--verify-integrity", action="store_true",
-        help="torch_dist: hash the checkpoint's files on save, check them before load")  # fmt: skip
-    add("--no-load-optim", action="store_true")
-    add("--no-load-rng", action="store_true")
-    add("--no-save-optim", action="store_true")
-    add("--no-save-rng", action="store_true")
-    add("--finetune", action="store_true",
-        help="load the model only and start at iteration 0")  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -245,16 +204,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     elif args.mock_data and args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise UserError("NullTokenizer needs --vocab-size")
     validate_emulated_stages(args)
-    if args.verify_integrity and args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
-        raise UserError("--verify-integrity is only supported with --ckpt-format torch_dist "
-                        "or fsdp_dtensor")  # fmt: skip
-    if args.save_interval is not None and args.save is None:
-        raise UserError("--save-interval needs --save DIR")
-    retain = args.save_retain_interval
-    if retain is not None and (retain < 1 or not args.save_interval or retain % args.save_interval):
-        raise UserError(f"--save-retain-interval {retain} must be a positive multiple of "
-                        f"--save-interval ({args.save_interval})")  # fmt: skip
-    _validate_ckpt_step(args)
+    validate_checkpoint_args(args)
     validate_defer_embedding_wgrad(args)
     if args.emulated_forward_ms is not None and (args.save or args.load):
         if args.ckpt_format == "torch_dist":  # its keys come from megatron-core's model
@@ -270,17 +220,6 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_accumulation_schedule(args)
     validate_lr_schedule_source(args)
     pipeline_plan(args)  # a combination no schedule defines fails here, in one line
-
-
-def _validate_ckpt_step(args: argparse.Namespace) -> None:
-    if args.ckpt_step is None:
-        return
-    if args.load is None:
-        raise UserError("--ckpt-step needs --load DIR")
-    if args.ckpt_step < 0:
-        raise UserError(f"--ckpt-step must be >= 0, got {args.ckpt_step}")
-    if args.load_fallback:
-        raise UserError("--ckpt-step names one checkpoint; --load-fallback picks one: pass one")
 
 
 def _validate_data_args(args: argparse.Namespace) -> None:
