@@ -88,8 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="PACI's arrival rule (as in training)")  # fmt: skip
     parser.add_argument("--paci-inflight-limit", choices=list(paci.INFLIGHT_LIMITS),
                         help="PACI's in-flight window: depth (N - s) or flush (min(N - s, m))")  # fmt: skip
-    parser.add_argument("--paci-deferred-step", action="store_true",
-                        help="PACI: each update lands before the stage's next last backward")  # fmt: skip
+    parser.add_argument("--paci-deferred-step", type=int, nargs="?", const=0, default=None,
+                        metavar="D", help="PACI: each update lands before the stage's D-th "
+                        "backward after its step (without D: the next step's last)")  # fmt: skip
     parser.add_argument("--virtual-stages", type=int, metavar="V",
                         help="model chunks per rank (schedules with virtual stages)")  # fmt: skip
     return parser.parse_args(argv)
@@ -150,8 +151,12 @@ def run(args: argparse.Namespace) -> dict:
     except ValueError as error:
         raise UserError(str(error)) from None
     chunks = chunks_per_rank(args)
-    if args.paci_deferred_step and (args.schedule != "paci" or chunks != 1):
+    deferred = args.paci_deferred_step
+    if deferred is not None and (args.schedule != "paci" or chunks != 1):
         raise UserError("--paci-deferred-step applies to --schedule paci (one chunk per rank)")
+    if deferred is not None and not 0 <= deferred <= args.microbatches:
+        raise UserError(f"--paci-deferred-step D needs 1 <= D <= --microbatches, got {deferred}")
+    deferred = False if deferred is None else (args.microbatches if deferred == 0 else deferred)
     costs = stage_costs(args, chunks)
     latency = args.p2p if args.p2p is not None else (costs.p2p_latency or 0.0)
     virtual = {} if schedule.placement is None else {"chunks_per_rank": chunks}
@@ -162,7 +167,7 @@ def run(args: argparse.Namespace) -> dict:
         steps=args.steps,
         p2p_latency=latency,
         record_timeline=bool(args.timeline or args.plot),
-        deferred_step=args.paci_deferred_step,
+        deferred_step=deferred,
         **virtual,
         **costs.simulate_kwargs(),
     )

@@ -957,6 +957,11 @@ class RankRuntime:
         )
         passes = self._gradient_passes
         passes[chunk] += 1
+        for sync in self.gradient_syncs:  # a deferred update may land before this pass
+            before = getattr(sync, "before_gradient_pass", None)
+            if before is not None:
+                with preserve_versions(self.model.parameters()):
+                    before(chunk, sum(passes))
         last_of_step = sum(passes) == per_chunk * len(passes)
         if last_of_step or (self.schedule.flushes_every_call and passes[chunk] == per_chunk):
             compute_start = time.perf_counter()

@@ -177,9 +177,10 @@ class _Stages:
         self.tied = _tied_exchanges(config, self.models, self.steps) if self.count > 1 else []
         for s, exchange in zip((0, self.count - 1), self.tied):
             self.steps[s] = _around(self.steps[s], exchange)
-        if config.pipeline.paci_deferred_step:  # (validation refuses it with tied or MoE)
-            self.steps = [_Deferred(step, runtime) for step, runtime in zip(self.steps,
-                                                                            self.runtimes)]  # fmt: skip
+        deferred = config.pipeline.paci_deferred_step
+        if deferred:  # (validation refuses it with tied embeddings or MoE)
+            self.steps = [_Deferred(step, runtime, deferred)
+                          for step, runtime in zip(self.steps, self.runtimes)]  # fmt: skip
 
     def at_drain(self) -> None:
         """The pipeline is empty: deferred updates land; the last stage's tied copy catches up
@@ -271,12 +272,12 @@ def _around(step, exchange):
 class _Deferred:
     """--paci-deferred-step on one stage, as the ranks' MegatronStep runs it: the schedule's step
     sets the gradients aside (a reduction over one rank is a copy), the update lands before the
-    stage's next last backward or at a drain."""
+    stage's `passes`-th backward after the step or at a drain."""
 
-    def __init__(self, step, runtime):
+    def __init__(self, step, runtime, passes: int):
         from megatron.training.optimizer.build import attach_reduction
 
-        self.step, self.runtime, self.pending = step, runtime, False
+        self.step, self.runtime, self.pending, self.passes = step, runtime, False, passes
         attach_reduction(step, bucket_size=None, overlap=False, force=True)
         runtime.gradient_syncs.append(self)
 
@@ -291,6 +292,10 @@ class _Deferred:
             self.step.land()
             self.pending = False
             self.runtime.pending_updates -= 1
+
+    def before_gradient_pass(self, chunk: int, passes: int) -> None:
+        if passes >= self.passes:
+            self.land()
 
     def before_final_pass(self, chunk: int) -> None:
         self.land()

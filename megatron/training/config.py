@@ -243,7 +243,8 @@ class PipelineConfig(_Section):
     paci_arrival_rule: str | None = None
     paci_inflight_limit: str | None = None
     paci_stage_lr_scale: float | None = None
-    paci_deferred_step: bool = False  # the update lands before the next step's last pass
+    # the update lands before the D-th backward after its step (None: at the step)
+    paci_deferred_step: int | None = None
     # [(a, iterations), ...] (validated by batch_schedule.validate_accumulation_schedule)
     paci_accumulation_schedule: tuple = ()
     async_sync_warmup_iters: int = 0

@@ -37,11 +37,12 @@ def add_paci_args(parser: argparse.ArgumentParser) -> None:
         help="PACI: multiply pipeline stage s's LR (max and min, every param group) by "
         "1 / (1 + C (N - 1 - s) / a), N stages, a microbatches per step: (N - 1 - s) / a is the "
         "mean number of steps its gradients are stale; the last stage keeps its LR")  # fmt: skip
-    add("--paci-deferred-step", action="store_true",
+    add("--paci-deferred-step", type=int, nargs="?", const=0, default=None, metavar="D",
         help="PACI: a stage goes on with its next passes while the data-parallel reduction of "
-        "its step is in flight, and applies the update before its next step's last backward; "
-        "the reduction hides behind a whole step's passes, at one more step of drift on the "
-        "last stage (bound ceil((N - s) / a)) and one extra copy of the gradients")  # fmt: skip
+        "its step is in flight, and applies the update just before its D-th backward after the "
+        "step (1 <= D <= a; without D, a: its next step's last backward); the reduction hides "
+        "behind those passes, the gradients are up to one step staler (drift bound "
+        "ceil((N - s) / a)), one extra copy of the gradients")  # fmt: skip
     add("--paci-weight-stashing", action="store_true",
         help="PACI (a study variant): each backward runs on the weights its forward used, as "
         "PipeDream stashes them; PACI's order and gradient staleness, without the forward/"
@@ -206,10 +207,16 @@ def validate_deferred_step(args: argparse.Namespace) -> None:
     """--paci-deferred-step: PACI only; what it does not support yet. At data-parallel size 1
     there is nothing to overlap, but the update still lands late (the semantics a study of
     it needs; the start-up line says so)."""
-    if not args.paci_deferred_step:
+    if args.paci_deferred_step is None:
         return
     if args.pipeline_schedule != "paci":
         raise UserError("--paci-deferred-step needs --pipeline-schedule paci")
+    a = args.num_microbatches
+    if args.paci_deferred_step == 0:  # the bare flag: the whole next step
+        args.paci_deferred_step = a
+    if not 1 <= args.paci_deferred_step <= a:
+        raise UserError(f"--paci-deferred-step D needs 1 <= D <= {a} (microbatches per step), "
+                        f"got {args.paci_deferred_step}")  # fmt: skip
     unsupported = [
         (not args.untie_embeddings_and_output_weights and args.pipeline_model_parallel_size > 1,
          "tied embeddings over several stages (add --untie-embeddings-and-output-weights)"),

@@ -336,8 +336,9 @@ def _note_deferred_step(config) -> None:
     limit = config.pipeline.paci_inflight_limit or "depth"
     bounds = " ".join(str(deferred_step_drift_bound(s, n, a, limit)) for s in range(n))
     plain = " ".join(str(drift_bound(s, n, a, limit)) for s in range(n))
-    print_rank_0(f"> --paci-deferred-step: updates land before the next step's last backward; "
-                 f"drift bound by stage {bounds} (plain PACI {plain})")  # fmt: skip
+    d = config.pipeline.paci_deferred_step
+    print_rank_0(f"> --paci-deferred-step {d}: each update lands before the stage's backward {d} "
+                 f"of {a} after its step; drift bound by stage {bounds} (plain PACI {plain})")  # fmt: skip
     if config.parallel.data_parallel_size * config.parallel.context_parallel_size == 1:
         print_rank_0("> --paci-deferred-step at data-parallel size 1: no reduction to overlap; "
                      "the updates still land late")  # fmt: skip
@@ -747,7 +748,12 @@ class MegatronStep:
         self.runtime.pending_updates -= 1
         self._after_update(report)
 
-    def before_final_pass(self, chunk: int) -> None:  # a gradient sync of the runtime
+    def before_gradient_pass(self, chunk: int, passes: int) -> None:  # a gradient sync
+        """`passes`: the gradient passes since the step, this one included."""
+        if passes >= self.deferred:
+            self.land()
+
+    def before_final_pass(self, chunk: int) -> None:
         self.land()
 
     def chunk_complete(self, chunk: int) -> None:

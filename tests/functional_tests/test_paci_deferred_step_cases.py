@@ -27,8 +27,13 @@ def test_the_measured_drift_is_the_derived_bound(case_results):
         deferred_step_drift_bound(s, n, a) for s in range(n)
     ]
     assert [s["max_drift"] for s in plain["stages"]] == [drift_bound(s, n, a) for s in range(n)]
-    assert "--paci-deferred-step: updates land before the next step's last backward; drift " \
-           "bound by stage 2 2 1 1 (plain PACI 2 1 1 0)" in deferred["log"]  # fmt: skip
+    assert (
+        "--paci-deferred-step 2: each update lands before the stage's backward 2 of 2 "
+        "after its step; drift bound by stage 2 2 1 1 (plain PACI 2 1 1 0)"
+    ) in deferred["log"]
+    early = case_results["gpt_dp2pp4_paci_deferred_1"]  # D = 1: the same bound, other numbers
+    assert [s["max_drift"] for s in early["stages"]] == [2, 2, 1, 1]
+    assert early["loss"][0] == deferred["loss"][0] and early["loss"] != deferred["loss"]
 
 
 @pytest.mark.parametrize(
@@ -37,6 +42,7 @@ def test_the_measured_drift_is_the_derived_bound(case_results):
         ("gpt_dp2pp2_paci_deferred", "gpt_dp2pp2_paci"),
         ("gpt_dp2pp2_paci_bf16_deferred", None),
         ("gpt_dp2pp4_paci_deferred", "gpt_dp2pp4_paci"),
+        ("gpt_dp2pp4_paci_deferred_1", "gpt_dp2pp4_paci"),
     ],
 )
 def test_deferred_runs_train_and_keep_replicas_equal(case_results, name, plain):

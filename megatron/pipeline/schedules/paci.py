@@ -129,13 +129,15 @@ def drift_bound(
 def deferred_step_drift_bound(
     stage: int, num_stages: int, accumulation: int, limit: str = DEFAULT_INFLIGHT_LIMIT
 ) -> int:
-    """`drift_bound` with --paci-deferred-step, where the update of step k is applied just
-    before the last backward of step k + 1 instead of just after the last backward of step k.
-    Updates then land right before every a-th backward, the microbatch's own backward among
-    the ones that can follow one: between a forward and its backward there are the window's
-    other W - 1 backwards and its own, so at most ceil(W / a) updates, ceil((N - s) / a) by
-    depth. The last stage (W = 1) now crosses one; with a >= N every stage crosses at most
-    one, as plain PACI's first stage does."""
+    """`drift_bound` with --paci-deferred-step D, where the update of step k is applied just
+    before the stage's D-th backward after the step (1 <= D <= a) instead of just after its
+    last backward of step k. Updates still land once every a backwards, but right before a
+    backward, which may be the microbatch's own: between a forward and its backward there are
+    the window's other W - 1 backwards and its own, so at most ceil(W / a) updates,
+    ceil((N - s) / a) by depth, whatever D. The last stage (W = 1) now crosses one; with
+    a >= N every stage crosses at most one, as plain PACI's first stage does. (D sets how
+    stale the applied gradients are: the passes before the landing run on the older weights,
+    up to a whole step's with D = a.)"""
     return -(-window(stage, num_stages, accumulation, limit) // accumulation)
 
 

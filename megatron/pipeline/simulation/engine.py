@@ -153,7 +153,7 @@ class _Simulator:
         self.last_virtual_stage = placement.num_virtual_stages - 1
         self.m = m
         self.calls = steps
-        self.deferred_step = False
+        self.deferred_step = 0
         self.forward_cost, self.backward_cost, self.wgrad_cost, self.step_cost = costs
         self.latency = p2p_latency
         self.stages = [_Stage(self._new_state(s)) for s in range(self.n)]
@@ -472,8 +472,8 @@ class _Simulator:
 
     def on_backward(self, st: _Stage, chunk: int) -> None:
         st.backwards_since_step += 1
-        if st.pending_updates and st.backwards_since_step == self.m * len(st.state.chunks):
-            st.pending_updates -= 1  # landed just before the step's last backward
+        if st.pending_updates and st.backwards_since_step == self.deferred_step:
+            st.pending_updates -= 1  # landed just before this backward
         version = st.state.record_backward(chunk)
         applied = st.state.steps - st.pending_updates
         drift = 0 if self.schedule.stashes_weights else applied - version
@@ -615,7 +615,7 @@ def simulate(
     vocab_backward_cost: float | Sequence[float] = 0.0,
     embed_forward_cost: float | Sequence[float] = 0.0,
     embed_backward_cost: float | Sequence[float] = 0.0,
-    deferred_step: bool = False,
+    deferred_step: bool | int = False,
 ) -> SimulationResult:
     """Run `steps` calls of `schedule` on `num_stages` stages and measure the run.
 
@@ -635,9 +635,9 @@ def simulate(
     with `embedding_passes` its input embedding's rows too (`embed_forward_cost`,
     `embed_backward_cost`: EF, EB).
 
-    `deferred_step` (PACI's --paci-deferred-step): a STEP starts the update, which is applied
-    just before the stage's last backward of its next step (the passes in between run on the
-    weights before it); drift is counted on the weights applied.
+    `deferred_step` (PACI's --paci-deferred-step D): a STEP starts the update, which is applied
+    just before the stage's D-th backward after it (True: the a-th, its next step's last; the
+    passes in between run on the weights before it); drift is counted on the weights applied.
     """
     v = schedule.default_chunks_per_rank if chunks_per_rank is None else chunks_per_rank
     _check_arguments(schedule, num_stages, microbatches_per_step, steps, p2p_latency, v)
@@ -657,6 +657,7 @@ def simulate(
                                                       embed_forward_cost, embed_backward_cost))  # fmt: skip
     sim = _Simulator(schedule, placement, microbatches_per_step, steps, costs,
                      float(p2p_latency), record_timeline, noise, vocab_costs)  # fmt: skip
-    sim.deferred_step = deferred_step
+    # True: before the next step's last backward; a number D: before the D-th after the step
+    sim.deferred_step = microbatches_per_step if deferred_step is True else int(deferred_step)
     sim.run()
     return sim.result()

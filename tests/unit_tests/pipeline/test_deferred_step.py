@@ -21,10 +21,12 @@ def test_the_simulator_reaches_the_derived_bound(stages, accumulation, limit):
     schedule = with_paci_options(get_schedule("paci"), None, limit)
     run = dict(num_stages=stages, microbatches_per_step=accumulation, steps=3 * stages,
                forward_cost=1.0, backward_cost=2.0)  # fmt: skip
-    deferred = simulate(schedule, deferred_step=True, **run)
     plain = simulate(schedule, **run)
     expected = [deferred_step_drift_bound(s, stages, accumulation, limit) for s in range(stages)]
-    assert deferred.max_drift_per_stage == expected
+    for passes in sorted({1, accumulation // 2 or 1, accumulation}):  # D: where the update lands
+        deferred = simulate(schedule, deferred_step=passes, **run)
+        assert deferred.max_drift_per_stage == expected, passes
+    assert simulate(schedule, deferred_step=True, **run).max_drift_per_stage == expected
     plain_bound = [drift_bound(s, stages, accumulation, limit) for s in range(stages)]
     # (plain PACI under the flush limit with a < N stays below its bound: a bound, not a rule)
     assert all(d <= b for d, b in zip(plain.max_drift_per_stage, plain_bound))
@@ -51,6 +53,11 @@ def test_deferred_step_flags():
     assert error_of(flush, world_size=4) == "--paci-deferred-step needs --pipeline-schedule paci"
     tied = [f for f in PP2_DP2 if f != "--untie-embeddings-and-output-weights"]
     assert "tied embeddings over several stages" in error_of(tied, world_size=4)
+    assert validated(PP2_DP2, world_size=4).paci_deferred_step == 2  # the bare flag: a = 2
+    assert validated(PP2_DP2 + ["1"], world_size=4).paci_deferred_step == 1
+    assert error_of(PP2_DP2 + ["3"], world_size=4) == (
+        "--paci-deferred-step D needs 1 <= D <= 2 (microbatches per step), got 3"
+    )
     for extra, named in [
         (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
         (["--calculate-per-token-loss"], "--calculate-per-token-loss"),
