@@ -30,7 +30,12 @@ from megatron.pipeline.schedules import get_schedule
 from megatron.training.batch_schedule import validate_accumulation_schedule
 from megatron.training.checkpointing.flags import add_checkpoint_args, validate_checkpoint_args
 from megatron.training.config import MoEConfig, ParallelConfig, pipeline_plan
-from megatron.training.data.sources import add_data_source_args, validate_sample_options
+from megatron.training.data.sources import (
+    add_data_args,
+    add_data_source_args,
+    validate_data_args,
+    validate_sample_options,
+)
 from megatron.training.layout_flags import add_parallel_args, validate_parallel_layout
 from megatron.training.loop_flags import (
     add_logging_args,
@@ -57,19 +62,8 @@ from megatron.training.pipeline_flags import (
     validate_weight_stashing,
 )
 from megatron.training.rerun import add_rerun_args, validate_rerun_args
-from megatron.training.tokenizer.tokenizer import add_tiktoken_args
 from megatron.training.tracking.wandb_run import add_wandb_args, validate_wandb_args
 from megatron.training.validation import add_reliability_args, validate_reliability
-
-TOKENIZER_CHOICES = [
-    "GPT2BPETokenizer",
-    "GPTSentencePieceTokenizer",
-    "SentencePieceTokenizer",
-    "Llama2Tokenizer",
-    "HuggingFaceTokenizer",
-    "TikTokenizer",
-    "NullTokenizer",
-]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     for add_group in (add_model_args, add_parallel_args, add_training_args,
-                      add_optimizer_args, _add_data_args, add_logging_args,
+                      add_optimizer_args, add_data_args, add_logging_args,
                       add_checkpoint_args, add_paci_args, add_benchmark_args):  # fmt: skip
         add_group(parser)
     add_optimizer_suite_args(parser)
@@ -100,46 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_moe_unsupported_args(parser)
     add_compatibility_flags(parser)
     return parser
-
-
-def _add_data_args(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument_group("data").add_argument
-    add("--data-path", nargs="*", default=None, help="prefixes, or 'weight prefix ...' pairs")
-    add("--split", default="969,30,1")
-    add("--mock-data", action="store_true", help="synthetic tokens (megatron-core MockGPTDataset)")
-    add("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_CHOICES)
-    add("--tokenizer-model", default=None)
-    add("--vocab-file", default=None)
-    add("--merge-file", default=None)
-    add("--vocab-size", type=int, default=None,
-        help="NullTokenizer's ids; TikTokenizer's whole vocabulary (default 2**17)")  # fmt: skip
-    add_tiktoken_args(parser.add_argument_group("TikTokenizer"))
-    add("--data-cache-path", default=None)
-    add("--dataloader-type", default=None, choices=("single", "cyclic", "external"),
-        help="single (default): one pass in order; cyclic: random order, epoch after epoch")  # fmt: skip
-    add("--no-data-sharding", action="store_false", dest="data_sharding",
-        help="cyclic: one permutation of the data dealt to all ranks, not a bucket per rank")  # fmt: skip
-    _add_fim_args(parser)
-
-
-def _add_fim_args(parser: argparse.ArgumentParser) -> None:
-    """Megatron's fill-in-the-middle flags (names and defaults): data/fim.py."""
-    add = parser.add_argument_group("fill-in-the-middle (data/fim.py)").add_argument
-    add("--fim-data", action="store_true", help="rearrange samples for fill-in-the-middle")
-    add("--fim-rate", type=float, default=0.5, help="the share of samples rearranged")
-    add("--fim-spm-rate", type=float, default=0.5,
-        help="the share of rearranged samples laid out SPM (the rest PSM)")  # fmt: skip
-    add("--fim-split-sample", default=None,
-        help="a token between the files of a document: each file rearranged on its own")  # fmt: skip
-    add("--fim-fragment-rate", type=float, default=None,
-        help="with --fim-split-sample: the share of files rearranged")  # fmt: skip
-    add("--fim-no-prefix", default=None, help="leave text that starts with this as it is")
-    add("--fim-prefix-token", default="<fim_prefix>")
-    add("--fim-middle-token", default="<fim_middle>")
-    add("--fim-suffix-token", default="<fim_suffix>")
-    add("--fim-pad-token", default="<fim_pad>")
-    add("--fim-eod-token", default="<|endoftext|>",
-        help="the token between documents (each rearranged on its own)")  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -199,10 +153,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_mup_args(args)
     validate_rerun_args(args, synchronous=get_schedule(args.pipeline_schedule).flushes_every_call)
     validate_batch_and_run_length(args)
-    if check_files:
-        _validate_data_args(args)
-    elif args.mock_data and args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-        raise UserError("NullTokenizer needs --vocab-size")
+    validate_data_args(args, check_files=check_files)
     validate_emulated_stages(args)
     validate_checkpoint_args(args)
     validate_defer_embedding_wgrad(args)
@@ -220,13 +171,3 @@ def validate_args(args: argparse.Namespace, *, world_size: int, check_files: boo
     validate_accumulation_schedule(args)
     validate_lr_schedule_source(args)
     pipeline_plan(args)  # a combination no schedule defines fails here, in one line
-
-
-def _validate_data_args(args: argparse.Namespace) -> None:
-    if args.mock_data:
-        if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-            raise UserError("NullTokenizer needs --vocab-size")
-        return
-    from megatron.training.data.sources import validate_data_source
-
-    validate_data_source(args)

@@ -11,7 +11,9 @@
   per-sample mask goes with the batch to the core attention).
 
 The result is megatron-core's blend configuration (`blend` or `blend_per_split` of its
-`BlendedMegatronDatasetConfig`).
+`BlendedMegatronDatasetConfig`). The "data" group's flags live here too (`add_data_args`):
+`--data-path`, `--split`, `--mock-data`, the tokenizer's, the data loader's and
+fill-in-the-middle's (fim.py).
 """
 
 import argparse
@@ -20,9 +22,50 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from megatron.common.errors import UserError
+from megatron.training.tokenizer.tokenizer import TOKENIZER_CHOICES, add_tiktoken_args
 
 SPLITS = ("train", "valid", "test")
 PER_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
+
+
+def add_data_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument_group("data").add_argument
+    add("--data-path", nargs="*", default=None, help="prefixes, or 'weight prefix ...' pairs")
+    add("--split", default="969,30,1")
+    add("--mock-data", action="store_true", help="synthetic tokens (megatron-core MockGPTDataset)")
+    add("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_CHOICES)
+    add("--tokenizer-model", default=None)
+    add("--vocab-file", default=None)
+    add("--merge-file", default=None)
+    add("--vocab-size", type=int, default=None,
+        help="NullTokenizer's ids; TikTokenizer's whole vocabulary (default 2**17)")  # fmt: skip
+    add_tiktoken_args(parser.add_argument_group("TikTokenizer"))
+    add("--data-cache-path", default=None)
+    add("--dataloader-type", default=None, choices=("single", "cyclic", "external"),
+        help="single (default): one pass in order; cyclic: random order, epoch after epoch")  # fmt: skip
+    add("--no-data-sharding", action="store_false", dest="data_sharding",
+        help="cyclic: one permutation of the data dealt to all ranks, not a bucket per rank")  # fmt: skip
+    _add_fim_args(parser)
+
+
+def _add_fim_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron's fill-in-the-middle flags (names and defaults): data/fim.py."""
+    add = parser.add_argument_group("fill-in-the-middle (data/fim.py)").add_argument
+    add("--fim-data", action="store_true", help="rearrange samples for fill-in-the-middle")
+    add("--fim-rate", type=float, default=0.5, help="the share of samples rearranged")
+    add("--fim-spm-rate", type=float, default=0.5,
+        help="the share of rearranged samples laid out SPM (the rest PSM)")  # fmt: skip
+    add("--fim-split-sample", default=None,
+        help="a token between the files of a document: each file rearranged on its own")  # fmt: skip
+    add("--fim-fragment-rate", type=float, default=None,
+        help="with --fim-split-sample: the share of files rearranged")  # fmt: skip
+    add("--fim-no-prefix", default=None, help="leave text that starts with this as it is")
+    add("--fim-prefix-token", default="<fim_prefix>")
+    add("--fim-middle-token", default="<fim_middle>")
+    add("--fim-suffix-token", default="<fim_suffix>")
+    add("--fim-pad-token", default="<fim_pad>")
+    add("--fim-eod-token", default="<|endoftext|>",
+        help="the token between documents (each rearranged on its own)")  # fmt: skip
 
 
 def add_data_source_args(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +166,16 @@ def validate_data_source(args: argparse.Namespace) -> None:
         )
     for prefix in prefixes_of(source):
         validate_indexed_dataset(prefix)
+
+
+def validate_data_args(args: argparse.Namespace, *, check_files: bool = True) -> None:
+    """With --mock-data, NullTokenizer's vocabulary size; else (`check_files`) the data files."""
+    if args.mock_data:
+        if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+            raise UserError("NullTokenizer needs --vocab-size")
+        return
+    if check_files:
+        validate_data_source(args)
 
 
 def validate_sample_options(args: argparse.Namespace) -> None:

@@ -92,6 +92,18 @@ def build_tokenizer(
     raise UserError(f"unknown --tokenizer-type {tokenizer_type!r} (known: {known})")
 
 
+# --tokenizer-type's choices (GPTSentencePieceTokenizer: SentencePieceTokenizer's alias)
+TOKENIZER_CHOICES = [
+    "GPT2BPETokenizer",
+    "GPTSentencePieceTokenizer",
+    "SentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "HuggingFaceTokenizer",
+    "TikTokenizer",
+    "NullTokenizer",
+]
+
+
 def add_tiktoken_args(group) -> None:
     """TikTokenizer's flags (Megatron's names and defaults), for pretraining and preprocessing."""
     group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
