@@ -1,4 +1,4 @@
-"""Validation loss against tokens for the long-horizon study (docs/convergence.md): per
+"""Validation loss against tokens for the long-horizon study (docs/convergence_long.md): per
 configuration the median over seeds, with the range over seeds shaded.
 
     .venv/bin/python tools/plot_convergence_long.py --output runs/tta_long --seeds 1,2,3 \

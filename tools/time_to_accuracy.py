@@ -12,7 +12,7 @@ only reads them. Prints one JSON object and a markdown table.
 `--engine single-process` trains each run in this process with the exact single-process engine
 (megatron/studies/single_process_engine.py: 1f1b, paci, 2bw and pipedream) instead of a
 4-process torchrun; `--model small` is the long-horizon study's model and `--model small-moe`
-the same model with 8 experts, top-2 (docs/convergence.md). With `--reference`,
+the same model with 8 experts, top-2 (docs/moe_study.md). With `--reference`,
 `--calibration FILE.json` adds the projected time to each target: each run's segments between
 drain points simulated with the file's per-stage costs (projected, not measured).
 """

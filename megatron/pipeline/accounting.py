@@ -59,7 +59,7 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class StageStats:
-    """Per-stage figures reported in `summary.json` (README: Observability)."""
+    """Per-stage figures reported in `summary.json` (docs/observability.md)."""
 
     stage: int
     drift_histogram: collections.Counter = field(default_factory=collections.Counter)

@@ -5,7 +5,7 @@ freed, keeps the pages (they are reused for later blocks, but stay resident). By
 threshold is dynamic: every freed mmapped block raises it to that block's size, up to 32 MiB,
 so after the first iterations nearly every activation and temporary tensor lives in the heap.
 The resident set then follows the heap's extent, which depends on the order of allocations and
-frees (fragmentation), not on what is live: measured on a 4-stage CPU run (docs/memory.md), the
+frees (fragmentation), not on what is live: measured on a 4-stage CPU run (docs/memory_report.md), the
 heap held 250-800 MiB of free blocks on a stage whose live peak was 850 MiB, and two schedules
 with the same live peak differed by up to 6% in resident set.
 
@@ -13,7 +13,7 @@ A fixed threshold (glibc's initial 128 KiB, no longer raised) maps every larger 
 own and unmaps it when freed: the resident set follows live memory. The price is a page fault
 per first touch of every page of such a block: on the 2-stage benchmark model (8 layers, hidden
 128) 1.12-1.21 s per iteration against 0.82-0.87 s with glibc's dynamic threshold, four times
-the system time (docs/memory.md). `--cpu-mmap-threshold-kib 0` keeps glibc's default (speed
+the system time (docs/memory_report.md). `--cpu-mmap-threshold-kib 0` keeps glibc's default (speed
 benchmarks do); a run that reports memory keeps the fixed one.
 """
 

@@ -209,7 +209,7 @@ def adamw(groups: list[dict], config: OptimizerConfig) -> torch.optim.AdamW:
     # torch's multi-tensor (foreach) step, its default on CUDA, allocates temporaries for all
     # of the stage's parameters at once; where the step runs beside in-flight activations
     # they would add to the activation peak, so the step goes parameter by parameter there
-    # (on CPU torch steps that way anyway). docs/memory.md.
+    # (on CPU torch steps that way anyway). docs/memory_report.md.
     from megatron.training.optimizer.delay_lookahead import (
         LookaheadAdamW,
         stage_lookahead_steps,

@@ -1,4 +1,4 @@
-"""The memory report's rows and table (the runs themselves are real launches: docs/memory.md)."""
+"""The memory report's rows and table (the runs themselves are real launches: docs/memory_report.md)."""
 
 from megatron.studies.memory_report import (
     configurations,
