@@ -1,4 +1,9 @@
-"""Command-line arguments, with Megatron's flag names, and their validation.
+"""The command line, with Megatron's flag names: `build_parser` assembles the flag groups, each
+defined beside the code that reads it (model/flags.py and the model's feature modules,
+distributed/context_parallel/flags.py, training/layout_flags.py, loop_flags.py,
+pipeline_flags.py, optimizer/flags.py, checkpointing/flags.py, data/sources.py, ...), and
+`validate_args` runs their checks in one order, so that a command line with several mistakes
+is refused for the same first one, with the few checks that cross sections.
 
 Validation runs before anything heavy (process groups, model, data) and raises `UserError`
 with one line naming the problem.
@@ -105,8 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _validate_moe_with_megatron_core(args) -> None:
     """megatron-core's own rules on the MoE settings (TransformerConfig's checks: top-1
     softmax routing needs pre-softmax, expert bias needs sigmoid scores, padding needs a
-    capacity factor, bias with expert tensor parallelism, ...), each as one line. Run here, after the MoE section's own checks: it builds the
-    run's typed sections, which the model package does not import."""
+    capacity factor, bias with expert tensor parallelism, ...), each as one line. Run here,
+    after the MoE section's own checks: it builds the run's typed sections, which the model
+    package does not import."""
     import warnings
 
     import torch
