@@ -204,30 +204,10 @@ def frozen_runs(tmp_path_factory):
     return future.result()
 
 
-def _freeze_a_stage(out) -> dict:
+def _freeze_rank_1(out, args: list[str]) -> dict:
+    """A launch of `args` whose rank 1 is stopped (SIGSTOP) after iteration 3: how long every
+    process took to end, which were left, and the log."""
     log_path = str(out / "log")
-    args = SMALL + MOCK + ["--train-iters", "100000", "--lr", "1e-4",
-                           "--distributed-timeout-minutes", "1"]  # fmt: skip
-    process, pids = launch_until(args, log_path, "iteration        3/")
-    try:
-        os.kill(pids[1], signal.SIGSTOP)  # stage 1: both neighbours wait on it
-        frozen_at = time.time()
-        process.wait(timeout=150)
-        ended_after = time.time() - frozen_at
-        left = [rank for rank, pid in pids.items() if alive(pid)]
-    finally:
-        _kill_group(process)
-    return {"ended_after": ended_after, "left": left, "output": open(log_path).read()}
-
-
-def _freeze_a_replica_during_its_reduction(out) -> dict:
-    """PP 2 x DP 2 under PACI with the deferred step: rank 1 (stage 0's second replica) stops,
-    so its replica's data-parallel reduction, in flight while the stage goes on, never lands."""
-    log_path = str(out / "log")
-    args = list(SMALL)
-    args[args.index("--pipeline-model-parallel-size") + 1] = "2"
-    args += MOCK + ["--train-iters", "100000", "--lr", "1e-4", "--distributed-timeout-minutes",
-                    "1", "--paci-deferred-step", "--overlap-grad-reduce"]  # fmt: skip
     process, pids = launch_until(args, log_path, "iteration        3/")
     try:
         os.kill(pids[1], signal.SIGSTOP)
@@ -238,6 +218,23 @@ def _freeze_a_replica_during_its_reduction(out) -> dict:
     finally:
         _kill_group(process)
     return {"ended_after": ended_after, "left": left, "output": open(log_path).read()}
+
+
+def _freeze_a_stage(out) -> dict:
+    """4 stages: rank 1 is stage 1, both neighbours wait on it."""
+    return _freeze_rank_1(out, SMALL + MOCK + ["--train-iters", "100000", "--lr", "1e-4",
+                                               "--distributed-timeout-minutes", "1"])  # fmt: skip
+
+
+def _freeze_a_replica_during_its_reduction(out) -> dict:
+    """PP 2 x DP 2 under PACI with the deferred step: rank 1 (stage 0's second replica) stops,
+    so its replica's data-parallel reduction, in flight while the stage goes on, never lands."""
+    args = list(SMALL)
+    args[args.index("--pipeline-model-parallel-size") + 1] = "2"
+    return _freeze_rank_1(out, args + MOCK + [
+        "--train-iters", "100000", "--lr", "1e-4", "--distributed-timeout-minutes", "1",
+        "--paci-deferred-step", "--overlap-grad-reduce",
+    ])  # fmt: skip
 
 
 def test_a_replica_frozen_during_a_reduction_is_named_and_ended(frozen_runs):
