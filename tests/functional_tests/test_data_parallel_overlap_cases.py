@@ -6,7 +6,7 @@ buckets with the same collective, so the losses are equal bit for bit:
 
 * at DP = 2 against the existing cases without any bucket flag (one blocking reduction, the
   behaviour without the flags): a sum of two replicas rounds the same in any bucketing; for
-  1F1B-flush, PACI (and on 2 ranks x 2 chunks), 2BW, PipeDream, ZB-H1, ZB-V, interleaved
+  1F1B-flush, PACI (and on 2 ranks x 2 chunks), 2BW, PipeDream, ZB-H1, ZB-V, DualPipeV, interleaved
   1F1B, fp32 and bf16, replicated and with the distributed optimizer, tied embeddings;
 * at DP = 4 x PP = 2 against the same buckets reduced at the step: a sum over four replicas,
   whose rounding depends on the buckets, for PACI (fp32) and 1F1B (bf16, distributed
@@ -28,6 +28,7 @@ AT_DP2 = [
     ("gpt_dp2pp2_pipedream_overlap", "gpt_dp2pp2_pipedream"),
     ("gpt_dp2pp2_zbh1_overlap", "gpt_dp2pp2_zbh1"),
     ("gpt_dp2pp2_zbv_overlap", "gpt_dp2pp2_zbv"),
+    ("gpt_dp2pp2_dualpipev_overlap", "gpt_dp2pp2_dualpipev"),
     ("gpt_dp2pp2vp2_1f1b_overlap", "gpt_dp2pp2vp2_1f1b"),
     ("gpt_dp2pp2_1f1b_bf16_overlap", "gpt_dp2pp2_1f1b_bf16"),
     ("gpt_dp2pp2_1f1b_distopt_overlap", "gpt_dp2pp2_1f1b_distopt"),
