@@ -315,12 +315,14 @@ def run_figures(summary: dict, lines: list[str], warmup: int) -> dict:
 
 
 def row_figures(runs: list[dict]) -> dict:
-    """A row over its repeats: the median run (by iteration time), the repeats' range."""
+    """A row over its repeats: the median run (by iteration time), the repeats' iteration
+    times and hidden shares (the median run's share need not be the median share)."""
     ordered = sorted(runs, key=lambda run: run["iteration_ms"])
     middle = dict(ordered[(len(ordered) - 1) // 2])
     middle["repeats"] = len(runs)
     if len(runs) > 1:
         middle["repeat_iteration_ms"] = [run["iteration_ms"] for run in runs]
+        middle["repeat_hidden_share"] = [run["hidden_share"] for run in runs]
     return middle
 
 
@@ -345,14 +347,17 @@ def table_lines(rate: str, results: dict[str, dict]) -> list[str]:
         if figures.get("repeats", 1) > 1:  # the range of the repeats' medians instead
             repeats = figures["repeat_iteration_ms"]
             spread = f"{min(repeats):.0f}-{max(repeats):.0f} over {len(repeats)} runs"
-        hidden = figures["hidden_share"]
+        hidden = "-" if figures["hidden_share"] is None else f"{100 * figures['hidden_share']:.0f}%"
+        shares = [h for h in figures.get("repeat_hidden_share", ()) if h is not None]
+        if len(shares) > 1:  # the median run's share, and the repeats' range
+            hidden += f" ({100 * min(shares):.0f}-{100 * max(shares):.0f}%)"
         cells = [
             name,
             f"{figures['iteration_ms']:.0f} ({spread})",
             f"{figures['tokens_per_s']:.0f}",
             _stages_text(figures["reduce_ms_per_stage"]),
             _stages_text(figures["exposed_ms_per_stage"]),
-            "-" if hidden is None else f"{100 * hidden:.0f}%",
+            hidden,
             _stages_text(figures["buckets_per_step_per_stage"], "{:.0f}"),
         ]
         lines.append("| " + " | ".join(cells) + " |")

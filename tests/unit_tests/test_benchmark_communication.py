@@ -176,7 +176,10 @@ def test_a_row_is_its_median_run_and_the_table_shows_it():
     assert table[0] == "rate 1gbit:"
     assert table[2] == ("| row | iteration ms (range) | tokens/s | reduce ms/it by stage | "
                         "exposed ms/it by stage | hidden | buckets/step |")  # fmt: skip
-    assert table[4] == "| x/a | 400 (300-450 over 3 runs) | 5120 | 200/100 | 50/100 | 50% | 5/1 |"
+    assert row["repeat_hidden_share"] == [0.5, 0.5, 0.5]
+    assert table[4] == (
+        "| x/a | 400 (300-450 over 3 runs) | 5120 | 200/100 | 50/100 | 50% (50-50%) | 5/1 |"
+    )
     assert table[5] == "| x/b | 400 (300-500) | 5120 | 200/100 | 50/100 | 50% | 5/1 |"
     assert table[6].startswith("| x/c | failed: exit 1 |")
     assert table[6].count("|") == len(tool.COLUMNS) + 1
