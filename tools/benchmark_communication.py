@@ -349,7 +349,7 @@ def table_lines(rate: str, results: dict[str, dict]) -> list[str]:
             spread = f"{min(repeats):.0f}-{max(repeats):.0f} over {len(repeats)} runs"
         hidden = "-" if figures["hidden_share"] is None else f"{100 * figures['hidden_share']:.0f}%"
         shares = [h for h in figures.get("repeat_hidden_share", ()) if h is not None]
-        if len(shares) > 1:  # the median run's share, and the repeats' range
+        if len(shares) > 1 and min(shares) < max(shares):  # the median run's, and the range
             hidden += f" ({100 * min(shares):.0f}-{100 * max(shares):.0f}%)"
         cells = [
             name,
