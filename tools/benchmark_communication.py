@@ -228,8 +228,9 @@ def launch_command(rate: str, cases_file: str, python: str = sys.executable) -> 
 def shown_command(rate: str, row: Row, iterations: int) -> str:
     """The one-run command line of a row (what a launch's case runs), for the docs."""
     return " ".join(
-        ["tools/shaped_link.py", "--rate", rate, "--", "torchrun", "--standalone",
-         f"--nproc-per-node={NPROC}", "pretrain_gpt.py", *case_args(row, iterations)]
+        [".venv/bin/python", "tools/shaped_link.py", "--rate", rate, "--", ".venv/bin/torchrun",
+         "--standalone", f"--nproc-per-node={NPROC}", "pretrain_gpt.py",
+         *case_args(row, iterations)]
     )  # fmt: skip
 
 

@@ -111,7 +111,9 @@ def test_a_rate_is_one_launch_of_all_its_runs_on_the_shaped_link():
     ]  # fmt: skip
     assert cases[1]["metrics_dir"] == "/out/none/emulated_pp2xdp2_paci_plain_at-step/r0"
     shown = tool.shown_command("1gbit", rows[0], 10)
-    assert shown.startswith("tools/shaped_link.py --rate 1gbit -- torchrun --standalone ")
+    assert shown.startswith(
+        ".venv/bin/python tools/shaped_link.py --rate 1gbit -- .venv/bin/torchrun --standalone "
+    )
 
 
 def _line(iteration, ms, reduce_ms=None, exposed_ms=None):
