@@ -37,9 +37,10 @@ Every launch imports the code of the checkout it runs from: on a shared working 
 edit, run it from a snapshot (`git worktree add --detach DIR HEAD`, with `data/` linked in and
 PYTHONPATH=DIR), so that a half-made edit elsewhere cannot fail or change a launch.
 
-A benchmark, not a test (needs root for the network namespace). The full matrix takes about
-30 minutes on 2 cores; `--quick` runs the 1 Gbit/s emulated and real pp2xdp2 rows with the
-plain optimizer only.
+A benchmark, not a test (needs root for the network namespace). The full matrix (78 runs) took
+57 minutes on the shared 2-core machine at a load average of 40-100 (docs/communication.md),
+a third of it the real dp4 rows at 200 Mbit/s; `--quick` runs the 1 Gbit/s pp2xdp2 rows with
+the plain optimizer (10 runs, about 6 minutes).
 """
 
 import argparse
