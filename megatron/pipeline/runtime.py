@@ -215,6 +215,12 @@ class RankRuntime:
         self.stash: WeightStash | None = None  # weight-stashing schedules only
         self.schedule: Schedule | None = None  # the current call's
         self.trace: list[TraceEvent] | None = [] if record_trace else None
+        self._reset_timers()
+        self._arrivals = threading.Condition()
+        self.lanes = self._open_lanes(transport := transport or self._default_transport())
+        self._hold_vocabulary(output_shard, input_shard, transport)
+
+    def _reset_timers(self) -> None:
         self.actions_run = 0
         self.loop_s = 0.0  # time inside training calls ...
         self.wait_s = 0.0  # ... of which waiting for arrivals (busy time is in stats.busy_s)
@@ -222,9 +228,6 @@ class RankRuntime:
         self.transfer_s = 0.0  # ... posting sends (blocking receives count as waiting)
         self._blocked_s = 0.0  # waiting inside the current action
         self._start_time: float | None = None
-        self._arrivals = threading.Condition()
-        self.lanes = self._open_lanes(transport := transport or self._default_transport())
-        self._hold_vocabulary(output_shard, input_shard, transport)
 
     def _hold_vocabulary(self, output_shard, input_shard, transport) -> None:
         """A split vocabulary: the rank's output rows and what they scored (until VB); its

@@ -466,12 +466,7 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
             config=config,
         )
     runtime = _build_stage_runtime(config, model, device)
-    runtime.loss_scaler = step_func.loss_scaler  # fp16: the stage's scale, on its messages
-    if step_func.deferred:  # a deferred update lands before the next step's last pass
-        step_func.runtime = runtime
-        runtime.gradient_syncs.append(step_func)
-    if step_func.reduction is not None:  # its buckets launch during the step's last pass
-        runtime.gradient_syncs.append(step_func.reduction)
+    _connect_step(runtime, step_func)
     train_iter, valid_iter = _build_train_valid_iterators(config, tokenizer, state, step_func)
     train_iter, valid_iter = _per_chunk_data(model, train_iter), _per_chunk_data(model, valid_iter)
     writer = tensorboard_writer(config)
@@ -494,6 +489,17 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
 
     _finish_run(config, state, runtime, step_func, optimizer, writer, wall_start)
     return state
+
+
+def _connect_step(runtime: RankRuntime, step_func: "MegatronStep") -> None:
+    """What the runtime tells the step: the fp16 loss scale rides on its messages; a deferred
+    update lands, and the reduction's buckets launch, as the step's passes run."""
+    runtime.loss_scaler = step_func.loss_scaler
+    if step_func.deferred:
+        step_func.runtime = runtime
+        runtime.gradient_syncs.append(step_func)
+    if step_func.reduction is not None:
+        runtime.gradient_syncs.append(step_func.reduction)
 
 
 def _process_groups() -> set:

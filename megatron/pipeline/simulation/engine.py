@@ -597,6 +597,20 @@ def _vocab_costs(schedule: Schedule, num_stages: int, costs: tuple) -> dict:
     return per_rank
 
 
+def _pass_costs(per_chunk: int, num_stages: int, given) -> tuple:
+    """(forward, backward, weight-gradient costs per virtual stage, step cost per rank)."""
+    forward, backward, weight_grad, step = given
+    return tuple(
+        _per_stage(name, value, count)
+        for name, value, count in (
+            ("forward_cost", forward, per_chunk),
+            ("backward_cost", backward, per_chunk),
+            ("weight_grad_cost", weight_grad, per_chunk),
+            ("step_cost", step, num_stages),
+        )
+    )
+
+
 def simulate(
     schedule: Schedule,
     *,
@@ -643,16 +657,8 @@ def simulate(
     _check_arguments(schedule, num_stages, microbatches_per_step, steps, p2p_latency, v)
     place = schedule.placement or placements.interleaved  # one chunk: rank r is stage r
     placement = place(num_stages, v)
-    per_chunk = placement.num_virtual_stages
-    costs = tuple(
-        _per_stage(name, value, count)
-        for name, value, count in (
-            ("forward_cost", forward_cost, per_chunk),
-            ("backward_cost", backward_cost, per_chunk),
-            ("weight_grad_cost", weight_grad_cost, per_chunk),
-            ("step_cost", step_cost, num_stages),
-        )
-    )
+    costs = _pass_costs(placement.num_virtual_stages, num_stages,
+                        (forward_cost, backward_cost, weight_grad_cost, step_cost))  # fmt: skip
     vocab_costs = _vocab_costs(schedule, num_stages, (vocab_forward_cost, vocab_backward_cost,
                                                       embed_forward_cost, embed_backward_cost))  # fmt: skip
     sim = _Simulator(schedule, placement, microbatches_per_step, steps, costs,
