@@ -45,6 +45,17 @@ Execution model (what the runtime does, minus the tensors):
   whose forward of a microbatch waits for every rank's, and the first stage's backward sends
   the embedding's gradient to every rank for its EB (``embed_forward_cost``,
   ``embed_backward_cost``).
+* A link model (``communication``, `links.Communication`; without it every transfer takes
+  ``p2p_latency`` and nothing else is counted): each pipeline message takes its link's time
+  (intra- or inter-node), the vocabulary split's messages queue on the link of the rank that
+  sends them to every rank or gathers them (point to point, one after another), and each
+  step waits for its data-parallel reduction, which starts when the step's last gradient
+  pass (B, or W when split) ends, or when it begins with ``overlap_grad_reduce``; the
+  parameters' all-gather (distributed optimizer) follows the step. With ``deferred_step``
+  the reduction is launched at the step and the stage goes on: only the backward where the
+  update lands waits for it. A wait is charged to the action that waits; an expert
+  all-to-all is added to each forward and input-gradient backward (blocking, as Megatron's
+  dispatcher is).
 * Costs are per stage (a number is used for every stage). With ``noise`` (`costs.CostNoise`) each
   action's cost is its nominal cost times a seeded lognormal factor of mean 1 (per-stage CV). A schedule without a split backward
   pays ``backward_cost + weight_grad_cost`` per backward; a split one (ZB-H1) pays
@@ -60,6 +71,7 @@ from ..schedules.base import Action, ActionKind, Schedule, StageView, Transfer, 
 from ..stage_state import IllegalActionError, RankState
 from ..trace import TraceEvent
 from .costs import CostNoise
+from .links import Communication
 from .results import SimulationResult, steady_utilization
 
 _FINISH, _ACTIVATION, _GRADIENT, _HIDDEN, _SHARD, _STATS, _EMBED, _EMBED_GRAD = range(8)
@@ -75,6 +87,11 @@ _EVENT_OF = {
 }
 # counted by sender at the receiver: each rank's shard output and embedding part
 _BY_SENDER = (_SHARD, _EMBED)
+# the vocabulary split's messages by `Communication.message_s` kind; one rank sends the first
+# three to every rank (through its outbound link, one after another) and gathers the last two
+_MESSAGE_KIND = {_HIDDEN: "hidden", _STATS: "stats", _EMBED_GRAD: "embed_grad",
+                 _SHARD: "shard", _EMBED: "embed"}  # fmt: skip
+_FAN_IN = (_SHARD, _EMBED)
 
 
 class SimulationError(RuntimeError):
@@ -131,6 +148,12 @@ class _Stage:
         self.from_rank = {_SHARD: [], _EMBED: []}
         self.max_shard_drift = 0
         self.max_embed_drift = 0
+        # a link model (`Communication`): when the rank's links are free for the vocabulary
+        # split's fan-out and fan-in, the step's gradient pass, and when the reduction is done
+        self.outbound_free = 0.0
+        self.inbound_free = 0.0
+        self.gradient_pass = (0.0, 0.0)  # (start, end) of the latest gradient pass
+        self.reduction_end = 0.0
 
 
 class _Simulator:
@@ -145,8 +168,10 @@ class _Simulator:
         record_timeline,
         noise=None,
         vocab_costs=None,
+        communication: Communication | None = None,
     ):
         self.schedule = schedule
+        self.comm = communication
         self.noise = noise
         self.placement = placement
         self.n = placement.num_ranks
@@ -177,6 +202,9 @@ class _Simulator:
             ActionKind.STEP: self.step_cost,
         }
         self.cost_by_kind.update(vocab_costs or {})
+        # the pass that completes a microbatch's weight gradients (the reduction's trigger)
+        split = schedule.splits_backward
+        self.gradient_kind = ActionKind.WEIGHT_GRAD if split else ActionKind.BACKWARD
 
     def _new_state(self, rank: int) -> RankState:
         state = RankState(
@@ -333,11 +361,37 @@ class _Simulator:
     def start(self, st: _Stage, action: Action) -> None:
         s, kind = st.index, action.kind
         cost = self.cost_of(st, action)
+        if self.comm is not None:
+            cost += self.communication_wait(st, action)
         if kind is ActionKind.STEP:
             self.on_step(st)
         st.busy = True
         st.current = (action, self.now)
         self.push(self.now + cost, _FINISH, s)
+
+    def communication_wait(self, st: _Stage, action: Action) -> float:
+        """Seconds the action waits for the data-parallel reduction (charged to it): a step
+        for what is still in flight of its reduction (plus the parameters' all-gather after
+        it); under the deferred step, the backward where the update lands. Records when the
+        step's gradient pass ran (`Communication.overlap_grad_reduce` starts it there)."""
+        comm, s = self.comm, st.index
+        if any(part.kind is self.gradient_kind for part in action.passes):
+            st.gradient_pass = (self.now, math.nan)  # its end: `finish`
+        if action.kind is ActionKind.STEP:
+            start, end = st.gradient_pass
+            launch = start if comm.overlap_grad_reduce else end
+            if self.deferred_step and not comm.overlap_grad_reduce:
+                launch = self.now  # launched at the step; the stage goes on
+            launch = max(launch, st.reduction_end)  # one reduction at a time on the link
+            st.reduction_end = launch + comm.reduce_of(s)
+            if self.deferred_step:
+                st.reduction_end += comm.gather_of(s)
+                return 0.0
+            return max(0.0, st.reduction_end - self.now) + comm.gather_of(s)
+        lands = st.pending_updates and st.backwards_since_step + 1 == self.deferred_step
+        if lands and any(part.kind is ActionKind.BACKWARD for part in action.passes):
+            return max(0.0, st.reduction_end - self.now)
+        return 0.0
 
     def cost_of(self, st: _Stage, action: Action) -> float:
         """The action's duration: the nominal cost of its virtual stage (the rank's, for a
@@ -351,15 +405,26 @@ class _Simulator:
         if nominal is None:
             raise SimulationError(f"{self.schedule.name}: the simulator has no cost for {action}")
         at = state.chunks[state.chunk_of(action)].stage if info.per_chunk else s
+        expert = self.expert_cost(s, kind)
         if self.noise is None:
-            return nominal[at]
-        return nominal[at] * self.noise.factor(s, kind.value, getattr(state, info.counter))
+            return nominal[at] + expert
+        factor = self.noise.factor(s, kind.value, getattr(state, info.counter))
+        return nominal[at] * factor + expert
+
+    def expert_cost(self, rank: int, kind: ActionKind) -> float:
+        """The expert all-to-alls inside a forward and an input-gradient backward."""
+        if self.comm is None or kind not in (ActionKind.FORWARD, ActionKind.BACKWARD):
+            return 0.0
+        forward, backward = self.comm.expert_of(rank)
+        return forward if kind is ActionKind.FORWARD else backward
 
     def finish(self, st: _Stage) -> None:
         action, start = st.current
         st.busy, st.current = False, None
         st.busy_time += self.now - start
         st.busy_intervals.append((start, self.now))
+        if any(part.kind is self.gradient_kind for part in action.passes):
+            st.gradient_pass = (st.gradient_pass[0], self.now)
         if self.timeline is not None:
             self.timeline.append(TraceEvent(st.index, action, start, self.now))
         sends = []  # passes run together send their outputs when the slot ends
@@ -448,9 +513,27 @@ class _Simulator:
         if kind in _BY_SENDER:
             chunk = st.index
         if rank != st.index:
-            self.push(self.now + self.latency, kind, rank, chunk)
+            self.push(self.arrival_time(st, rank, kind), kind, rank, chunk)
         else:  # the rank is finishing an action: it will decide anyway
             self.arrive(st, kind, chunk)
+
+    def arrival_time(self, st: _Stage, rank: int, kind: int) -> float:
+        """When a message sent now from `st` reaches `rank`: after the fixed latency, or with
+        a link model after its link's time; the vocabulary split's messages queue on the link
+        of the rank that sends them to every rank, or that gathers them."""
+        if self.comm is None:
+            return self.now + self.latency
+        name = _MESSAGE_KIND.get(kind)
+        matrix = self.comm.message_s.get(name, self.comm.hop_s)
+        seconds = matrix[st.index][rank]
+        if name is None:
+            return self.now + seconds
+        if kind in _FAN_IN:
+            receiver = self.stages[rank]
+            receiver.inbound_free = max(self.now, receiver.inbound_free) + seconds
+            return receiver.inbound_free
+        st.outbound_free = max(self.now, st.outbound_free) + seconds
+        return st.outbound_free
 
     # -- versions, drift, delay ---------------------------------------------------------------
 
@@ -576,6 +659,14 @@ def _check_arguments(
         raise ValueError(f"p2p_latency must be finite and >= 0, got {p2p_latency}")
 
 
+def _check_communication(communication, p2p_latency, num_stages) -> None:
+    if communication is None:
+        return
+    if p2p_latency:
+        raise ValueError("give p2p_latency or communication, not both")
+    communication.check(num_stages)
+
+
 def _vocab_costs(schedule: Schedule, num_stages: int, costs: tuple) -> dict:
     """VF, VB, EF and EB costs per rank, from their costs in that order; only a schedule that
     places a kind may have a cost for it."""
@@ -630,6 +721,7 @@ def simulate(
     embed_forward_cost: float | Sequence[float] = 0.0,
     embed_backward_cost: float | Sequence[float] = 0.0,
     deferred_step: bool | int = False,
+    communication: Communication | None = None,
 ) -> SimulationResult:
     """Run `steps` calls of `schedule` on `num_stages` stages and measure the run.
 
@@ -652,6 +744,8 @@ def simulate(
     `deferred_step` (PACI's --paci-deferred-step D): a STEP starts the update, which is applied
     just before the stage's D-th backward after it (True: the a-th, its next step's last; the
     passes in between run on the weights before it); drift is counted on the weights applied.
+
+    `communication` (`links.Communication`) replaces ``p2p_latency`` by a link model's costs.
     """
     v = schedule.default_chunks_per_rank if chunks_per_rank is None else chunks_per_rank
     _check_arguments(schedule, num_stages, microbatches_per_step, steps, p2p_latency, v)
@@ -661,8 +755,9 @@ def simulate(
                         (forward_cost, backward_cost, weight_grad_cost, step_cost))  # fmt: skip
     vocab_costs = _vocab_costs(schedule, num_stages, (vocab_forward_cost, vocab_backward_cost,
                                                       embed_forward_cost, embed_backward_cost))  # fmt: skip
-    sim = _Simulator(schedule, placement, microbatches_per_step, steps, costs,
-                     float(p2p_latency), record_timeline, noise, vocab_costs)  # fmt: skip
+    _check_communication(communication, p2p_latency, num_stages)
+    sim = _Simulator(schedule, placement, microbatches_per_step, steps, costs, float(p2p_latency),
+                     record_timeline, noise, vocab_costs, communication)  # fmt: skip
     # True: before the next step's last backward; a number D: before the D-th after the step
     sim.deferred_step = microbatches_per_step if deferred_step is True else int(deferred_step)
     sim.run()
