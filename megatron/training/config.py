@@ -476,19 +476,23 @@ def pipeline_plan(args, *, vocab_passes: bool | None = None) -> PipelinePlan:
     """The pipeline of the flags, resolved (`megatron.pipeline.plan`): once per run by
     `RunConfig.from_args`, and by the flag checks, which refuse a combination no schedule
     defines. PACI's options reach only PACI (the checks refuse them elsewhere);
-    `vocab_passes` (None: --enable-vocab-parallel) places the output shards' passes."""
+    `vocab_passes` (None: --enable-vocab-parallel) places the output shards' passes. UserError
+    (one line) for a combination no schedule defines."""
     if vocab_passes is None:
         vocab_passes = getattr(args, "enable_vocab_parallel", False)
-    return resolve_plan(
-        args.pipeline_schedule,
-        num_stages=args.pipeline_model_parallel_size,
-        chunks_per_rank=args.virtual_pipeline_model_parallel_size,
-        microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
-        arrival_rule=args.paci_arrival_rule,
-        inflight_limit=args.paci_inflight_limit,
-        weight_stashing=getattr(args, "paci_weight_stashing", False),
-        vocab_passes=vocab_passes,
-    )
+    try:
+        return resolve_plan(
+            args.pipeline_schedule,
+            num_stages=args.pipeline_model_parallel_size,
+            chunks_per_rank=args.virtual_pipeline_model_parallel_size,
+            microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
+            arrival_rule=args.paci_arrival_rule,
+            inflight_limit=args.paci_inflight_limit,
+            weight_stashing=getattr(args, "paci_weight_stashing", False),
+            vocab_passes=vocab_passes,
+        )
+    except ValueError as error:
+        raise UserError(str(error)) from None
 
 
 def _tuple(values):

@@ -106,3 +106,10 @@ def test_a_vocabulary_smaller_than_the_ranks_is_refused_before_any_process():
     )
     with pytest.raises(UserError, match="a vocabulary of 2 is smaller than the 4 pipeline x "):
         validate_args(args, world_size=4)
+
+
+@pytest.mark.parametrize("flag, value", [("--paci-inflight-limit", "flush"),
+                                         ("--paci-arrival-rule", "backward-first")])  # fmt: skip
+def test_paci_options_with_another_schedule_and_the_split_are_one_line(flag, value):
+    with pytest.raises(UserError, match=f"{flag} .*paci"):
+        validated(["--pipeline-schedule", "1f1b", flag, value])
