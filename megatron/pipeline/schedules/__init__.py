@@ -2,7 +2,8 @@
 
 `SCHEDULES` holds what the runtime runs, by --pipeline-schedule name: 1F1B-flush, PACI, the
 weight-stashing PipeDream-2BW and PipeDream, and the split-backward zero-bubble schedules ZB-H1,
-ZB-V and DualPipeV (the last two on the V placement, two model chunks per rank).
+ZB-V and DualPipeV (the last two on the V placement, two model chunks per rank) and the
+interleaved zero bubble (interleaved placement, v model chunks per rank, default 2).
 `SIMULATED_SCHEDULES` adds GPipe, a reference only the simulator runs, and the variants with
 virtual stages under their own names (interleaved 1F1B, PACI over virtual stages), which the
 runtime runs when --pipeline-schedule 1f1b or paci comes with Megatron's virtual-pipeline flags
@@ -19,6 +20,7 @@ from . import (
     pipedream,
     pipedream_2bw,
     zb_h1,
+    zb_interleaved,
     zb_v,
 )
 from .base import Action, ActionKind, Schedule, StageView
@@ -33,6 +35,7 @@ SCHEDULES: dict[str, Schedule] = {
         zb_h1.SCHEDULE,
         zb_v.SCHEDULE,
         dualpipe_v.SCHEDULE,
+        zb_interleaved.SCHEDULE,
     )
 }
 
@@ -46,6 +49,10 @@ SIMULATED_SCHEDULES: dict[str, Schedule] = {
 # when the virtual-pipeline flags give several model chunks per rank (as Megatron's 1F1B
 # becomes its interleaved schedule).
 VIRTUAL_STAGE_SCHEDULES = ("1f1b", "paci")
+
+# Schedules with their own placement whose model chunks per rank the virtual-pipeline flags set
+# (default: `Schedule.default_chunks_per_rank`); the V schedules run exactly their two.
+CHUNKS_FROM_FLAGS = ("zb-interleaved",)
 
 
 def virtual_schedule(
@@ -87,6 +94,7 @@ __all__ = [
     "StageView",
     "SCHEDULES",
     "SIMULATED_SCHEDULES",
+    "CHUNKS_FROM_FLAGS",
     "get_schedule",
     "virtual_schedule",
 ]

@@ -58,10 +58,11 @@ def walk(schedule, stage, num_stages, m, calls=1):
 
 
 def test_registries_keep_runtime_schedules_apart():
-    assert set(SCHEDULES) == {"1f1b", "paci", "2bw", "pipedream", "zb-h1", "zb-v", "dualpipe-v"}
+    assert set(SCHEDULES) == {"1f1b", "paci", "2bw", "pipedream", "zb-h1", "zb-v", "dualpipe-v",
+                              "zb-interleaved"}  # fmt: skip
     assert set(SIMULATED_SCHEDULES) == {"1f1b", "paci", "2bw", "pipedream", "gpipe", "zb-h1",
                                         "interleaved-1f1b", "zb-v", "dualpipe-v",
-                                        "paci-interleaved"}  # fmt: skip
+                                        "paci-interleaved", "zb-interleaved"}  # fmt: skip
     assert all(SIMULATED_SCHEDULES[name] is s for name, s in SCHEDULES.items())
     assert get_schedule("zb-h1") is get_schedule("zb-h1", simulated=True) is zb_h1.SCHEDULE
     with pytest.raises(ValueError, match="unknown pipeline schedule 'gpipe'"):
