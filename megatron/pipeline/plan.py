@@ -9,7 +9,7 @@ schedule up again by name.
 import dataclasses
 from dataclasses import dataclass
 
-from .schedules import flush_1f1b, get_schedule, virtual_schedule
+from .schedules import CHUNKS_FROM_FLAGS, flush_1f1b, get_schedule, virtual_schedule
 from .schedules.base import Schedule
 from .schedules.paci import with_paci_options, with_weight_stashing
 from .schedules.placement import Placement
@@ -99,8 +99,10 @@ def _resolve(
     if weight_stashing and (not stashable or (chunks_per_rank or 1) > 1):
         raise ValueError("PACI's weight stashing runs on plain PACI (one model chunk per rank)")
     chunks = chunks_per_rank or base.default_chunks_per_rank
-    if base.placement is not None:  # its own placement (ZB-V, DualPipeV)
-        if chunks != base.default_chunks_per_rank:
+    if base.placement is not None:  # its own placement (ZB-V, DualPipeV, zb-interleaved)
+        if name in CHUNKS_FROM_FLAGS and chunks < 2:
+            raise ValueError(f"{name} runs at least 2 model chunks per rank, not {chunks}")
+        if name not in CHUNKS_FROM_FLAGS and chunks != base.default_chunks_per_rank:
             raise ValueError(
                 f"{name} runs {base.default_chunks_per_rank} model chunks per rank, not {chunks}"
             )

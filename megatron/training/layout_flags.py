@@ -14,6 +14,7 @@ from megatron.distributed.context_parallel.flags import (
     validate_context_parallel_args,
 )
 from megatron.pipeline.schedules import (
+    CHUNKS_FROM_FLAGS,
     SCHEDULES,
     VIRTUAL_STAGE_SCHEDULES,
     get_schedule,
@@ -251,15 +252,14 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
     if len(given) > 1:
         raise UserError(f"no more than one of {', '.join(given)} can be set at the same time")
     args.virtual_pipeline_model_parallel_size = args.chunk_layers = None
-    if get_schedule(args.pipeline_schedule).placement is not None:
+    name = args.pipeline_schedule
+    own_chunks = name in CHUNKS_FROM_FLAGS  # its own placement, v from the flags
+    if get_schedule(name).placement is not None and not own_chunks:
         _validate_v_placement(args, pp, given, chunks, per_chunk)
         return
-    if args.pipeline_model_parallel_layout is not None:
-        chunks = args.layout_chunks
-    elif per_chunk is not None:
-        chunks = _chunks_from_layers_per_chunk(args, pp, per_chunk)
-    elif chunks is not None and chunks < 1:
-        raise UserError("--num-virtual-stages-per-pipeline-rank must be >= 1")
+    chunks = _chunks_of_flags(args, pp, chunks, per_chunk)
+    if own_chunks:
+        chunks = _check_own_chunks(args, pp, given, chunks)
     if chunks is None or chunks == 1:
         return
     if pp < 2:
@@ -278,6 +278,13 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
             raise UserError(f"{flag} with virtual pipeline stages is not supported yet")
     args.chunk_layers = layers_by_chunk(args, pp, chunks)
     args.stage_layers = [sum(layers) for layers in args.chunk_layers]
+    if not own_chunks:
+        _check_virtual_schedule(args, given)
+    args.virtual_pipeline_model_parallel_size = chunks
+
+
+def _check_virtual_schedule(args: argparse.Namespace, given: list[str]) -> None:
+    """The --pipeline-schedule has a variant over virtual stages (1F1B, PACI) with its options."""
     name = args.pipeline_schedule
     if name not in VIRTUAL_STAGE_SCHEDULES:
         raise UserError(f"{given[0]} with --pipeline-schedule {name} is not supported yet")
@@ -286,7 +293,35 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
         virtual_schedule(name, None, *options)
     except ValueError as error:
         raise UserError(f"{error} is not supported yet") from None
-    args.virtual_pipeline_model_parallel_size = chunks
+
+
+def _chunks_of_flags(args: argparse.Namespace, pp: int, chunks, per_chunk) -> int | None:
+    """Model chunks per rank the virtual-pipeline flags ask for (None: none given)."""
+    if args.pipeline_model_parallel_layout is not None:
+        return args.layout_chunks
+    if per_chunk is not None:
+        return _chunks_from_layers_per_chunk(args, pp, per_chunk)
+    if chunks is not None and chunks < 1:
+        raise UserError("--num-virtual-stages-per-pipeline-rank must be >= 1")
+    return chunks
+
+
+def _check_own_chunks(args: argparse.Namespace, pp: int, given: list[str], chunks) -> int:
+    """A schedule with its own placement and v from the flags (zb-interleaved): its default v
+    without them, at least 2, and no microbatch group (its rounds follow from m and N)."""
+    name = args.pipeline_schedule
+    if pp < 2:
+        raise UserError(f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2")
+    if chunks is None:
+        chunks = get_schedule(name).default_chunks_per_rank
+    if chunks < 2:
+        raise UserError(f"--pipeline-schedule {name} needs at least 2 model chunks per pipeline "
+                        f"rank, not the {chunks} that {given[0]} gives")  # fmt: skip
+    if args.microbatch_group_size_per_virtual_pipeline_stage is not None:
+        raise UserError(f"--microbatch-group-size-per-virtual-pipeline-stage with "
+                        f"--pipeline-schedule {name} is not supported (its rounds are "
+                        f"max(1, m // N) equal groups)")  # fmt: skip
+    return chunks
 
 
 def _chunks_from_layers_per_chunk(args: argparse.Namespace, pp: int, per_chunk: int) -> int:
