@@ -32,6 +32,16 @@ flush's steps repeat exactly. PACI runs with a = m (its step has the flush's bat
 Settings: `parse_args` resolves the flags once into a frozen `ProjectionOptions` (preset,
 calibration and derived values filled in), the one settings object every function here takes.
 
+With a link model (``--cluster gpu`` or the link flags; `run_cluster`) the projection counts
+communication at cluster scale instead of one p2p time per hop: TP x PP x DP ranks in
+Megatron's order on nodes of ``--ranks-per-node`` GPUs, each pipeline hop on its intra- or
+inter-node link, each stage's data-parallel reduction (all-reduce, or reduce-scatter and
+all-gather with ``--use-distributed-optimizer``) at the step, overlapped from the last backward,
+or behind PACI's deferred step (``--overlap-modes``), and with ``--enable-vocab-parallel`` the
+vocabulary split's passes and messages in the event engine (`megatron.pipeline.simulation.links`).
+It reports samples/s of the whole cluster and the fraction of the physical limit (a step's
+compute over the N ranks, no bubble, no communication).
+
 The report (`summary`, `markdown`) is in `megatron.benchmarks.projection_report`.
 """
 
@@ -42,8 +52,17 @@ import sys
 from dataclasses import dataclass
 
 from megatron.pipeline.schedules import SIMULATED_SCHEDULES
+from megatron.pipeline.schedules.vocab_passes import splits_input, with_vocab_passes
 from megatron.pipeline.simulation.costs import StageCosts
 from megatron.pipeline.simulation.engine import simulate
+from megatron.pipeline.simulation.links import (
+    CLUSTERS,
+    Communication,
+    LinkModel,
+    RankLayout,
+    gradient_reduction_s,
+    hop_matrix,
+)
 from megatron.pipeline.simulation.results import steady_state_throughput
 
 from .calibration_file import profile_sizes, read_calibration, stage_costs_from_calibration
@@ -92,6 +111,30 @@ PRESETS = {
         p2p_bandwidth_gbs=25.0,
         efficiency_max=0.55,
         efficiency_half_tokens=512.0,
+    ),
+    # A Llama-style 70B on H100s as the comparison's (megatron/benchmarks/comparison.py: the
+    # FLOP model counts grouped-query attention as full and a 2-matrix FFN of 28672), here
+    # TP 8 inside a node and PP 8 across nodes; micro-batch 1 of 4096 tokens.
+    "llama-70b": dict(
+        num_layers=80,
+        hidden_size=8192,
+        ffn_hidden_size=28672,
+        num_attention_heads=64,
+        seq_length=4096,
+        vocab_size=128256,
+        stages=8,
+        global_batch_sizes=None,
+        micro_batch_sizes=[1],
+        microbatches=[8, 16, 32],
+        schedules=["gpipe", "1f1b", "zb-h1", "2bw", "pipedream", "paci"],
+        stage_layers=None,
+        peak_tflops=989.0,
+        memory_bandwidth_gbs=3350.0,
+        p2p_latency_us=5.0,
+        p2p_bandwidth_gbs=25.0,
+        efficiency_max=0.55,
+        efficiency_half_tokens=2048.0,
+        tensor_parallel=8,
     ),
 }
 
@@ -142,8 +185,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), default="gpt2-medium")
     _add_model_flags(p)
     _add_cost_flags(p)
+    _add_cluster_flags(p)
     _add_memory_and_output_flags(p)
     return p
+
+
+OVERLAP_MODES = ("step", "overlap-grad-reduce", "deferred-step")
+
+
+def _overlap_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(part for part in text.split(",") if part)
+    unknown = [mode for mode in modes if mode not in OVERLAP_MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {OVERLAP_MODES}, got {text!r}")
+    return modes
+
+
+def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    c = p.add_argument_group(
+        "cluster: a link model (any of these turns it on; see docs/projection.md section 8)"
+    ).add_argument
+    c("--cluster", choices=sorted(CLUSTERS), help="a link preset (gpu: 8 GPUs per node, "
+      "NVLink 450 GB/s + 2 us, 25 GB/s + 5 us per GPU between nodes); the flags below "
+      "override it")  # fmt: skip
+    c("--ranks-per-node", type=int, help="GPUs per node (ranks fill nodes in Megatron's order)")
+    c("--intra-node-gbs", type=float, help="intra-node bandwidth per GPU (GB/s)")
+    c("--inter-node-gbs", type=float, help="inter-node bandwidth per GPU (GB/s)")
+    c("--intra-node-latency-us", type=float, help="intra-node latency per message")
+    c("--inter-node-latency-us", type=float, help="inter-node latency per message")
+    c("--tp", dest="tensor_parallel", type=int, help="tensor-parallel size (default: the preset's "
+      "or 1): divides every pass, step, message and gradient evenly")  # fmt: skip
+    c("--dp", dest="data_parallel", type=int, help="data-parallel size (default 1)")
+    c("--use-distributed-optimizer", action="store_true",
+      help="reduce-scatter the gradients and all-gather the parameters after the step")  # fmt: skip
+    c("--grad-reduce-bytes-per-param", type=float, default=4.0,
+      help="bytes per gradient element reduced (fp32, as Megatron with bf16)")  # fmt: skip
+    c("--overlap-modes", type=_overlap_modes, default=OVERLAP_MODES,
+      help="when the reduction runs: 'step' (after the last backward), "
+      "'overlap-grad-reduce' (from the last backward's start), 'deferred-step' (PACI: "
+      "behind its next passes)")  # fmt: skip
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -292,6 +372,13 @@ class ProjectionOptions:
     """Per layer and token; None: 34 x hidden_size."""
     json_path: str | None
     markdown_path: str | None
+    links: LinkModel | None = None
+    """The link model (--cluster and the link flags); None: one p2p time per hop, no more."""
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+    use_distributed_optimizer: bool = False
+    grad_reduce_bytes_per_param: float = 4.0
+    overlap_modes: tuple[str, ...] = OVERLAP_MODES
 
     @classmethod
     def from_namespace(cls, namespace: argparse.Namespace) -> "ProjectionOptions":
@@ -317,6 +404,7 @@ class ProjectionOptions:
             schedules=tuple(schedules),
             calibration_data=calibration,
             efficiency_points=parse_efficiency(efficiency) if efficiency else None,
+            **_cluster_values(values),
         )
         return cls(**{field.name: values[field.name] for field in dataclasses.fields(cls)})
 
@@ -328,6 +416,39 @@ class ProjectionOptions:
             self.seq_length,
             self.vocab_size,
         )
+
+
+_LINK_FLAGS = {
+    "ranks_per_node": ("ranks_per_node", 1),
+    "intra_node_gbs": ("intra_bandwidth_gbs", 1),
+    "inter_node_gbs": ("inter_bandwidth_gbs", 1),
+    "intra_node_latency_us": ("intra_latency_s", 1e-6),
+    "inter_node_latency_us": ("inter_latency_s", 1e-6),
+}
+
+
+def _cluster_values(values: dict) -> dict:
+    """The link model (the --cluster preset, else the gpu cluster's values, with the link
+    flags given over it; None when neither is given) and the parallel sizes."""
+    given = {flag: values[flag] for flag in _LINK_FLAGS if values[flag] is not None}
+    links = None
+    if values["cluster"] or given:
+        links = CLUSTERS[values["cluster"] or "gpu"]
+        try:
+            links = dataclasses.replace(links, **{_LINK_FLAGS[f][0]: v * _LINK_FLAGS[f][1]
+                                                  for f, v in given.items()})  # fmt: skip
+        except ValueError as error:
+            raise SettingsError(f"the link model: {error}") from None
+    sizes = {
+        name: values[name] if values[name] is not None else values.get(f"preset_{name}", 1)
+        for name in ("tensor_parallel", "data_parallel")
+    }
+    if min(sizes.values()) < 1:
+        raise SettingsError("--tp and --dp must be >= 1")
+    if links is None and (max(sizes.values()) > 1 or values["use_distributed_optimizer"]):
+        raise SettingsError("--tp, --dp and --use-distributed-optimizer need a link model: "
+                            "give --cluster gpu or the link flags")  # fmt: skip
+    return {"links": links, **sizes}
 
 
 def _with_defaults(given: dict, calibration: dict | None) -> dict:
@@ -345,6 +466,8 @@ def _with_defaults(given: dict, calibration: dict | None) -> dict:
         if isinstance(model.get(key), int)
     }
     values = dict(given)
+    for key in ("tensor_parallel", "data_parallel"):  # only some presets set them
+        values[f"preset_{key}"] = preset.pop(key, 1)
     for key, value in (*measured_shape.items(), *preset.items()):
         if values[key] is None:
             values[key] = value
@@ -708,7 +831,10 @@ def configurations(options: ProjectionOptions) -> list[tuple[int | None, int, in
 
 
 def run(options: ProjectionOptions) -> dict:
-    """Every configuration's steady state under each schedule, with the inputs and the summary."""
+    """Every configuration's steady state under each schedule, with the inputs and the summary
+    (with a link model: `run_cluster`'s report)."""
+    if options.links is not None:
+        return run_cluster(options)
     shape = options.shape()
     calibrated = options.calibration_data is not None
     if calibrated and options.enable_vocab_parallel:
@@ -813,4 +939,166 @@ def _cost_record(costs: StageCosts) -> dict:
         "step": costs.step,
         "p2p_s": costs.p2p_latency,
         "source": costs.source,
+    }
+
+
+# ----------------------------------------------------------------------------- the cluster
+@dataclass(frozen=True)
+class ClusterPlan:
+    """One micro-batch size on the cluster: per-GPU pass costs (the output layer on the last
+    stage, or with the vocabulary split each rank's VF and VB), and the link model's costs."""
+
+    costs: StageCosts
+    vocab: tuple[float, float]
+    communication: Communication
+
+    def limit_step_s(self, m: int) -> float:
+        """The physical limit of a step: all of its compute (passes, vocabulary passes,
+        optimizer steps) spread evenly over the N ranks, with no bubble and no communication."""
+        c, n = self.costs, len(self.costs.forward)
+        passes = sum(c.forward) + sum(c.backward) + sum(c.weight_grad) + n * sum(self.vocab)
+        return (m * passes + sum(c.step)) / n
+
+
+def vocab_message_bytes(shape: Shape, tokens: int) -> dict[str, float]:
+    """Bytes of each message of the vocabulary split (`vocab_messages_s` lists them): the
+    hidden state and labels out, a shard's output back, the statistics out, an embedding part
+    in and its gradient out."""
+    hidden = shape.hidden
+    return {
+        "hidden": tokens * (2 * hidden + 4),
+        "shard": tokens * (3 * 4 + 2 * hidden * 2),
+        "stats": 3 * tokens * 4,
+        "embed": tokens * hidden * 2,
+        "embed_grad": tokens * hidden * 2,
+    }
+
+
+def cluster_costs(options: ProjectionOptions, shape: Shape, mbs: int, efficiency: float):
+    """(per-GPU `StageCosts`, (VF, VB) per rank): the cost model with every pass and step
+    divided over the tensor-parallel ranks; the output layer on the last stage, or split into
+    the vocabulary passes."""
+    tp, n, split = options.tensor_parallel, options.stages, options.enable_vocab_parallel
+    rate = options.peak_tflops * 1e12 * efficiency * tp
+    lf, lb, lw = (x / rate for x in layer_flops(shape, mbs))
+    of, ob, ow = (x / rate for x in output_flops(shape, mbs))
+    per_param = options.optimizer_bytes_per_param / (options.memory_bandwidth_gbs * 1e9) / tp
+    forward, backward, wgrad, step = [], [], [], []
+    for s, layers in enumerate(options.stage_layers):
+        output = 0.0 if split else float(s == n - 1)
+        forward.append(layers * lf + output * of)
+        backward.append(layers * lb + output * ob)
+        wgrad.append(layers * lw + output * ow)
+        step.append((layers * shape.layer_params() + vocab_params(options, shape, s)) * per_param)
+    vocab = ((of + ob) / n, ow / n) if split else (0.0, 0.0)
+    return StageCosts(forward, backward, wgrad, step, None, "cost model, link model"), vocab
+
+
+def cluster_communication(options: ProjectionOptions, shape: Shape, mbs: int) -> Communication:
+    """The link model's costs of one micro-batch size: the pipeline's hops, each stage's
+    data-parallel reduction (and all-gather with the distributed optimizer), the vocabulary
+    split's messages; every message and gradient divided over the tensor-parallel ranks."""
+    links, tp = options.links, options.tensor_parallel
+    layout = RankLayout(tp, options.stages, options.data_parallel, links.ranks_per_node)
+    tokens = mbs * shape.seq
+    reduce, gather = [], []
+    for s, layers in enumerate(options.stage_layers):
+        params = (layers * shape.layer_params() + vocab_params(options, shape, s)) / tp
+        grad_bytes = params * options.grad_reduce_bytes_per_param
+        distributed = options.use_distributed_optimizer
+        reduce.append(gradient_reduction_s(links, layout, s, grad_bytes, distributed))
+        in_node = layout.data_group_in_node(s)
+        gather.append(links.all_gather_s(params * 2, layout.data, in_node) if distributed else 0)
+    messages = {}
+    if options.enable_vocab_parallel:
+        for kind, num_bytes in vocab_message_bytes(shape, tokens).items():
+            messages[kind] = _frozen(hop_matrix(links, layout, num_bytes / tp))
+    hops = _frozen(hop_matrix(links, layout, tokens * shape.hidden * 2 / tp))
+    return Communication(hops, tuple(reduce), tuple(gather), messages)
+
+
+def _frozen(matrix: list[list[float]]) -> tuple[tuple[float, ...], ...]:
+    return tuple(tuple(row) for row in matrix)
+
+
+def cluster_steady_state(
+    options: ProjectionOptions, name: str, plan: ClusterPlan, m: int, mode: str
+) -> dict:
+    """One schedule's steady state on the cluster under an overlap mode (`OVERLAP_MODES`):
+    samples/s of the whole cluster (every replica) and its fraction of the physical limit."""
+    schedule = SIMULATED_SCHEDULES[name]
+    if options.enable_vocab_parallel:
+        schedule = with_vocab_passes(schedule, splits_input(schedule))
+    comm = plan.communication
+    if mode == "overlap-grad-reduce":
+        comm = dataclasses.replace(comm, overlap_grad_reduce=True)
+    n = options.stages
+    k = max(3, math.ceil(8 * n / m))
+    steps = 2 * k + math.ceil(n / m)
+    full = simulate(schedule, num_stages=n, microbatches_per_step=m, steps=steps,
+                    vocab_forward_cost=plan.vocab[0], vocab_backward_cost=plan.vocab[1],
+                    communication=comm, deferred_step=mode == "deferred-step",
+                    **plan.costs.simulate_kwargs())  # fmt: skip
+    period = m / steady_state_throughput(full.timeline, n, m, steps, first=k)
+    return {
+        "schedule": name,
+        "mode": mode,
+        "step_time_s": period,
+        "fraction_of_limit": plan.limit_step_s(m) / period,
+        "max_drift": max(full.max_drift_per_stage),
+    }
+
+
+def run_cluster(options: ProjectionOptions) -> dict:
+    """Every configuration, schedule and overlap mode on the link model's cluster."""
+    if options.calibration_data is not None:
+        raise SettingsError("the link model projects from the cost model: drop --calibration")
+    shape, curve, rows, plans = options.shape(), efficiency_curve(options), [], {}
+    for mbs in sorted(set(options.micro_batch_sizes)):
+        costs, vocab = cluster_costs(options, shape, mbs, curve[mbs])
+        plans[mbs] = ClusterPlan(costs, vocab, cluster_communication(options, shape, mbs))
+    for gb, mbs, m in configurations(options):
+        limit = m * mbs * options.data_parallel / plans[mbs].limit_step_s(m)
+        for name in options.schedules:
+            if m < SIMULATED_SCHEDULES[name].min_microbatches_per_step(options.stages):
+                continue
+            for mode in options.overlap_modes:
+                if mode == "deferred-step" and name != "paci":
+                    continue
+                row = cluster_steady_state(options, name, plans[mbs], m, mode)
+                row.update(global_batch=gb, micro_batch_size=mbs, microbatches=m)
+                row.update(
+                    samples_per_s=row["fraction_of_limit"] * limit, limit_samples_per_s=limit
+                )
+                rows.append(row)
+    return {"cluster": _cluster_inputs(options, plans), "rows": rows}
+
+
+def _cluster_inputs(options: ProjectionOptions, plans: dict) -> dict:
+    links = options.links
+    layout = RankLayout(options.tensor_parallel, options.stages, options.data_parallel,
+                        links.ranks_per_node)  # fmt: skip
+    per_size = {}
+    for mbs, plan in plans.items():
+        hops = [plan.communication.hop_s[s][s + 1] for s in range(options.stages - 1)]
+        messages = {k: max(max(row) for row in v) for k, v in plan.communication.message_s.items()}
+        per_size[str(mbs)] = {
+            "pass_ms": (plan.costs.forward[0] + plan.costs.backward[0]
+                        + plan.costs.weight_grad[0]) * 1e3,  # fmt: skip
+            "hop_ms": [h * 1e3 for h in hops],
+            "reduce_ms": [r * 1e3 for r in plan.communication.reduce_s],
+            "gather_ms": [g * 1e3 for g in plan.communication.gather_s],
+            "vocab_message_ms": {k: v * 1e3 for k, v in messages.items()},
+            "step_ms": [s * 1e3 for s in plan.costs.step],
+        }
+    return {
+        "command": "python tools/project_paper_scale.py " + " ".join(sys.argv[1:]),
+        "preset": options.preset,
+        "links": dataclasses.asdict(links),
+        "layout": {"tp": layout.tensor, "pp": layout.pipeline, "dp": layout.data,
+                   "nodes": layout.num_nodes},  # fmt: skip
+        "vocab_split": options.enable_vocab_parallel,
+        "distributed_optimizer": options.use_distributed_optimizer,
+        "efficiency": efficiency_curve(options),
+        "per_micro_batch_size": per_size,
     }

@@ -48,7 +48,10 @@ def summary(rows: list[dict], schedules: Sequence[str], stages: int) -> dict:
 
 
 def markdown(report: dict) -> str:
-    """The report as Markdown: inputs, per-sample curve, one row per configuration, summary."""
+    """The report as Markdown: inputs, per-sample curve, one row per configuration, summary
+    (a link model's report: `cluster_markdown`)."""
+    if "cluster" in report:
+        return cluster_markdown(report)
     lines = _input_lines(report["inputs"])
     lines += _curve_lines(report)
     lines += _configuration_lines(report)
@@ -161,4 +164,67 @@ def _summary_lines(summary: dict) -> list[str]:
                 f"{k}: {v:.2f}x" for k, v in others.items()
             )
         lines.append(line)
+    return lines
+
+
+_MODE_HEADS = {
+    "step": "at the step",
+    "overlap-grad-reduce": "overlap-grad-reduce",
+    "deferred-step": "deferred step",
+}
+
+
+def cluster_markdown(report: dict) -> str:
+    """A link model's report: the cluster, what each message costs, and per m one row per
+    schedule with samples/s and the fraction of the physical limit under each overlap mode
+    (the fastest schedule of each mode in bold)."""
+    lines = _cluster_input_lines(report["cluster"])
+    rows = report["rows"]
+    modes = [m for m in _MODE_HEADS if any(r["mode"] == m for r in rows)]
+    lines.append("| b | m | schedule | " + " | ".join(_MODE_HEADS[m] for m in modes) + " |")
+    lines.append("|---:|---:|---|" + "---:|" * len(modes))
+    for mbs, m in sorted({(r["micro_batch_size"], r["microbatches"]) for r in rows}):
+        group = [r for r in rows if (r["micro_batch_size"], r["microbatches"]) == (mbs, m)]
+        best = {
+            mode: max((r["samples_per_s"] for r in group if r["mode"] == mode), default=None)
+            for mode in modes
+        }
+        for name in dict.fromkeys(r["schedule"] for r in group):
+            cells = {r["mode"]: r for r in group if r["schedule"] == name}
+            lines.append(f"| {mbs} | {m} | {name} | " + " | ".join(
+                _cluster_cell(cells.get(mode), best[mode]) for mode in modes) + " |")  # fmt: skip
+        limit = group[0]["limit_samples_per_s"]
+        lines.append(f"| {mbs} | {m} | physical limit | " + " | ".join(
+            f"{limit:.4g} (1)" for _ in modes) + " |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _cluster_cell(row: dict | None, best: float | None) -> str:
+    if row is None:
+        return "-"
+    text = f"{row['samples_per_s']:.4g} ({row['fraction_of_limit']:.3f})"
+    return f"**{text}**" if best is not None and row["samples_per_s"] >= best * (1 - 1e-9) else text
+
+
+def _cluster_input_lines(cluster: dict) -> list[str]:
+    links, layout = cluster["links"], cluster["layout"]
+    lines = [
+        f"Command: `{cluster['command']}`\n",
+        f"Cluster: {layout['nodes']} nodes of {links['ranks_per_node']} GPUs, TP {layout['tp']} "
+        f"x PP {layout['pp']} x DP {layout['dp']} (Megatron's rank order); intra-node "
+        f"{links['intra_bandwidth_gbs']:g} GB/s + {links['intra_latency_s'] * 1e6:g} us, "
+        f"inter-node {links['inter_bandwidth_gbs']:g} GB/s + {links['inter_latency_s'] * 1e6:g} "
+        f"us per GPU; vocabulary split {'on' if cluster['vocab_split'] else 'off'}; "
+        f"{'distributed' if cluster['distributed_optimizer'] else 'plain'} optimizer.\n",
+    ]
+    for mbs, c in cluster["per_micro_batch_size"].items():
+        messages = ", ".join(f"{k} {v:.3g}" for k, v in c["vocab_message_ms"].items())
+        lines.append(
+            f"- micro-batch {mbs} (ms): stage 0 F+B+W {c['pass_ms']:.3g}; hops "
+            f"{' '.join(f'{h:.3g}' for h in c['hop_ms'])}; data-parallel reduction "
+            f"{max(c['reduce_ms']):.3g} (largest stage), all-gather "
+            f"{max(c['gather_ms'], default=0):.3g}; optimizer step {max(c['step_ms']):.3g}"
+            + (f"; vocabulary messages (slowest link) {messages}" if messages else "")
+        )
+    lines.append("\nCells: samples/s of the whole cluster (fraction of the physical limit).\n")
     return lines

@@ -50,12 +50,12 @@ Execution model (what the runtime does, minus the tensors):
   (intra- or inter-node), the vocabulary split's messages queue on the link of the rank that
   sends them to every rank or gathers them (point to point, one after another), and each
   step waits for its data-parallel reduction, which starts when the step's last gradient
-  pass (B, or W when split) ends, or when it begins with ``overlap_grad_reduce``; the
-  parameters' all-gather (distributed optimizer) follows the step. With ``deferred_step``
-  the reduction is launched at the step and the stage goes on: only the backward where the
-  update lands waits for it. A wait is charged to the action that waits; an expert
-  all-to-all is added to each forward and input-gradient backward (blocking, as Megatron's
-  dispatcher is).
+  pass (B, or W when split; the vocabulary split's VB and EB too) ends, or when it begins
+  with ``overlap_grad_reduce``; the parameters' all-gather (distributed optimizer) follows
+  the step. With ``deferred_step`` the reduction is launched at the step and the stage goes
+  on: only the backward where the update lands waits for it. A wait is charged to the
+  action that waits; an expert all-to-all is added to each forward and input-gradient
+  backward (blocking, as Megatron's dispatcher is).
 * Costs are per stage (a number is used for every stage). With ``noise`` (`costs.CostNoise`) each
   action's cost is its nominal cost times a seeded lognormal factor of mean 1 (per-stage CV). A schedule without a split backward
   pays ``backward_cost + weight_grad_cost`` per backward; a split one (ZB-H1) pays
@@ -202,9 +202,11 @@ class _Simulator:
             ActionKind.STEP: self.step_cost,
         }
         self.cost_by_kind.update(vocab_costs or {})
-        # the pass that completes a microbatch's weight gradients (the reduction's trigger)
+        # the passes that complete a microbatch's weight gradients (the reduction's trigger):
+        # B, or W when split, and the vocabulary split's row gradients (VB, EB)
         split = schedule.splits_backward
-        self.gradient_kind = ActionKind.WEIGHT_GRAD if split else ActionKind.BACKWARD
+        self.gradient_kinds = (ActionKind.WEIGHT_GRAD if split else ActionKind.BACKWARD,
+                               ActionKind.VOCAB_BACKWARD, ActionKind.EMBED_BACKWARD)  # fmt: skip
 
     def _new_state(self, rank: int) -> RankState:
         state = RankState(
@@ -375,7 +377,7 @@ class _Simulator:
         it); under the deferred step, the backward where the update lands. Records when the
         step's gradient pass ran (`Communication.overlap_grad_reduce` starts it there)."""
         comm, s = self.comm, st.index
-        if any(part.kind is self.gradient_kind for part in action.passes):
+        if any(part.kind in self.gradient_kinds for part in action.passes):
             st.gradient_pass = (self.now, math.nan)  # its end: `finish`
         if action.kind is ActionKind.STEP:
             start, end = st.gradient_pass
@@ -423,7 +425,7 @@ class _Simulator:
         st.busy, st.current = False, None
         st.busy_time += self.now - start
         st.busy_intervals.append((start, self.now))
-        if any(part.kind is self.gradient_kind for part in action.passes):
+        if any(part.kind in self.gradient_kinds for part in action.passes):
             st.gradient_pass = (st.gradient_pass[0], self.now)
         if self.timeline is not None:
             self.timeline.append(TraceEvent(st.index, action, start, self.now))
