@@ -127,7 +127,9 @@ def layer_of(runtimes, plan, virtual_stage: int) -> torch.nn.Module:
 
 FLUSH_CASES = [("1f1b", None, 4, 4), ("zb-h1", None, 4, 4), ("zb-h1", None, 4, 7),
                ("1f1b", 2, 4, 4), ("zb-v", None, 4, 8), ("zb-v", None, 3, 4),
-               ("dualpipe-v", None, 4, 8), ("dualpipe-v", None, 3, 7)]  # fmt: skip
+               ("dualpipe-v", None, 4, 8), ("dualpipe-v", None, 3, 7),
+               ("zb-interleaved", None, 4, 8), ("zb-interleaved", None, 3, 2),
+               ("zb-interleaved", 3, 2, 4)]  # fmt: skip
 
 
 @pytest.mark.parametrize("name, chunks, n, m", FLUSH_CASES)
