@@ -50,8 +50,8 @@ Execution model (what the runtime does, minus the tensors):
   (intra- or inter-node), the vocabulary split's messages queue on the link of the rank that
   sends them to every rank or gathers them (point to point, one after another), and each
   step waits for its data-parallel reduction, which starts when the step's last gradient
-  pass (B, or W when split; the vocabulary split's VB and EB too) ends, or when it begins
-  with ``overlap_grad_reduce``; the parameters' all-gather (distributed optimizer) follows
+  pass (B, or W when split; the vocabulary split's VB and EB too) ends, or with
+  ``overlap_grad_reduce`` when the last B (or W) begins; the parameters' all-gather (distributed optimizer) follows
   the step. With ``deferred_step`` the reduction is launched at the step and the stage goes
   on: only the backward where the update lands waits for it. A wait is charged to the
   action that waits; an expert all-to-all is added to each forward and input-gradient
@@ -152,7 +152,7 @@ class _Stage:
         # split's fan-out and fan-in, the step's gradient pass, and when the reduction is done
         self.outbound_free = 0.0
         self.inbound_free = 0.0
-        self.gradient_pass = (0.0, 0.0)  # (start, end) of the latest gradient pass
+        self.gradient_pass = (0.0, 0.0)  # (latest B or W's start, latest gradient pass's end)
         self.reduction_end = 0.0
 
 
@@ -202,11 +202,14 @@ class _Simulator:
             ActionKind.STEP: self.step_cost,
         }
         self.cost_by_kind.update(vocab_costs or {})
-        # the passes that complete a microbatch's weight gradients (the reduction's trigger):
-        # B, or W when split, and the vocabulary split's row gradients (VB, EB)
-        split = schedule.splits_backward
-        self.gradient_kinds = (ActionKind.WEIGHT_GRAD if split else ActionKind.BACKWARD,
-                               ActionKind.VOCAB_BACKWARD, ActionKind.EMBED_BACKWARD)  # fmt: skip
+        # the pass that completes a microbatch's layer gradients (the bucketed overlap starts
+        # in the step's last one), and the vocabulary split's row gradients (VB, EB: reduced
+        # at the step, so the reduction at the step waits for them too)
+        self.layer_gradient_kind = (
+            ActionKind.WEIGHT_GRAD if schedule.splits_backward else ActionKind.BACKWARD
+        )
+        self.gradient_kinds = (self.layer_gradient_kind, ActionKind.VOCAB_BACKWARD,
+                               ActionKind.EMBED_BACKWARD)  # fmt: skip
 
     def _new_state(self, rank: int) -> RankState:
         state = RankState(
@@ -377,8 +380,8 @@ class _Simulator:
         it); under the deferred step, the backward where the update lands. Records when the
         step's gradient pass ran (`Communication.overlap_grad_reduce` starts it there)."""
         comm, s = self.comm, st.index
-        if any(part.kind in self.gradient_kinds for part in action.passes):
-            st.gradient_pass = (self.now, math.nan)  # its end: `finish`
+        if any(part.kind is self.layer_gradient_kind for part in action.passes):
+            st.gradient_pass = (self.now, st.gradient_pass[1])
         if action.kind is ActionKind.STEP:
             start, end = st.gradient_pass
             launch = start if comm.overlap_grad_reduce else end
@@ -426,7 +429,7 @@ class _Simulator:
         st.busy_time += self.now - start
         st.busy_intervals.append((start, self.now))
         if any(part.kind in self.gradient_kinds for part in action.passes):
-            st.gradient_pass = (st.gradient_pass[0], self.now)
+            st.gradient_pass = (st.gradient_pass[0], self.now)  # the last gradient pass's end
         if self.timeline is not None:
             self.timeline.append(TraceEvent(st.index, action, start, self.now))
         sends = []  # passes run together send their outputs when the slot ends
