@@ -8,8 +8,11 @@ FLOPs; the output layer and loss on the last virtual stage), and reports:
 * **pace**: the physical limit over the steady-state step time. The physical limit is the total
   compute of a step divided by N (no bubble, a perfect split); the step time is measured as
   (makespan of 2K steps - makespan of K steps) / K, so fill and drain cancel for every schedule
-  alike. Communication and the optimizer step are left out (zero cost): the comparison is of
-  the schedules' idle time, which is what differs between them;
+  alike. The simulator puts no barrier between steps, so a flushing schedule whose step ends
+  in a staircase (ZB-V) starts the next step inside it: its pace is that of overlapped steps,
+  above what one flushed step with a barrier after it gives. Communication and the optimizer
+  step are left out (zero cost): the comparison is of the schedules' idle time, which is what
+  differs between them;
 * **peak activations** per rank, in units of one whole-stage microbatch (a chunk of a v-chunk
   model holds 1/v of it; 1F1B's first stage holds N);
 * **weight copies** per rank (1 + the schedule's extra versions: stashing, double buffering);
@@ -70,6 +73,7 @@ SCHEDULES = [
     ("zb-h1", 1),
     ("zb-v", 2),
     ("dualpipe-v", 2),
+    ("zb-interleaved", 2),  # its default v: what --pipeline-schedule zb-interleaved runs
     ("2bw", 1),
     ("pipedream", 1),
     ("paci", 1),

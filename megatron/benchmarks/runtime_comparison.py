@@ -53,6 +53,7 @@ RUNTIME_NAMES = {
     "zb-h1": ("zb-h1", 1),
     "zb-v": ("zb-v", 2),
     "dualpipe-v": ("dualpipe-v", 2),
+    "zb-interleaved": ("zb-interleaved", 2),
     "2bw": ("2bw", 1),
     "pipedream": ("pipedream", 1),
     "paci": ("paci", 1),

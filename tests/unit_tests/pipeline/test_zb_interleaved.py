@@ -14,6 +14,8 @@ from test_embedding_runtime import (
     test_virtual_stages_with_both_layers_split_train_as_one_process as trains_as_one_process,
 )
 
+from megatron.benchmarks import comparison
+from megatron.benchmarks.runtime_comparison import RUNTIME_NAMES
 from megatron.pipeline.plan import resolve_plan
 from megatron.pipeline.schedules import SCHEDULES, SIMULATED_SCHEDULES, zb_interleaved
 from megatron.pipeline.schedules.base import ActionKind
@@ -145,6 +147,14 @@ def test_peak_is_v_minus_1_rounds_plus_n_chunks(n, m, v):
     g = zb_interleaved.round_size(n, m)
     r = run("zb-interleaved", n, m, steps=2, chunks=v)
     assert max(r.peak_held_per_stage) == min((v - 1) * g + n, m * v)
+
+
+def test_the_comparison_runs_it_and_at_m_8_it_passes_zb_v_on_both_models():
+    assert ("zb-interleaved", 2) in comparison.SCHEDULES
+    assert RUNTIME_NAMES["zb-interleaved"] == ("zb-interleaved", 2)
+    for model in comparison.MODELS.values():
+        ours, zb_v = (comparison.compare(model, name, 2, 8) for name in ("zb-interleaved", "zb-v"))
+        assert ours.pace > zb_v.pace and ours.peak_activations == zb_v.peak_activations
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
