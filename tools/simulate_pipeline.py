@@ -18,6 +18,8 @@ Examples::
         --virtual-stages 4 --fwd 0.25 --bwd 0.5
     python tools/simulate_pipeline.py --schedule zb-v --stages 8 --microbatches 16 \\
         --fwd 1 --bwd 1 --wgrad 1
+    python tools/simulate_pipeline.py --schedule zb-interleaved --stages 8 --microbatches 8 \\
+        --steps 1 --fwd 0.5 --bwd 0.5 --wgrad 0.5
 
 Costs are durations in seconds (any unit works; ``microbatches_per_second`` is then per that
 unit): ``--fwd`` per forward, ``--bwd`` per backward, ``--wgrad`` per weight-gradient pass,
@@ -27,8 +29,9 @@ runs B (input gradient, ``--bwd``) and W (weight gradient, ``--wgrad``) separate
 ``--microbatches`` is m per step for the flush schedules and the accumulation factor a for PACI
 (and 2BW); a step is one call of the schedule, i.e. one training iteration.
 
-Schedules with virtual stages (interleaved-1f1b, zb-v, dualpipe-v) run ``--virtual-stages v``
-model chunks on each of the ``--stages`` ranks (default 2; ZB-V and DualPipeV take exactly 2).
+Schedules with virtual stages (interleaved-1f1b, zb-v, dualpipe-v, zb-interleaved) run
+``--virtual-stages v`` model chunks on each of the ``--stages`` ranks (default 2; ZB-V and
+DualPipeV take exactly 2).
 Their ``--fwd``/``--bwd``/``--wgrad`` are per chunk pass (one number, or N * v values by
 virtual stage; the same model as a 1F1B run with F costs F/v per chunk), ``--step-cost`` per
 rank, and the report adds ``virtual_stages``: the placement, ``bubble_over_ideal`` (idle over
@@ -102,7 +105,8 @@ def chunks_per_rank(args: argparse.Namespace) -> int:
     if schedule.placement is None:
         if args.virtual_stages not in (None, 1):
             raise UserError(f"--virtual-stages applies to schedules with model chunks "
-                            f"(interleaved-1f1b, zb-v, dualpipe-v), not {args.schedule}")  # fmt: skip
+                            f"(interleaved-1f1b, zb-v, dualpipe-v, zb-interleaved), not "
+                            f"{args.schedule}")  # fmt: skip
         return 1
     v = schedule.default_chunks_per_rank if args.virtual_stages is None else args.virtual_stages
     if v < 1:
