@@ -25,7 +25,9 @@ the result back when it lands, so what reads the gradients before the step (the 
 `--log-num-zeros-in-grad`, result validation) sees them as without overlap.
 
 `ReductionTimes` records, per step, the time a reduction was in flight and the time the step
-waited for one (`dp_reduce_s`, `dp_exposed_s` in the log and summary.json).
+waited for one (`dp_reduce_s`, `dp_exposed_s` in the log and summary.json), and with
+`--overlap-param-gather` (training/optimizer/param_gather.py) the same for the gathers of the
+updated parameters (`dp_param_gather_s`, `dp_param_gather_exposed_s` in summary.json).
 """
 
 from __future__ import annotations
@@ -126,13 +128,19 @@ class ReductionTimes:
     """The stage's data-parallel reduction, timed: seconds with a reduction in flight (the
     union of its buckets' intervals: `reduce_s`), seconds the step waited for it (`exposed_s`:
     what the overlap did not hide), bytes handed to the collectives, and buckets launched from
-    the backward's hooks or at the step. Totals over the run, and since the last `take()`."""
+    the backward's hooks or at the step. Totals over the run, and since the last `take()`.
+    The `gather_` fields: the distributed optimizer's overlapped parameter gathers, alike
+    (the waits are those of the forward's hooks and of whatever must see every parameter)."""
 
     reduce_s: float = 0.0
     exposed_s: float = 0.0
     bytes: int = 0
     buckets_in_backward: int = 0
     buckets_at_step: int = 0
+    gather_s: float = 0.0
+    gather_exposed_s: float = 0.0
+    gather_bytes: int = 0  # what this rank received: the other ranks' parts of its buckets
+    gathers: int = 0  # steps whose parameters were gathered in overlapped buckets
     _interval: list = field(default_factory=lambda: [0.0, 0.0])
     _spans: list = field(default_factory=list)
     # (name, start, end) of each bucket's reduction and each wait for one, for the timeline
@@ -152,15 +160,18 @@ class ReductionTimes:
 
     def close_step(self) -> None:
         """Count this step's bucket spans once where they overlap."""
-        covered, reach = 0.0, None
-        for start, end in sorted(self._spans):
-            if reach is None or start > reach:
-                covered, reach = covered + end - start, end
-            elif end > reach:
-                covered, reach = covered + end - reach, end
+        covered = _covered(self._spans)
         self.reduce_s += covered
         self._interval[0] += covered
         self._spans.clear()
+
+    def add_gather_wait(self, seconds: float) -> None:
+        self.gather_exposed_s += seconds
+
+    def close_gather(self, spans: list) -> None:
+        """A step's parameter gathers all landed: `spans`, (launch, landing) per bucket."""
+        self.gather_s += _covered(spans)
+        self.gathers += 1
 
     def take(self) -> tuple[float, float]:
         """(reduce_s, exposed_s) since the last call."""
@@ -170,7 +181,7 @@ class ReductionTimes:
 
     def report(self) -> dict:
         hidden = 1.0 - self.exposed_s / self.reduce_s if self.reduce_s > 0 else 0.0
-        return {
+        report = {
             "dp_reduce_s": self.reduce_s,
             "dp_exposed_s": self.exposed_s,
             "dp_hidden_fraction": max(0.0, hidden),
@@ -178,6 +189,27 @@ class ReductionTimes:
             "dp_buckets_in_backward": self.buckets_in_backward,
             "dp_buckets_at_step": self.buckets_at_step,
         }
+        if self.gathers:  # --overlap-param-gather
+            hidden = 1.0 - self.gather_exposed_s / self.gather_s if self.gather_s > 0 else 0.0
+            report.update(
+                dp_param_gather_s=self.gather_s,
+                dp_param_gather_exposed_s=self.gather_exposed_s,
+                dp_param_gather_hidden_fraction=max(0.0, hidden),
+                dp_param_gather_bytes=self.gather_bytes,
+                dp_param_gathers=self.gathers,
+            )
+        return report
+
+
+def _covered(spans) -> float:
+    """Seconds covered by the (start, end) spans, counted once where they overlap."""
+    covered, reach = 0.0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            covered, reach = covered + end - start, end
+        elif end > reach:
+            covered, reach = covered + end - reach, end
+    return covered
 
 
 class ReductionFailed(RuntimeError):

@@ -201,6 +201,7 @@ class RankRuntime:
         # already done by then (a bucketed data-parallel reduction with overlap launches its
         # buckets from then on).
         self.gradient_syncs: list = []
+        self.before_weight_reads: list[Callable[[], None]] = []  # see _weights_current
         # Steps the schedule took whose update is not applied yet (PACI's deferred step): the
         # weights the passes use are version `state.steps - pending_updates`.
         self.pending_updates = 0
@@ -655,6 +656,7 @@ class RankRuntime:
         version = self.state.steps  # a stashing schedule (one chunk): the forward's version
         if self.stash is not None:
             version = self.state.chunks[0].forward_versions[self.state.vocab_forwards]
+        self._weights_current()  # the shard's passes are no module forward: no hook waits
         compute_start = time.perf_counter()
         with self._on_weights(version) as redirection, self.meter.measure(redirection):
             score, message = shard.score(hidden, labels)
@@ -666,6 +668,7 @@ class RankRuntime:
     def _run_vocab_backward(self, part: Action, work: "_CallWork") -> None:
         """VB: the shard's weight gradient of its oldest scored microbatch."""
         stats = self._take(self.vocab_streams.stats_in)
+        self._weights_current()
         compute_start = time.perf_counter()
         self.output_shard.weight_gradient(self.shard_scores.popleft(), stats)
         self.compute_s += time.perf_counter() - compute_start
@@ -683,6 +686,7 @@ class RankRuntime:
     def _look_up(self, reader: "_ReadAhead") -> torch.Tensor:
         rows_of = self.input_shard
         tokens = rows_of.tokens_of(reader.read_next())
+        self._weights_current()
         compute_start = time.perf_counter()
         rows = rows_of.look_up(tokens)
         self.compute_s += time.perf_counter() - compute_start
@@ -698,6 +702,7 @@ class RankRuntime:
         sender, mine = decode_scale(payload[numel:]), self._loss_scale()
         if sender != mine:
             grad = grad.float() * (mine / sender)
+        self._weights_current()
         compute_start = time.perf_counter()
         self.input_shard.weight_gradient(self.embed_lookups.popleft(), grad)
         self.compute_s += time.perf_counter() - compute_start
@@ -874,6 +879,7 @@ class RankRuntime:
         if lane.is_last and self.loss_scaler is not None:
             output = output * self.loss_scaler.scale  # fp16: the rank's scale, now
         version = self.state.chunks[lane.chunk].forward_versions[microbatch.microbatch]
+        self._weights_current()
         self._announce_backward_scale()
         if not split:
             self._announce_gradient_pass(lane.chunk)
@@ -927,6 +933,7 @@ class RankRuntime:
 
     def _weight_grad(self, lane: _Lane) -> None:
         microbatch = lane.awaiting_weight_grad.popleft()
+        self._weights_current()
         self._announce_backward_scale()
         self._announce_gradient_pass(lane.chunk)
         compute_start = time.perf_counter()
@@ -934,6 +941,14 @@ class RankRuntime:
         self.compute_s += time.perf_counter() - compute_start
         microbatch.pending_weight_grad = None
         self._record_gradient_taken(lane, microbatch, self.state.record_weight_grad(lane.chunk))
+
+    def _weights_current(self) -> None:
+        """Before a pass that reads the stage's weights outside a module's forward (a backward,
+        B, W, the vocabulary split's passes): the distributed optimizer's parameter gathers
+        still in flight since the step land first (--overlap-param-gather; a forward's own
+        hooks wait for what it reads)."""
+        for finish in self.before_weight_reads:
+            finish()
 
     def _announce_backward_scale(self) -> None:
         """The loss gradient's scale for this backward, to the listeners: the loss scale over
@@ -1001,6 +1016,8 @@ class RankRuntime:
             stash.keep_live_version()  # the step overwrites weights a microbatch still needs
         with preserve_versions(self.model.parameters()):
             optimizer_step_func()  # with a per-token loss it reads tokens_since_step
+        if stash is not None:  # its forwards swap weight versions in: nothing may land then
+            self._weights_current()
         self.compute_s += time.perf_counter() - compute_start
         self.tokens_since_step = 0
         self._gradient_passes = [0] * len(self._gradient_passes)

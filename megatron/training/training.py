@@ -235,6 +235,7 @@ def _bucket_the_reduction(config, model, step: "MegatronStep") -> None:
     )
     chunks = getattr(model, "chunks", [model])
     chunk_index = {id(p): c for c, chunk in enumerate(chunks) for p in chunk.parameters()}
+    gather_params = config.optimizer.overlap_param_gather  # the optimizer's gathers in them
     problem = attach_reduction(
         step.step_func,
         bucket_size=bucket_size,
@@ -242,17 +243,21 @@ def _bucket_the_reduction(config, model, step: "MegatronStep") -> None:
         late=_changed_before_the_reduction(config, model, params),
         chunk_of=lambda param: chunk_index.get(id(param), 0),
         force=deferred,
+        gather_params=gather_params,
     )
     if problem is not None:
+        gathered = " (and its parameters gather in it)" if gather_params else ""
         print_rank_0(f"> --overlap-grad-reduce / buckets: not used on this stage ({problem}); "
-                     "its gradients reduce as one at the step")  # fmt: skip
+                     f"its gradients reduce as one at the step{gathered}")  # fmt: skip
         return
     reduction = step.step_func.reduction
     if reduction is not None and is_stage_leader():
         late = sum(bucket.late for bucket in reduction.buckets)
+        gathered = ", parameters gathered in the same buckets under the forward"
         print(f"> stage {parallel_state.get_pipeline_model_parallel_rank()}: data-parallel "
               f"reduction in {len(reduction.buckets)} bucket(s) ({late} at the step), "
-              f"{'overlapped with the backward' if reduction.overlaps else 'at the step'}",
+              f"{'overlapped with the backward' if reduction.overlaps else 'at the step'}"
+              f"{gathered if step.step_func.param_gather is not None else ''}",
               flush=True)  # fmt: skip
 
 
@@ -500,6 +505,8 @@ def _connect_step(runtime: RankRuntime, step_func: "MegatronStep") -> None:
         runtime.gradient_syncs.append(step_func)
     if step_func.reduction is not None:
         runtime.gradient_syncs.append(step_func.reduction)
+    if step_func.param_gather is not None:  # a backward reads every weight of the stage
+        runtime.before_weight_reads.append(step_func.finish_param_gather)
 
 
 def _process_groups() -> set:
@@ -736,9 +743,11 @@ class MegatronStep:
         return self._after_update(report)
 
     def _after_update(self, report: StepReport) -> StepReport:
-        if self.tied_exchange is not None:
+        if self.tied_exchange is not None:  # sends or overwrites the updated tied weight
+            self.step_func.finish_param_gather(only=[self.tied_exchange.weight])
             self.tied_exchange.after_step()
         if self.norm:
+            self.step_func.finish_param_gather()
             self.params_norm_squared = _squared_norm(self.step_func.params)
         return report
 
@@ -774,9 +783,11 @@ class MegatronStep:
         return StepReport(grad_norm=float("nan"), learning_rate=learning_rate, skipped=True)
 
     def at_drain(self) -> None:
-        """The pipeline is empty: a deferred update lands; the last stage's tied copy catches
-        up with the first's."""
+        """The pipeline is empty: a deferred update lands, and the parameter gathers in flight
+        (what follows a drain reads every weight: evaluation, the health check, a checkpoint,
+        the end); the last stage's tied copy catches up with the first's."""
         self.land()
+        self.step_func.finish_param_gather()
         if self.tied_exchange is not None:
             self.tied_exchange.catch_up()
 
@@ -1017,6 +1028,7 @@ def train(config, forward_step_func, model, runtime, step_func, train_iter, vali
             step_func.step_seconds = 0.0
             interval_start, interval_losses = time.perf_counter(), []
         if hash_interval is not None and iteration % hash_interval == 0:
+            step_func.finish_param_gather()
             _check_weight_hashes(state, model, iteration)
         stopping = control is not None and control.stop_after(iteration)
         if iteration == plan.next_drain(iteration) or stopping:
@@ -1165,6 +1177,7 @@ def _account_iteration(config, state, plan, iteration, loss_dicts, interval_loss
 
 def _end_of_training(config, state, model, step_func, audit) -> None:
     """Save unless the last iteration just did; say why training stopped early."""
+    step_func.finish_param_gather()  # the run's final weights, whatever reads them next
     saved_last = (
         config.checkpoint.save_interval and state.iteration % config.checkpoint.save_interval == 0
     )
@@ -1212,6 +1225,7 @@ def _save_checkpoint(config, state, model, step_func, audit) -> None:
             f"last good checkpoint"
         )
         return
+    step_func.finish_param_gather()  # the model's weights are saved with the update
     with audit.paused():  # the pipeline is drained here: not a training step
         _check_still_ours(config)
         checkpointing.save(

@@ -328,6 +328,8 @@ class StageOptimizerStep:
         # The bucketed data-parallel reduction (attach_reduction), None: one blocking reduction
         self.reduction: BucketedReduction | None = None
         self.reduction_times = ReductionTimes()  # either way (dp_reduce_s, dp_exposed_s)
+        # --overlap-param-gather: the sharded optimizer's gathers in buckets (attach_reduction)
+        self.param_gather = None
         self.last = StepReport(grad_norm=0.0, learning_rate=0.0)
         self.calls = 0  # step calls, skipped ones included
         self.skipped_steps = 0  # steps this stage skipped, over the run
@@ -342,6 +344,17 @@ class StageOptimizerStep:
         """The gradient the step will use for a model parameter (fp32 `main_grad` with main
         weights), before the data-parallel average."""
         return self.gradients.gradient_of(param)
+
+    def finish_param_gather(self, only=None) -> None:
+        """The parameters hold the last update: with --overlap-param-gather, the gathers still
+        in flight land (`only`: those of these parameters). Whatever reads the parameters
+        outside a forward calls it first; a forward's own hooks wait for what it reads."""
+        if self.param_gather is None:
+            return
+        if only is None:
+            self.param_gather.finish()
+        else:
+            self.param_gather.wait_for(only)
 
     def __call__(self) -> StepReport:
         self.calls += 1
@@ -374,6 +387,7 @@ class StageOptimizerStep:
     def _apply(self) -> StepReport:
         """The step on the averaged gradients: the norm, the loss scale, clipping, the update,
         the LR schedule; the gradients are cleared."""
+        self.finish_param_gather()  # the previous step's gathers land before this one's start
         self._maybe_inject_overflow()
         grad_norm = self._grad_norm()
         found_inf = not math.isfinite(grad_norm)
@@ -529,13 +543,16 @@ def attach_reduction(
     late=(),
     chunk_of=lambda param: 0,
     force: bool = False,
+    gather_params: bool = False,
 ) -> str | None:
     """Reduce the stage's gradients in buckets of `bucket_size` parameters (None: one), with
     `overlap` from hooks during the pass that completes them (distributed/data_parallel.py).
     `late`: parameters whose gradient changes between the backward and the reduction, reduced
     at the step. Returns why the buckets cannot be used for this stage's gradients (then they
     reduce as one at the step, as without the flags), or None. `force`: buckets even without
-    data parallelism (a reduction over one rank is a copy: PACI's deferred step at DP 1)."""
+    data parallelism (a reduction over one rank is a copy: PACI's deferred step at DP 1).
+    `gather_params` (--overlap-param-gather): the distributed optimizer's updated parameters
+    gathered in the same buckets, each waited for by the forward (param_gather.py)."""
     from megatron.training.optimizer.distributed_optimizer import (
         ShardedMainOptimizer,
         ShardedReduceScatter,
@@ -568,4 +585,16 @@ def attach_reduction(
     if overlap:
         reduction.attach_hooks()
     step.reduction = reduction
+    if gather_params and isinstance(holder, ShardedMainOptimizer):
+        _attach_param_gather(step, holder, ranges)
     return None
+
+
+def _attach_param_gather(step: StageOptimizerStep, holder, ranges) -> None:
+    """--overlap-param-gather: `holder`'s step launches a gather per bucket, the model's
+    forward pre-hooks wait for them."""
+    from megatron.training.optimizer.param_gather import ShardedParamGather
+
+    gather = ShardedParamGather(holder, ranges, step.reduction_times)
+    gather.attach_forward_hooks(step.model)
+    holder.param_gather = step.param_gather = gather

@@ -62,6 +62,9 @@ class OptimizerConfig:
     params_dtype: torch.dtype = torch.float32  # bf16 / fp16 models get fp32 main params
     use_distributed_optimizer: bool = False
     num_distributed_optimizer_instances: int = 1
+    # the updated parameters gathered in the gradient reduction's buckets, each waited for by
+    # the forward that reads it (param_gather.py)
+    overlap_param_gather: bool = False
     # fp16 loss scaling (used when params_dtype is float16): a static scale, else dynamic.
     loss_scale: float | None = None
     initial_loss_scale: float = 2.0**32

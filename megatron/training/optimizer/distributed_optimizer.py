@@ -16,7 +16,9 @@ One step:
 2. gradient norm: the sum of squares of my range, all-reduced over the data-parallel group,
    then over the schedule's reach (tensor parallel, plus pipeline under 1F1B-flush);
 3. the optimizer steps my pieces; each rank writes its updated range, in the model's dtype,
-   into a flat buffer, `all_gather`s it, and copies every parameter out of it.
+   into a flat buffer, `all_gather`s it, and copies every parameter out of it. With
+   --overlap-param-gather the step only launches the gathers, one per bucket of the gradient
+   reduction, and the forward waits for each bucket when it reads it (param_gather.py).
 
 With --num-distributed-optimizer-instances I > 1 there are I copies, each sharded over D / I
 ranks (megatron-core's partial data-parallel groups); step 1 then adds an all-reduce of my
@@ -67,6 +69,9 @@ class ShardedMainOptimizer(MainParamsOptimizer):
         self.low = self.rank * self.shard_numel
         self.high = self.low + self.shard_numel
         self.pieces = self._my_pieces()
+        # --overlap-param-gather: the step's gathers in buckets (param_gather.py), set by
+        # build.attach_reduction; None: one blocking all-gather in the step
+        self.param_gather = None
 
     @property
     def norm_group(self):
@@ -93,6 +98,10 @@ class ShardedMainOptimizer(MainParamsOptimizer):
     @torch.no_grad()
     def refresh_from_model(self, only: torch.nn.Parameter | None = None) -> None:
         """My main pieces from the model's weights (after a load; `only`: one parameter's)."""
+        if self.param_gather is not None and only is None:
+            self.param_gather.discard()  # the loaded weights replace the step's update
+        elif self.param_gather is not None:
+            self.param_gather.check_landed([only])  # written before its gather landed: lost
         for piece in self.pieces:
             if only is None or piece.param is only:
                 piece.main.copy_(piece.param.detach().reshape(-1)[piece.start : piece.end])
@@ -138,7 +147,16 @@ class ShardedMainOptimizer(MainParamsOptimizer):
         for piece in self.pieces:
             piece.main.grad = self._piece_gradient(piece)
         self.inner.step()
-        self._gather_params()
+        if self.param_gather is None:
+            self._gather_params()
+        else:
+            self.param_gather.launch()
+
+    def finish_param_gather(self) -> None:
+        """Every parameter holds the last step's update (--overlap-param-gather: the gathers
+        still in flight land now)."""
+        if self.param_gather is not None:
+            self.param_gather.finish()
 
     @torch.no_grad()
     def _gather_params(self) -> None:
@@ -157,6 +175,7 @@ class ShardedMainOptimizer(MainParamsOptimizer):
         """Collective over the data-parallel group: the unsharded per-parameter format."""
         from megatron.training.optimizer.sharded_state import gather_state_dict
 
+        self.finish_param_gather()  # a checkpoint holds the model's updated weights too
         state = gather_state_dict(self)
         state.update(self._extra_state())
         return state

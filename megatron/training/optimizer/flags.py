@@ -114,10 +114,11 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
         "one data-parallel rank, the AdamW ones too (Megatron's legacy layer-wise path); "
         "the only layer-wise path here, so the default gives the same run")  # fmt: skip
     add("--overlap-param-gather", action="store_true",
-        help="accepted with --use-distributed-optimizer; parameters are gathered after the step")  # fmt: skip
+        help="with --use-distributed-optimizer and --overlap-grad-reduce: gather the updated "
+        "parameters per bucket asynchronously, each waited for by the forward that reads it")  # fmt: skip
     add("--overlap-param-gather-with-optimizer-step", action="store_true",
-        help="accepted with --overlap-param-gather and virtual stages; the gather still follows "
-        "the whole step")  # fmt: skip
+        help="accepted with --overlap-param-gather and virtual stages; changes nothing here: "
+        "every bucket's gather already starts at the end of the step")  # fmt: skip
     add("--num-distributed-optimizer-instances", type=int, default=1,
         help="copies of the distributed optimizer over the stage's data-parallel ranks: each "
         "copy shards over data-parallel size / copies ranks")  # fmt: skip
