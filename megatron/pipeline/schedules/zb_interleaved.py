@@ -24,8 +24,10 @@ stage after one pass, not after a full backward.
 
 The bubble, with F = B = W = t per chunk and m a multiple of N: rank r starts r t late (its
 first input crosses r ranks) and every B it waits for comes back in time, so a flushed step
-idles about (N - 1) t per rank: ZB-V's figure, and for m < 2N - 1 (where ZB-V's phases lose
-their fill) less than ZB-V's. The simulator measures it (docs/zero_bubble.md).
+idles (N - 1) t per rank, ZB-V's figure for m >= 2N - 1. With fewer microbatches ZB-V's phases
+lose their fill and this order is the shorter one (simulated: every m < 3N / 2, a tie from there
+to 2N - 2; docs/zero_bubble.md). All ranks end the step together, so unlike ZB-V's staircase
+consecutive steps do not overlap.
 
 Memory: rank r holds at most w + 1 + r microbatch-chunks (forwarded and not yet through W):
 (v - 1) g + N, the same on every rank. With v = 2 and m a multiple of N (g = N) that is 2N

@@ -79,7 +79,7 @@ def test_microbatches_that_torch_refuses_are_refused(n, m):
 # ------------------------------------------------------------------ the simulator
 
 
-def test_with_fewer_microbatches_than_2n_minus_1_it_beats_every_synchronous_schedule():
+def test_at_8_ranks_and_8_microbatches_it_beats_every_synchronous_schedule():
     """N = 8, m = 8, F = B = W = 1 per chunk: a flushed step takes 55 (48 of work and the
     fill's 7), ZB-V 62, ZB-H1 62, interleaved 1F1B 69; DualPipeV needs m >= 2N."""
     ours = run("zb-interleaved", 8, 8).makespan
@@ -96,6 +96,13 @@ def test_with_fewer_microbatches_than_2n_minus_1_it_beats_every_synchronous_sche
     assert all(ours < makespan for makespan in others.values())
     half = run("zb-interleaved", 8, 8, t=0.5).makespan  # F = B = W = 1 per whole stage
     assert (half, run("zb-v", 8, 8, t=0.5).makespan) == pytest.approx((27.5, 31.0))
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_a_flushed_step_is_shorter_than_zb_vs_below_3n_over_2_microbatches_then_equal(n):
+    for m in range(1, 2 * n - 1):
+        ours, zb_v = (run(name, n, m).makespan for name in ("zb-interleaved", "zb-v"))
+        assert ours < zb_v if 2 * m < 3 * n else ours == pytest.approx(zb_v), m
 
 
 @pytest.mark.parametrize("n,m", [(2, 2), (4, 4), (4, 8), (8, 8), (8, 16), (8, 32)])
