@@ -15,7 +15,18 @@ buckets with the same collective, so the losses are equal bit for bit:
 Every overlapped run launched its buckets from the backward's hooks (none waited for the
 step but the tied embedding's, which changes before the reduction), and replicas kept equal
 weights (the replica hash check of the PACI cases).
+
+--overlap-param-gather (training/optimizer/param_gather.py): the distributed optimizer's
+updated parameters gathered in the same buckets, each waited for by the forward that reads it,
+give the same losses and logged gradient norms bit for bit as the run without any overlap, for
+1F1B (fp32 at DP 2, bf16 at DP 4), interleaved 1F1B (with
+--overlap-param-gather-with-optimizer-step) and PACI (fp32; bf16 with tied embeddings); the
+DP 2 runs poison every parameter with NaN until its bucket lands
+(MEGATRON_POISON_UNGATHERED_PARAMS), so a read of a parameter before its gather landed would
+turn the losses into NaN. A checkpoint saved with the gathers resumes with them.
 """
+
+import re
 
 import pytest
 import run_cases
@@ -34,9 +45,20 @@ AT_DP2 = [
     ("gpt_dp2pp2_1f1b_distopt_overlap", "gpt_dp2pp2_1f1b_distopt"),
     ("gpt_dp2pp2_paci_bf16_distopt_overlap", "gpt_dp2pp2_paci_bf16_distopt"),
     ("gpt_dp2pp2_paci_tied_bf16_distopt_overlap", "gpt_dp2pp2_paci_tied_bf16_distopt"),
+    ("gpt_dp2pp2_1f1b_distopt_gather", "gpt_dp2pp2_1f1b_distopt"),
+    ("gpt_dp2pp2_paci_distopt_gather", "gpt_dp2pp2_paci_distopt"),
+    ("gpt_dp2pp2vp2_1f1b_decoupled_lr_distopt_gather", "gpt_dp2pp2vp2_1f1b_decoupled_lr_distopt"),
 ]
 AT_DP4 = [
     ("gpt_dp4pp2_paci_overlap", "gpt_dp4pp2_paci_buckets"),
+    ("gpt_dp4pp2_1f1b_bf16_distopt_overlap", "gpt_dp4pp2_1f1b_bf16_distopt_buckets"),
+]
+# --overlap-param-gather too (with --overlap-grad-reduce), against the run without either
+GATHERED = [
+    ("gpt_dp2pp2_1f1b_distopt_gather", "gpt_dp2pp2_1f1b_distopt"),
+    ("gpt_dp2pp2_paci_distopt_gather", "gpt_dp2pp2_paci_distopt"),
+    ("gpt_dp2pp2vp2_1f1b_decoupled_lr_distopt_gather", "gpt_dp2pp2vp2_1f1b_decoupled_lr_distopt"),
+    ("gpt_dp2pp2_paci_tied_bf16_distopt_overlap", "gpt_dp2pp2_paci_tied_bf16_distopt"),
     ("gpt_dp4pp2_1f1b_bf16_distopt_overlap", "gpt_dp4pp2_1f1b_bf16_distopt_buckets"),
 ]
 
@@ -69,6 +91,29 @@ def test_buckets_launch_from_the_backward(case_results, overlapped, reference):
         assert stage["dp_reduced_bytes"] > 0
 
 
+def _grad_norms(result: dict, case: str) -> list[str]:
+    """The gradient norms of the case's iteration lines (its part of the launch's log)."""
+    log = result["log"].split(f"=== case {case}\n")[1].split("=== case ")[0]
+    return re.findall(r"grad norm: (\S+)", log)
+
+
+@pytest.mark.parametrize("gathered, reference", GATHERED)
+def test_parameters_gather_under_the_forward(case_results, gathered, reference):
+    """Every step of every stage gathered its parameters in overlapped buckets (the waits are
+    timed), with the same gradient norms as the run without the flag (the losses:
+    `test_overlap_gives_the_same_numbers_bit_for_bit`)."""
+    run, plain = case_results[gathered], case_results[reference]
+    norms = _grad_norms(run, gathered)
+    assert len(norms) == 8 and norms == _grad_norms(plain, reference)
+    assert run["nan_iterations"] == 0
+    for stage in run["stages"]:
+        assert stage["dp_param_gathers"] == stage["optimizer_steps"] > 0, (gathered, stage)
+        assert stage["dp_param_gather_bytes"] > 0 and stage["dp_param_gather_s"] > 0
+        assert 0 <= stage["dp_param_gather_exposed_s"]
+    assert all("dp_param_gathers" not in stage for stage in plain["stages"])
+    assert "parameters gathered in the same buckets under the forward" in run["log"]
+
+
 def test_the_log_line_shows_the_reduction(case_results):
     log = case_results["gpt_dp2pp2_paci_overlap"]["log"]
     assert "dp reduce/exposed per iteration (ms): " in log
@@ -82,12 +127,15 @@ def test_the_log_line_shows_the_reduction(case_results):
          "gpt_dp2pp2_paci_overlap"),
         ("gpt_dp2pp2_paci_plain_resume_1_save", "gpt_dp2pp2_paci_plain_resume_2_load",
          "gpt_dp2pp2_paci"),
+        ("gpt_dp2pp2_paci_distopt_gather_resume_1_save",
+         "gpt_dp2pp2_paci_distopt_gather_resume_2_load", "gpt_dp2pp2_paci_distopt_gather"),
     ],
 )  # fmt: skip
 def test_a_checkpoint_resumes_with_the_overlap_switched(case_results, saved, loaded,
                                                         uninterrupted):  # fmt: skip
     """Saved with the bucketed overlap and resumed without it, and the reverse: the halves
-    continue the uninterrupted run (the save comes at a drain, with no reduction in flight)."""
+    continue the uninterrupted run (the save comes at a drain, with no reduction in flight).
+    With --overlap-param-gather on both sides the save waits for the gathers in flight."""
     whole = case_results[uninterrupted]["loss"]
     assert case_results[saved]["loss"] == whole[:4]
     assert run_cases.relative_difference(case_results[loaded]["loss"], whole[4:]) <= 1e-6
