@@ -20,6 +20,7 @@ ZERO_BUBBLE = {
     "gpt_tp2pp2_zbh1": "gpt_pp1_1f1b",
     "gpt_dp2pp2_zbh1": "gpt_pp1_1f1b",
     "gpt_pp4_zbv": "gpt_pp1_8layers_1f1b",  # two chunks of one layer per rank, on a V
+    "gpt_pp4_zb_interleaved": "gpt_pp1_8layers_1f1b",  # the same chunks, interleaved
     "gpt_dp2pp2_zbv": "gpt_pp1_1f1b",
     "gpt_tp2pp2_dualpipev": "gpt_pp1_1f1b",
 }
@@ -81,7 +82,7 @@ def test_flush_matches_single_stage(case_results, name):
 def test_zero_bubble_schedules_match_one_process_and_hold_the_simulators_activations(
     case_results, name
 ):
-    """ZB-H1, ZB-V and DualPipeV: the split backward, the V placement (its turn a loopback,
+    """ZB-H1, ZB-V, DualPipeV and interleaved zero bubble: the split backward, the V placement (its turn a loopback,
     tied embeddings summed on rank 0) and DualPipeV's paired slots change no number; every
     rank's peak of microbatch-chunks held is the simulator's for the same definition."""
     from megatron.pipeline.plan import resolve_plan
