@@ -14,11 +14,18 @@ delivers. Backends differ here:
   posted up front and polled.
 
 Both flavours notify one `threading.Condition` per stage, which the runtime sleeps on.
+
+A stream that relays (the vocabulary split's trees) always receives on a thread, polling the
+receive's completion where the backend reports it, and hands each tensor to its `relay`
+there, before the rank's own loop sees it: forwarding never waits for the rank's compute or
+its optimizer step.
 """
 
 import collections
 import re
 import threading
+import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -70,15 +77,25 @@ class Inbox:
     def outstanding(self) -> int:
         return self.expected - self.taken
 
+    def check(self) -> None:
+        """Raise a receive's error that would otherwise go unseen (none here)."""
+
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
 
 class ThreadedInbox(Inbox):
-    """Blocking receives on a helper thread (gloo: its irecv cannot be polled)."""
+    """Blocking receives on a helper thread (gloo: its irecv cannot be polled). With `relay`,
+    each tensor is handed to it on that thread first; with `keep` False only to it (the rank
+    never takes from the inbox). `poll`: wait for a receive by polling its completion (NCCL,
+    whose wait() returns before the data is there). Errors of the `watched` inboxes (relaying
+    ones that the rank never takes from) surface in this one's ready()."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, *, relay: Callable | None = None, keep: bool = True, poll: bool = False,
+                 **kwargs):  # fmt: skip
         super().__init__(**kwargs)
+        self.relay, self.keep, self.poll = relay, keep, poll
+        self.watched: tuple = ()
         self._arrived: collections.deque[torch.Tensor] = collections.deque()
         self._credits = threading.Semaphore(0)
         self._error: BaseException | None = None
@@ -94,18 +111,36 @@ class ThreadedInbox(Inbox):
             while True:
                 self._credits.acquire()
                 buffer = self._buffer()
-                dist.recv(buffer, src=self.peer, group=self.group)
-                with self.arrivals:
-                    self._arrived.append(buffer)
-                    self.arrivals.notify_all()
+                self._receive(buffer)
+                if self.relay is not None:
+                    self.relay(buffer)
+                if self.keep:
+                    with self.arrivals:
+                        self._arrived.append(buffer)
+                        self.arrivals.notify_all()
         except BaseException as error:  # surfaced on the main thread by take()/ready()
             with self.arrivals:
                 self._error = error
                 self.arrivals.notify_all()
 
-    def ready(self) -> bool:
+    def _receive(self, buffer: torch.Tensor) -> None:
+        if not self.poll:
+            dist.recv(buffer, src=self.peer, group=self.group)
+            return
+        work = dist.irecv(buffer, src=self.peer, group=self.group)
+        while not work.is_completed():
+            time.sleep(20e-6)
+        work.wait()
+
+    def check(self) -> None:
+        """Raise the receive thread's error (`PeerLost`), if any."""
+        for inbox in self.watched:
+            inbox.check()
         if self._error is not None:
             raise PeerLost(self.peer, self._error) from self._error
+
+    def ready(self) -> bool:
+        self.check()
         return len(self._arrived) > 0
 
     def take(self) -> torch.Tensor:
@@ -144,16 +179,20 @@ class Outbox:
     def __init__(self, *, peer: int, group, max_pending: int):
         self.peer, self.group, self.max_pending = peer, group, max_pending
         self._pending: collections.deque = collections.deque()
+        # a relaying receive thread sends while the rank's loop may flush
+        self._lock = threading.Lock()
 
     def send(self, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
-        self._pending.append((dist.isend(tensor, dst=self.peer, group=self.group), tensor))
-        while len(self._pending) > self.max_pending:
-            self._pending.popleft()[0].wait()
+        with self._lock:
+            self._pending.append((dist.isend(tensor, dst=self.peer, group=self.group), tensor))
+            while len(self._pending) > self.max_pending:
+                self._pending.popleft()[0].wait()
 
     def flush(self) -> None:
-        while self._pending:
-            self._pending.popleft()[0].wait()
+        with self._lock:
+            while self._pending:
+                self._pending.popleft()[0].wait()
 
 
 def scale_elements(dtype: torch.dtype) -> int:
@@ -170,5 +209,9 @@ def decode_scale(payload_tail: torch.Tensor) -> float:
     return float(payload_tail.detach().cpu().contiguous().view(torch.float32)[0])
 
 
-def make_inbox(*, backend: str, **kwargs) -> Inbox:
-    return ThreadedInbox(**kwargs) if backend == "gloo" else PolledInbox(**kwargs)
+def make_inbox(*, backend: str, relay: Callable | None = None, keep: bool = True,
+               **kwargs) -> Inbox:  # fmt: skip
+    """An inbox for `backend`; one that relays (or keeps nothing) receives on a thread."""
+    if backend == "gloo" or relay is not None or not keep:
+        return ThreadedInbox(relay=relay, keep=keep, poll=backend != "gloo", **kwargs)
+    return PolledInbox(**kwargs)

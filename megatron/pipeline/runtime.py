@@ -664,6 +664,10 @@ class RankRuntime:
         self.state.record_vocab_forward(version)
         self.shard_scores.append(score)
         self._timed_send(streams.shard_out, message)
+        # the statistics of every microbatch scored will come down the tree: receive (and
+        # relay to this rank's children) that many, whatever this call's backward target, so
+        # that no child's VB waits for this rank's step
+        streams.stats_in.expect_total(self.state.vocab_forwards)
 
     def _run_vocab_backward(self, part: Action, work: "_CallWork") -> None:
         """VB: the shard's weight gradient of its oldest scored microbatch."""
@@ -823,7 +827,7 @@ class RankRuntime:
         if for_loss is not None:
             inflight.loss_func, inflight.for_loss = loss_func, for_loss
             message = hidden_message(for_loss, self.dtype)
-            for outbox in self.vocab_streams.hidden_out:  # every rank's shard scores it
+            for outbox in self.vocab_streams.hidden_out:  # down the tree: every shard scores it
                 self._timed_send(outbox, message)
         lane.inflight.append(inflight)
         self.stats.add_activation(saved[0], self.inflight_microbatches)
@@ -892,7 +896,7 @@ class RankRuntime:
             else:
                 torch.autograd.backward(output, grad_tensors=grad)
         self.compute_s += time.perf_counter() - compute_start
-        if shards is not None:  # the statistics to every shard, for its weight gradient
+        if shards is not None:  # the statistics down the tree, for every shard's VB
             combined, loss_gradient = shards
             message = stats_message(combined, loss_gradient[0])
             for outbox in self.vocab_streams.stats_out:

@@ -16,16 +16,23 @@ carrier will do:
 
 Every inbox of a rank notifies one `threading.Condition` (the rank's `arrivals`) when a tensor
 arrives, so the runtime can sleep until any stream delivers.
+
+The output layer split by vocabulary (`vocab_parallel`) sends on trees rooted at the last stage
+(`wire_output_tree`): a rank's hidden-state and statistics inboxes relay each tensor to its
+children as it arrives (on the receive thread, or the sender's thread in process), and its
+shard's outputs go to a `ShardReducer` that combines them with its children's partials and
+sends one message up when a microbatch's inputs are all there, whoever delivers the last one.
 """
 
 import collections
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from .p2p import Outbox, make_inbox, scale_elements
-from .vocab_parallel import carried_words
+from .vocab_parallel import VocabTree, carried_words, combine_partials
 
 
 @dataclass(frozen=True)
@@ -67,11 +74,25 @@ class QueueInbox:
         self.arrivals = arrivals or threading.Condition()
         self.queue: collections.deque = collections.deque()
         self.expected = self.taken = 0
+        # a tree's node: each tensor goes to `relay` first (on the sender's thread), and is
+        # queued only with `keep`; `watched`: inboxes whose errors surface here
+        self.relay: Callable | None = None
+        self.keep = True
+        self.watched: tuple = ()
 
     def deliver(self, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().clone()
+        if self.relay is not None:
+            self.relay(tensor)
+        if not self.keep:
+            return
         with self.arrivals:
-            self.queue.append(tensor.detach().clone())
+            self.queue.append(tensor)
             self.arrivals.notify_all()
+
+    def check(self) -> None:
+        for inbox in self.watched:
+            inbox.check()
 
     def expect_total(self, total: int) -> None:
         self.expected = max(self.expected, total)
@@ -80,6 +101,7 @@ class QueueInbox:
         return self.expected - self.taken
 
     def ready(self) -> bool:
+        self.check()
         return bool(self.queue)
 
     def take(self) -> torch.Tensor:
@@ -104,15 +126,17 @@ class QueueOutbox:
 @dataclass
 class VocabStreams:
     """A rank's streams for its output shard (a vocabulary split over the ranks): the last
-    stage's hidden states and softmax statistics in, the shard's output to the last stage.
-    The last stage also holds one stream per rank the other way (its own through a queue)."""
+    stage's hidden states and softmax statistics in, the shard's output towards the last
+    stage. The last stage also sends the hidden states and statistics (down the tree, to
+    itself through a queue) and takes the shards' outputs combined (one message each)."""
 
     hidden_in: object
     stats_in: object
     shard_out: object
-    hidden_out: list = field(default_factory=list)  # last stage only, by rank
+    hidden_out: list = field(default_factory=list)  # last stage only
     stats_out: list = field(default_factory=list)
     shard_in: list = field(default_factory=list)
+    relays: list = field(default_factory=list)  # sends the receive path makes (to flush)
     # the input embedding split too: the rank's part out and its gradient in; the first
     # stage's parts in and gradients out, by rank
     embed_out: object = None
@@ -126,13 +150,109 @@ class VocabStreams:
 
     def outboxes(self) -> tuple:
         embedding = (self.embed_out, *self.embed_grad_out) if self.embed_out is not None else ()
-        return (self.shard_out, *self.hidden_out, *self.stats_out, *embedding)
+        output = (self.shard_out, *self.hidden_out, *self.stats_out, *self.relays)
+        return (*output, *embedding)
+
+
+class ShardReducer:
+    """A rank's node of the reduction tree: its own shard's outputs (input 0) and its
+    children's partials (inputs 1, 2, ...), combined microbatch by microbatch as soon as all
+    of a microbatch's are there (`combine_partials`), one message to `up`. Whichever thread
+    delivers the last input combines: the rank's loop after its VF, or a receive thread."""
+
+    def __init__(self, inputs: int, up, hidden_size: int):
+        self.up, self.hidden_size = up, hidden_size
+        self._queues = [collections.deque() for _ in range(inputs)]
+        self._lock = threading.Lock()
+
+    def input(self, index: int) -> "ReducerInput":
+        return ReducerInput(self, index)
+
+    def put(self, index: int, tensor: torch.Tensor) -> None:
+        with self._lock:  # one combine at a time, sent up in microbatch order
+            self._queues[index].append(tensor.detach())
+            while all(self._queues):
+                messages = [queue.popleft() for queue in self._queues]
+                self.up.send(combine_partials(messages, self.hidden_size))
+
+    def flush(self) -> None:
+        self.up.flush()
+
+
+@dataclass
+class ReducerInput:
+    """One input of a `ShardReducer`, as an outbox (the rank's shard_out, a child's relay)."""
+
+    reducer: ShardReducer
+    index: int
+
+    def send(self, tensor: torch.Tensor) -> None:
+        self.reducer.put(self.index, tensor)
+
+    def flush(self) -> None:
+        self.reducer.flush()
+
+
+@dataclass
+class TreeBroadcast:
+    """One tensor to several outboxes (a node's children, the root's own queue), after
+    `before_send` (which credits the receives of what the children will send back)."""
+
+    outboxes: list
+    before_send: Callable[[], None] = lambda: None
+
+    def send(self, tensor: torch.Tensor) -> None:
+        self.before_send()
+        for outbox in self.outboxes:
+            outbox.send(tensor)
+
+    def flush(self) -> None:
+        for outbox in self.outboxes:
+            outbox.flush()
+
+
+def _credit_one_more(inboxes: list) -> None:
+    """Each child answers every hidden state with one partial: receive one more from each."""
+    for inbox in inboxes:
+        inbox.expect_total(inbox.expected + 1)
+
+
+def wire_output_tree(
+    tree: VocabTree, stage: int, hidden_size: int, *, link_in, link_out, local
+) -> VocabStreams:
+    """The output shard's streams of `stage` on `tree`: `link_in(stream, peer, relay=, keep=)`
+    and `link_out(stream, peer)` open a stream from or to another stage, `local(stream)` a
+    queue of this rank (the root's messages to itself)."""
+    parent, children = tree.parent(stage), tree.children(stage)
+    shard_in = [local("shard")] if parent is None else []
+    up = QueueOutbox(shard_in[0]) if parent is None else link_out("shard", parent)
+    reducer = ShardReducer(1 + len(children), up, hidden_size)
+    partials = [link_in("shard", child, relay=reducer.input(1 + index).send, keep=False)
+                for index, child in enumerate(children)]  # fmt: skip
+    hidden_down = TreeBroadcast([link_out("hidden", child) for child in children],
+                                before_send=lambda: _credit_one_more(partials))  # fmt: skip
+    stats_down = TreeBroadcast([link_out("stats", child) for child in children])
+    if parent is None:
+        hidden_in, stats_in = local("hidden"), local("stats")
+        streams = VocabStreams(
+            hidden_in, stats_in, reducer.input(0), shard_in=shard_in,
+            hidden_out=[TreeBroadcast([hidden_down, QueueOutbox(hidden_in)])],
+            stats_out=[TreeBroadcast([stats_down, QueueOutbox(stats_in)])],
+        )  # fmt: skip
+        shard_in[0].watched = tuple(partials)
+    else:
+        hidden_in = link_in("hidden", parent, relay=hidden_down.send)
+        stats_in = link_in("stats", parent, relay=stats_down.send)
+        streams = VocabStreams(hidden_in, stats_in, reducer.input(0))
+        streams.relays = [hidden_down, stats_down]
+    hidden_in.watched = tuple(partials)
+    return streams
 
 
 @dataclass(frozen=True)
 class VocabLinks:
     """The global ranks of the pipeline (by stage) and the process groups of the vocabulary
-    streams: hidden states out and shard outputs back on one (opposite directions), the
+    streams: hidden states down the tree and partials up on one (opposite directions), the
     statistics on another (same direction as the hidden states); the input embedding's parts
     in and gradients out of the first stage on a third."""
 
@@ -140,6 +260,9 @@ class VocabLinks:
     hidden_group: object = None
     stats_group: object = None
     embed_group: object = None
+    # children per rank of the output layer's trees (`VocabTree`); N - 1 or more: the fan,
+    # every rank the last stage's child
+    tree_arity: int = 2
 
 
 def vocab_message_sizes(tokens: int, hidden_size: int, dtype=torch.float32) -> dict[str, int]:
@@ -204,34 +327,31 @@ class DistributedTransport:
         sizes = vocab_message_sizes(tokens, hidden_size, self.dtype)
         ranks = links.pipeline_ranks
         last_stage = num_stages - 1 if last_stage is None else last_stage
-        last = ranks[last_stage]
-
         if embed_elements is not None:  # a gradient carries its sender's loss scale after it
             sizes.update(embed=embed_elements,
                          embed_grad=embed_elements + scale_elements(self.dtype))  # fmt: skip
         dtypes = dict.fromkeys(("hidden", "shard", "embed", "embed_grad"), self.dtype)
+        groups = {"hidden": links.hidden_group, "shard": links.hidden_group,
+                  "stats": links.stats_group}  # fmt: skip
 
-        def inbox(stream, peer, group):
+        def inbox(stream, peer, group, **relaying):
             if peer == self.rank:
                 return self._vocab_loopback(stream, arrivals)
             return make_inbox(backend=self.backend, peer=peer, group=group,
                               shape=(sizes[stream],), dtype=dtypes.get(stream, torch.float32),
-                              device=self.device, arrivals=arrivals)  # fmt: skip
+                              device=self.device, arrivals=arrivals, **relaying)  # fmt: skip
 
         def outbox(stream, peer, group):
             if peer == self.rank:
                 return QueueOutbox(self._vocab_loopback(stream, arrivals))
             return Outbox(peer=peer, group=group, max_pending=self.max_pending)
 
-        streams = VocabStreams(
-            hidden_in=inbox("hidden", last, links.hidden_group),
-            stats_in=inbox("stats", last, links.stats_group),
-            shard_out=outbox("shard", last, links.hidden_group),
-        )
-        if stage == last_stage:
-            streams.hidden_out = [outbox("hidden", r, links.hidden_group) for r in ranks]
-            streams.stats_out = [outbox("stats", r, links.stats_group) for r in ranks]
-            streams.shard_in = [inbox("shard", r, links.hidden_group) for r in ranks]
+        streams = wire_output_tree(
+            VocabTree(len(ranks), last_stage, links.tree_arity), stage, hidden_size,
+            link_in=lambda stream, peer, **kw: inbox(stream, ranks[peer], groups[stream], **kw),
+            link_out=lambda stream, peer: outbox(stream, ranks[peer], groups[stream]),
+            local=lambda stream: self._vocab_loopback(stream, arrivals),
+        )  # fmt: skip
         if embed_elements is not None:
             first = ranks[0]
             streams.embed_out = outbox("embed", first, links.embed_group)
@@ -322,9 +442,10 @@ class InProcessTransport:
     one queue, shared by the sending and the receiving runtime. Build all the runtimes on one
     transport before any of them runs."""
 
-    def __init__(self):
+    def __init__(self, tree_arity: int = 2):
         self._queues: dict[tuple[str, int], QueueInbox] = {}  # (stream, receiving stage)
         self._lanes: dict[tuple[int, int], int] = {}  # (rank id, lane) -> virtual stage
+        self.tree_arity = tree_arity  # the output layer's trees (`VocabLinks.tree_arity`)
 
     def for_rank(self, virtual_stages: list[int]) -> "_InProcessRankTransport":
         """The transport of one rank whose lanes run `virtual_stages` (by lane)."""
@@ -340,15 +461,18 @@ class InProcessTransport:
         """Rank `rank`'s output-shard streams (shard outputs are queued by sender), and its
         input embedding's with `embed_elements` (parts queued by sender)."""
         last = num_ranks - 1 if last_stage is None else last_stage
-        streams = VocabStreams(
-            hidden_in=self.queue("hidden", rank),
-            stats_in=self.queue("stats", rank),
-            shard_out=QueueOutbox(self.queue(f"shard from {rank}", last)),
-        )
-        if rank == last:
-            streams.hidden_out = [QueueOutbox(self.queue("hidden", r)) for r in range(num_ranks)]
-            streams.stats_out = [QueueOutbox(self.queue("stats", r)) for r in range(num_ranks)]
-            streams.shard_in = [self.queue(f"shard from {r}", last) for r in range(num_ranks)]
+
+        def link_in(stream, peer, relay=None, keep=True):
+            inbox = self.queue(f"{stream} from {peer}", rank)
+            inbox.relay, inbox.keep = relay, keep
+            return inbox
+
+        streams = wire_output_tree(
+            VocabTree(num_ranks, last, self.tree_arity), rank, sizes["hidden_size"],
+            link_in=link_in,
+            link_out=lambda stream, peer: QueueOutbox(self.queue(f"{stream} from {rank}", peer)),
+            local=lambda stream: self.queue(f"{stream} from {rank}", rank),
+        )  # fmt: skip
         if embed_elements is not None:
             streams.embed_out = QueueOutbox(self.queue(f"embed from {rank}", 0))
             streams.embed_grad_in = self.queue("embed_grad", rank)

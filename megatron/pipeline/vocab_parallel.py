@@ -29,6 +29,24 @@ bf16 run sends half of an fp32 one's bytes and loses nothing the hidden state ha
 travel as exact fp32 integers, so vocabularies up to 2**24. The statistics sent back
 (LOGIT_STATS) are small and stay fp32.
 
+The messages travel on trees over the pipeline ranks rooted at the last stage (`VocabTree`,
+binary by default): the hidden state goes down (a rank forwards it to its children as it
+receives it), the statistics after the backward go down the same way, and the shards' outputs
+come up combined (`combine_partials`): the combine is associative (M = max, S and A rescaled
+by exp(m - M) and summed, t and B summed), so a rank sends its parent one message of the same
+shape for its whole subtree, and the root finishes with `combine_shards` of that one message.
+With a tree of arity N - 1 every rank is the root's child: the fan of point-to-point messages.
+In fp32 the tree changes only the order of the sums; in bf16 a partial's A is rounded to bf16
+at every level it passes (depth ceil(log2 N) roundings where the fan had one; B sums zeros
+with one row and stays exact).
+
+Why A and B stay two tensors: the hidden state's gradient is sum_p e_p A_p / S - sum_p B_p,
+and the factor 1 / S of A against B is the global S, known only at the root. A folded
+C = A - c B would need c = S of the whole vocabulary; with a partial's own s the combine of
+two partials leaves the cross terms e_1 s_1 B_2 + e_2 s_2 B_1, which need B again. So folding
+is exact only after a second round trip (the root's M and S down, then one normalised tensor
+up), which would add the tree's depth to the last stage's critical path: not done.
+
 The input embedding split the same way (`InputShard`) needs no statistics: a token's row is
 on exactly one rank, so the first stage's input is the sum of every rank's lookup (zero rows
 for the tokens it does not hold), and each rank's rows take the input's gradient at their
@@ -181,6 +199,54 @@ def _split(message: torch.Tensor, tokens: int, hidden_size: int) -> list[torch.T
     ]
 
 
+# ------------------------------------------------------------------------------ the trees
+@dataclass(frozen=True)
+class VocabTree:
+    """The tree the vocabulary messages travel on: `num_ranks` pipeline stages, rooted at the
+    last stage's (`root`), each node with up to `arity` children. Positions count from the
+    root down the pipeline (position i is stage root - i, modulo N), so a node's children are
+    the stages just before it: on a pipeline laid out node by node they are mostly on its
+    node. Arity 2: floor(log2 N) hops to the deepest rank, two messages out of each rank."""
+
+    num_ranks: int
+    root: int
+    arity: int = 2
+
+    def __post_init__(self):
+        if self.arity < 1 or not 0 <= self.root < self.num_ranks:
+            raise ValueError(f"no tree of arity {self.arity} rooted at {self.root} "
+                             f"over {self.num_ranks} ranks")  # fmt: skip
+
+    def _stage(self, position: int) -> int:
+        return (self.root - position) % self.num_ranks
+
+    def _position(self, stage: int) -> int:
+        return (self.root - stage) % self.num_ranks
+
+    def parent(self, stage: int) -> int | None:
+        position = self._position(stage)
+        return None if position == 0 else self._stage((position - 1) // self.arity)
+
+    def children(self, stage: int) -> list[int]:
+        first = self.arity * self._position(stage) + 1
+        last = min(first + self.arity, self.num_ranks)
+        return [self._stage(position) for position in range(first, last)]
+
+    def depth(self, stage: int) -> int:
+        """Hops from the root to `stage`."""
+        hops, parent = 0, self.parent(stage)
+        while parent is not None:
+            hops, parent = hops + 1, self.parent(parent)
+        return hops
+
+    def path(self, stage: int) -> list[int]:
+        """The stages from the root down to `stage`, both included."""
+        stages = [stage]
+        while (parent := self.parent(stages[-1])) is not None:
+            stages.append(parent)
+        return stages[::-1]
+
+
 # ------------------------------------------------------------------------------ VF
 @dataclass
 class ShardScore:
@@ -254,6 +320,29 @@ def combine_shards(messages: list[torch.Tensor], hidden_size: int, group=None) -
     direction = softmax_part.view(tokens, hidden_size) / global_sum[:, None]
     direction = direction - target_part.view(tokens, hidden_size)
     return Combined(loss, direction, global_max, global_sum)
+
+
+def combine_partials(messages: list[torch.Tensor], hidden_size: int) -> torch.Tensor:
+    """SHARD_OUTPUT messages (shards' or partials') combined into one of the same shape and
+    dtype, as if one shard held all their rows: `combine_shards` of the result equals
+    `combine_shards` of `messages` (up to the order of the sums)."""
+    if len(messages) == 1:
+        return messages[0]
+    dtype = messages[0].dtype
+    tokens = messages[0].numel() // (3 * carried_words(dtype) + 2 * hidden_size)
+    parts = [_split(message, tokens, hidden_size) for message in messages]
+    local_max = torch.stack([p[0] for p in parts])  # [inputs, T]
+    global_max = local_max.max(dim=0).values
+    scale = torch.exp(local_max - global_max)
+    stats = torch.cat([
+        global_max,
+        (torch.stack([p[1] for p in parts]) * scale).sum(dim=0),
+        torch.stack([p[2] for p in parts]).sum(dim=0),
+    ])  # fmt: skip
+    softmax_part = sum(w[:, None] * p[3] for w, p in zip(scale, parts))
+    target_part = sum(p[4] for p in parts)
+    return torch.cat([_carried(stats, dtype), softmax_part.to(dtype).reshape(-1),
+                      target_part.to(dtype).reshape(-1)])  # fmt: skip
 
 
 class _ShardedCrossEntropy(torch.autograd.Function):
