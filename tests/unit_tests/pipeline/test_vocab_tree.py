@@ -6,8 +6,16 @@ import math
 
 import pytest
 import torch
+from test_rank_runtime import SHAPE, Layer
+from test_runtime_state import in_process_context, run_threads
+from test_vocab_runtime import output_weight, reference, train
 
+from megatron.pipeline.plan import resolve_plan
+from megatron.pipeline.runtime import RankRuntime
+from megatron.pipeline.schedules.vocab_passes import with_vocab_passes
+from megatron.pipeline.transport import InProcessTransport
 from megatron.pipeline.vocab_parallel import (
+    OutputShard,
     VocabTree,
     combine_partials,
     combine_shards,
@@ -94,3 +102,42 @@ def _to_bf16(message: torch.Tensor) -> torch.Tensor:
     """An fp32 SHARD_OUTPUT message as the bf16 run sends it (statistics carried bit for bit)."""
     stats, gradient = message[: 3 * TOKENS], message[3 * TOKENS :]
     return torch.cat([stats.contiguous().view(torch.bfloat16), gradient.to(torch.bfloat16)])
+
+
+# ------------------------------------------------------------------ the rank runtime on trees
+def build_ranks_on_tree(n: int, arity: int):
+    """`test_vocab_runtime.build_ranks` with the output layer's messages on a tree of `arity`
+    (1: a chain, every message N - 1 hops; N - 1: the fan)."""
+    transport, runtimes, full = InProcessTransport(tree_arity=arity), [], output_weight()
+    for rank, (start, end) in enumerate(shard_ranges(full.shape[0], n)):
+        shard = OutputShard(torch.nn.Parameter(full[start:end].clone()), start)
+        runtimes.append(RankRuntime(in_process_context(rank, n), Layer(rank, n), tensor_shape=SHAPE,
+                                    dtype=torch.float32, transport=transport.for_rank([rank]),
+                                    output_shard=shard))  # fmt: skip
+    return runtimes
+
+
+@pytest.mark.parametrize("arity", [1, 2, 3])
+def test_flush_on_any_tree_trains_as_one_process(arity):
+    n, m, steps = 4, 4, 2
+    schedule = with_vocab_passes(resolve_plan("1f1b", num_stages=n).schedule)
+    runtimes, losses = build_ranks_on_tree(n, arity), {}
+    run_threads(runtimes, lambda r: train(r, schedule, m, steps, losses))
+    expected_losses, layers, weight = reference(n, m, steps)
+    torch.testing.assert_close(losses[n - 1], expected_losses, rtol=1e-5, atol=1e-6)
+    shards = torch.cat([r.output_shard.weight.detach() for r in runtimes])
+    torch.testing.assert_close(shards, weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arity", [1, 2])
+def test_paci_on_a_deep_tree_scores_every_microbatch_once(arity):
+    """PACI with the statistics relayed through ranks that step at their own times: every
+    shard takes every microbatch's gradient, within the drift bound one stage deeper."""
+    n, a, steps = 4, 2, 6
+    schedule = with_vocab_passes(resolve_plan("paci", num_stages=n).schedule)
+    runtimes, losses = build_ranks_on_tree(n, arity), {}
+    run_threads(runtimes, lambda r: train(r, schedule, a, steps, losses))
+    assert len(losses[n - 1]) == steps * a
+    for runtime in runtimes:
+        assert sum(runtime.shard_drift.values()) == steps * a and not runtime.shard_scores
+        assert max(runtime.shard_drift) <= schedule.drift_bound(runtime.context.stage, n, a)
