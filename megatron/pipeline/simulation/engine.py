@@ -47,8 +47,10 @@ Execution model (what the runtime does, minus the tensors):
   ``embed_backward_cost``).
 * A link model (``communication``, `links.Communication`; without it every transfer takes
   ``p2p_latency`` and nothing else is counted): each pipeline message takes its link's time
-  (intra- or inter-node), the vocabulary split's messages queue on the link of the rank that
-  sends them to every rank or gathers them (point to point, one after another), and each
+  (intra- or inter-node), the output layer's vocabulary messages travel on the runtime's tree
+  (`Communication.vocab_tree_arity`, `tree_arrival`: down, each rank forwards to its children
+  one after another on its link; up, the path's hops), the input embedding's queue on the link
+  of the rank that sends them to every rank or gathers them (one after another), and each
   step waits for its data-parallel reduction, which starts when the step's last gradient
   pass (B, or W when split; the vocabulary split's VB and EB too) ends, or with
   ``overlap_grad_reduce`` when the last B (or W) begins; the parameters' all-gather (distributed optimizer) follows
@@ -70,6 +72,7 @@ from ..schedules import placement as placements
 from ..schedules.base import Action, ActionKind, Schedule, StageView, Transfer, kind_info
 from ..stage_state import IllegalActionError, RankState
 from ..trace import TraceEvent
+from ..vocab_parallel import VocabTree
 from .costs import CostNoise
 from .links import Communication
 from .results import SimulationResult, steady_utilization
@@ -92,6 +95,8 @@ _BY_SENDER = (_SHARD, _EMBED)
 _MESSAGE_KIND = {_HIDDEN: "hidden", _STATS: "stats", _EMBED_GRAD: "embed_grad",
                  _SHARD: "shard", _EMBED: "embed"}  # fmt: skip
 _FAN_IN = (_SHARD, _EMBED)
+# the output layer's messages travel on a tree (`VocabTree`); the input embedding's on the fan
+_TREE = (_HIDDEN, _STATS, _SHARD)
 
 
 class SimulationError(RuntimeError):
@@ -185,6 +190,10 @@ class _Simulator:
         # the rank of the last virtual stage takes the shards' outputs, of the first the parts
         last_rank, _ = placement.locate(self.last_virtual_stage)
         self.stages[last_rank].from_rank[_SHARD] = [0] * self.n
+        # with a link model the output layer's messages travel on the runtime's tree
+        arity = communication.vocab_tree_arity if communication is not None else self.n
+        self.vocab_tree = VocabTree(self.n, last_rank, max(arity, 1))
+        self._broadcast: tuple | None = None  # (kind, time): arrival per tree edge
         self.stages[placement.locate(0)[0]].from_rank[_EMBED] = [0] * self.n
         self.events: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
@@ -533,12 +542,35 @@ class _Simulator:
         seconds = matrix[st.index][rank]
         if name is None:
             return self.now + seconds
+        if kind in _TREE:
+            return self.tree_arrival(matrix, rank, kind)
         if kind in _FAN_IN:
             receiver = self.stages[rank]
             receiver.inbound_free = max(self.now, receiver.inbound_free) + seconds
             return receiver.inbound_free
         st.outbound_free = max(self.now, st.outbound_free) + seconds
         return st.outbound_free
+
+    def tree_arrival(self, matrix, rank: int, kind: int) -> float:
+        """The output layer's messages on the tree (`VocabTree`, as the runtime sends them):
+        down (hidden state, statistics), each node forwards on arrival to its children one
+        after another through its outbound link, each edge once per broadcast; up (a shard's
+        output), the path's hops to the root, the combines free and the reduction's links
+        not queued (one message per link and microbatch)."""
+        tree = self.vocab_tree
+        if kind == _SHARD:
+            path = tree.path(rank)[::-1]
+            return self.now + sum(matrix[a][b] for a, b in zip(path, path[1:]))
+        if self._broadcast is None or self._broadcast[0] != (kind, self.now):
+            arrivals = {tree.root: self.now}
+            for parent in sorted(range(self.n), key=tree.depth):  # in the runtime's order
+                sender = self.stages[parent]
+                for child in tree.children(parent):
+                    sender.outbound_free = max(arrivals[parent], sender.outbound_free)
+                    sender.outbound_free += matrix[parent][child]
+                    arrivals[child] = sender.outbound_free
+            self._broadcast = ((kind, self.now), arrivals)
+        return self._broadcast[1][rank]
 
     # -- versions, drift, delay ---------------------------------------------------------------
 

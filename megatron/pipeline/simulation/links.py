@@ -10,8 +10,12 @@ n ranks in the group and B bytes per rank:
 * reduce-scatter, all-gather: (n - 1) / n * B / beta + (n - 1) alpha;
 * all-to-all (pairwise exchange): (n - 1) / n * B / beta + (n - 1) alpha;
 * tree broadcast and reduce: ceil(log2 n) steps of alpha + B / beta;
-* fan-out / fan-in through one rank (what the vocabulary split does today): n - 1 point to
-  point messages, one after another through that rank's link.
+* the output layer's vocabulary messages (`vocab_tree_s`): the runtime's tree of arity k
+  rooted at the last stage (`VocabTree`), each rank forwarding to its k children one after
+  another: the last rank reached waits for 1, 2, 4, 6, 8 messages at n = 2, 4, 8, 16, 32
+  (binary: 2 log2 n - 2 from n = 4 on, against the fan's n - 1; the root's link carries 2
+  messages a microbatch each way); arity n - 1 is the fan through one rank, n - 1 messages
+  one after another (`fan_s`, what the input embedding's messages still do).
 
 A collective whose group spans several nodes runs at the slowest link it crosses (a ring is
 as fast as its slowest hop). `RankLayout` says which ranks share a node: Megatron's rank order
@@ -23,6 +27,8 @@ per stage, with whether the data-parallel reduction overlaps the backward.
 
 import math
 from dataclasses import dataclass, field
+
+from ..vocab_parallel import VocabTree
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,16 @@ class LinkModel:
             return 0.0
         return math.ceil(math.log2(ranks)) * self.point_to_point_s(num_bytes, intra)
 
+    def vocab_tree_s(self, num_bytes: float, ranks: int, intra: bool, arity: int = 2) -> float:
+        """`num_bytes` from the root of a `VocabTree` of `arity` over `ranks` ranks to its
+        deepest rank, each rank sending to its children one after another: the last arrival."""
+        tree, root = VocabTree(ranks, ranks - 1, arity), ranks - 1
+        messages = {root: 0}  # messages' time from the root's send to each rank's arrival
+        for stage in sorted(range(ranks), key=tree.depth):  # parents before their children
+            for order, child in enumerate(tree.children(stage), start=1):
+                messages[child] = messages[stage] + order
+        return max(messages.values()) * self.point_to_point_s(num_bytes, intra)
+
     def fan_s(self, num_bytes: float, ranks: int, intra: bool) -> float:
         """One rank sending `num_bytes` to each of the other ranks - 1 ranks (or receiving
         from each) point to point, one after another through its link: the last message's
@@ -145,10 +161,12 @@ class Communication:
     """What the event engine charges for communication, in seconds.
 
     * ``hop_s[i][j]``: a pipeline activation or gradient message from rank i to rank j;
-    * ``message_s[kind][i][j]``: the vocabulary split's messages (kind 'hidden', 'shard',
-      'stats', 'embed', 'embed_grad'), sent one after another through the link of the rank
-      that sends them to every rank, and received one after another on the rank that gathers
-      them (the fan-out and fan-in the runtime does today, point to point);
+    * ``message_s[kind][i][j]``: one vocabulary message (kind 'hidden', 'shard', 'stats',
+      'embed', 'embed_grad') from rank i to rank j. The output layer's ('hidden', 'stats'
+      down, 'shard' up) travel on a tree of ``vocab_tree_arity`` rooted at the last stage, as
+      the runtime sends them (`VocabTree`; N - 1: the fan); the input embedding's are sent
+      one after another through the link of the rank that sends them to every rank, and
+      received one after another on the rank that gathers them (a fan, point to point);
     * ``reduce_s[s]``: the data-parallel gradient reduction of stage s's step (all-reduce, or
       reduce-scatter with the distributed optimizer); ``gather_s[s]``: the parameters'
       all-gather after the step (distributed optimizer; 0 otherwise);
@@ -164,6 +182,7 @@ class Communication:
     message_s: dict = field(default_factory=dict)
     overlap_grad_reduce: bool = False
     expert_s: tuple[tuple[float, float], ...] = ()
+    vocab_tree_arity: int = 2  # the runtime's `VocabLinks.tree_arity`
 
     def check(self, num_ranks: int) -> None:
         rows = [self.hop_s, *self.message_s.values()]

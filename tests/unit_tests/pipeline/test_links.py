@@ -52,6 +52,11 @@ def test_tree_and_fan():
     assert LINKS.tree_s(GB, 5, intra=True) == pytest.approx(3 * step)  # ceil(log2 5)
     assert LINKS.fan_s(GB, 8, intra=True) == pytest.approx(7 * step)
     assert LINKS.fan_s(GB, 1, intra=True) == 0.0
+    # the output layer's tree: each rank forwards to its children one after another
+    for n, messages in [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (8, 4), (16, 6), (32, 8)]:
+        assert LINKS.vocab_tree_s(GB, n, intra=True) == pytest.approx(messages * step)
+    for n in (2, 4, 8):  # arity n - 1: the fan
+        assert LINKS.vocab_tree_s(GB, n, intra=True, arity=n - 1) == LINKS.fan_s(GB, n, True)
 
 
 def test_bad_links_are_refused():
@@ -151,24 +156,39 @@ def test_expert_all_to_all_is_added_to_forward_and_backward():
                                                  backward_cost=2.5).makespan)  # fmt: skip
 
 
-def test_vocabulary_messages_fan_out_one_after_another():
-    n, hidden_s = 4, 0.5
+def _vocab_forward_starts(n: int, hidden_s: float, arity: int):
+    """When each rank's VF of microbatch 0 starts, from the end of the last stage's forward."""
     schedule = with_vocab_passes(SIMULATED_SCHEDULES["1f1b"])
     messages = {"hidden": tuple(tuple(hidden_s for _ in range(n)) for _ in range(n))}
-    communication = _uniform(n, 0.0, message_s=messages)
+    communication = _uniform(n, 0.0, message_s=messages, vocab_tree_arity=arity)
     result = _run("1f1b", n=n, m=1, steps=1, schedule=schedule, vocab_forward_cost=1.0,
                   vocab_backward_cost=1.0, communication=communication)  # fmt: skip
     last_forward = next(e for e in result.timeline
                         if e.stage == n - 1 and e.action.kind is ActionKind.FORWARD)  # fmt: skip
-    vocab_starts = {e.stage: e.start_s for e in result.timeline
-                    if e.action.kind is ActionKind.VOCAB_FORWARD}  # fmt: skip
-    # ranks 0, 1, 2 get the hidden state 1, 2, 3 messages after the last stage's forward
-    for rank in range(n - 1):
-        assert vocab_starts[rank] == pytest.approx(last_forward.end_s + (rank + 1) * hidden_s)
-    assert vocab_starts[n - 1] == pytest.approx(last_forward.end_s)
-    assert vocab_starts[n - 2] - last_forward.end_s == pytest.approx(
-        (n - 1) * hidden_s  # what `LinkModel.fan_s` gives for this message
-    )
+    return {e.stage: e.start_s - last_forward.end_s for e in result.timeline
+            if e.action.kind is ActionKind.VOCAB_FORWARD}  # fmt: skip
+
+
+def test_vocabulary_messages_go_down_the_tree():
+    n, hidden_s = 8, 0.5
+    starts = _vocab_forward_starts(n, hidden_s, arity=2)
+    # the root (7) sends to 6 then 5; 6 to 4 then 3, 5 to 2 then 1; 4 to 0
+    expected = {7: 0, 6: 1, 5: 2, 4: 2, 3: 3, 2: 3, 1: 4, 0: 3}
+    assert starts == pytest.approx({rank: k * hidden_s for rank, k in expected.items()})
+    assert max(starts.values()) == pytest.approx(LINKS_OF(hidden_s).vocab_tree_s(1, n, True))
+
+
+def test_the_fan_is_the_tree_of_arity_n_minus_1():
+    n, hidden_s = 4, 0.5
+    starts = _vocab_forward_starts(n, hidden_s, arity=n - 1)
+    # the last stage's children in the tree's order: 2, 1, 0, one message after another
+    assert starts == pytest.approx({3: 0.0, 2: hidden_s, 1: 2 * hidden_s, 0: 3 * hidden_s})
+    assert max(starts.values()) == pytest.approx(LINKS_OF(hidden_s).fan_s(1, n, True))
+
+
+def LINKS_OF(hidden_s: float) -> LinkModel:
+    """A link whose one-byte message takes `hidden_s` seconds."""
+    return LinkModel(hidden_s, 1e12, hidden_s, 1e12, 8)
 
 
 def test_the_communication_must_fit_the_pipeline():
