@@ -13,3 +13,5 @@
 * `arrival_study`: PACI's arrival rules on uneven and noisy stages;
 * `gantt`: Gantt charts of simulated or traced timelines.
 """
+
+from megatron.common import core_import  # noqa: F401  (megatron-core imported lean: see there)

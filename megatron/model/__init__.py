@@ -4,3 +4,5 @@ DSA, MTP, Gated DeltaNet, muP, recomputation, MoE), each with its flags (`add_<f
 `validate_<feature>_args`), its `TransformerConfig` fields (`<feature>_config_fields`) and, where
 the loop needs one, its per-step hook. Imports only megatron.common, megatron.pipeline and
 megatron.distributed: nothing of the training loop."""
+
+from megatron.common import core_import  # noqa: F401  (megatron-core imported lean: see there)
