@@ -32,7 +32,8 @@ from typing import Callable
 import torch
 
 from .p2p import Outbox, make_inbox, scale_elements
-from .vocab_parallel import VocabTree, carried_words, combine_partials
+from .vocab_parallel import carried_words, combine_partials
+from .vocab_tree import VocabTree
 
 
 @dataclass(frozen=True)

@@ -137,3 +137,19 @@ def test_no_import_circle():
         if module not in done:
             visit(module, [module])
     assert not circles, circles[:3]
+
+
+def test_the_schedules_the_simulator_and_the_projection_import_no_torch():
+    """tools/simulate_pipeline.py and the projections start in a fraction of a second: their
+    packages import neither torch nor megatron-core."""
+    import subprocess
+    import sys
+
+    modules = ["megatron.pipeline.schedules", "megatron.pipeline.simulation",
+               "megatron.benchmarks.projection", "megatron.benchmarks.balance"]  # fmt: skip
+    check = f"import sys; import {', '.join(modules)}; print(sorted(m for m in sys.modules " \
+            "if m.split('.')[0] == 'torch' or m.startswith('megatron.core')))"  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

@@ -72,7 +72,7 @@ from ..schedules import placement as placements
 from ..schedules.base import Action, ActionKind, Schedule, StageView, Transfer, kind_info
 from ..stage_state import IllegalActionError, RankState
 from ..trace import TraceEvent
-from ..vocab_parallel import VocabTree
+from ..vocab_tree import VocabTree
 from .costs import CostNoise
 from .links import Communication
 from .results import SimulationResult, steady_utilization

@@ -28,7 +28,7 @@ per stage, with whether the data-parallel reduction overlaps the backward.
 import math
 from dataclasses import dataclass, field
 
-from ..vocab_parallel import VocabTree
+from ..vocab_tree import VocabTree
 
 
 @dataclass(frozen=True)

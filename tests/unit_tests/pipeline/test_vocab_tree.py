@@ -16,12 +16,12 @@ from megatron.pipeline.schedules.vocab_passes import with_vocab_passes
 from megatron.pipeline.transport import InProcessTransport
 from megatron.pipeline.vocab_parallel import (
     OutputShard,
-    VocabTree,
     combine_partials,
     combine_shards,
     score_shard,
     shard_ranges,
 )
+from megatron.pipeline.vocab_tree import VocabTree
 
 HIDDEN, TOKENS, ROWS = 16, 12, 5
 
