@@ -115,11 +115,12 @@ def ranks_of_my_stage() -> set[int]:
     return {rank for rank, stage in enumerate(gathered) if stage == mine}
 
 
-def build_vocab_links() -> VocabLinks:
+def build_vocab_links(tree_arity: int = 2) -> VocabLinks:
     """Collective over the world: the groups of the vocabulary streams between the last stage
-    and every stage (--enable-vocab-parallel), three communicators over the pipeline's ranks."""
+    and every stage (--enable-vocab-parallel), three communicators over the pipeline's ranks;
+    the output layer's messages on a tree of `tree_arity` (--vocab-parallel-tree-arity)."""
     pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     hidden_group = _new_groups(pp_ranks, backend=None)
     stats_group = _new_groups(pp_ranks, backend=None)
     embed_group = _new_groups(pp_ranks, backend=None)
-    return VocabLinks(tuple(pp_ranks), hidden_group, stats_group, embed_group)
+    return VocabLinks(tuple(pp_ranks), hidden_group, stats_group, embed_group, tree_arity)

@@ -313,7 +313,8 @@ def _executors(config, models, device) -> list:
     from megatron.pipeline.runtime import PipelineContext, RankRuntime
     from megatron.pipeline.transport import InProcessTransport
 
-    transport, n = InProcessTransport(), len(models)
+    transport = InProcessTransport(tree_arity=config.pipeline.vocab_parallel_tree_arity)
+    n = len(models)
     shape = (config.model.seq_length, config.training.micro_batch_size, config.model.hidden_size)
     return [
         RankRuntime(PipelineContext(stage=s, num_stages=n, device=device, backend="gloo"), model,

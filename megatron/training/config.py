@@ -237,6 +237,8 @@ class PipelineConfig(_Section):
 
     plan: PipelinePlan = None
     enable_vocab_parallel: bool = False  # the plan's schedule places the output shards' passes
+    # children per rank of the output layer's message tree (`VocabLinks.tree_arity`)
+    vocab_parallel_tree_arity: int = 2
     # the last stage's output-layer weight gradient at the drain (pipeline/deferred_wgrad.py)
     defer_embedding_wgrad_compute: bool = False
     wgrad_deferral_limit: int = 0  # most microbatches deferred between drains; 0: all

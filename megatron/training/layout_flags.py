@@ -67,6 +67,10 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     add("--enable-vocab-parallel", action="store_true",
         help="split the output layer and the loss by vocabulary over the pipeline ranks, "
         "their passes placed in the schedule (docs/vocab_parallel.md)")  # fmt: skip
+    add("--vocab-parallel-tree-arity", default=None, metavar="K|fan",
+        help="with --enable-vocab-parallel: children per rank of the tree the output layer's "
+        "messages travel on, rooted at the last stage (default 2, the binary tree; 1 a chain; "
+        "fan: every rank the last stage's child, arity N - 1)")  # fmt: skip
     add("--defer-embedding-wgrad-compute", action="store_true",
         help="the last stage's output layer computes its weight gradient at the stage's step "
         "(or the flush), keeping each microbatch's input and output gradient until then: "

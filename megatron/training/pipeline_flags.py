@@ -74,9 +74,34 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
         "model's (communication benchmarks)")  # fmt: skip
 
 
+FAN_ARITY = "fan"  # --vocab-parallel-tree-arity's spelling of arity N - 1
+DEFAULT_TREE_ARITY = 2
+
+
+def tree_arity_of(value: str | int | None, pipeline_size: int) -> int:
+    """--vocab-parallel-tree-arity as the children per rank (`VocabLinks.tree_arity`): an
+    integer >= 1, or `fan` (N - 1: every rank the last stage's child). UserError otherwise."""
+    if value is None:
+        return DEFAULT_TREE_ARITY
+    if value == FAN_ARITY:
+        return max(pipeline_size - 1, 1)
+    try:
+        arity = int(value)
+    except (TypeError, ValueError):
+        arity = 0
+    if arity < 1:
+        raise UserError(f"--vocab-parallel-tree-arity must be an integer >= 1 or {FAN_ARITY}, "
+                        f"got {value!r}")  # fmt: skip
+    return arity
+
+
 def validate_vocab_parallel(args: argparse.Namespace) -> None:
     """--enable-vocab-parallel: what the split output layer and input embedding run with so
-    far."""
+    far; --vocab-parallel-tree-arity resolved to its number of children per rank."""
+    arity = getattr(args, "vocab_parallel_tree_arity", None)
+    if arity not in (None, DEFAULT_TREE_ARITY) and not args.enable_vocab_parallel:
+        raise UserError("--vocab-parallel-tree-arity needs --enable-vocab-parallel")
+    args.vocab_parallel_tree_arity = tree_arity_of(arity, args.pipeline_model_parallel_size)
     if not args.enable_vocab_parallel:
         return
     schedule = pipeline_plan(args, vocab_passes=False).schedule

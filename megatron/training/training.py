@@ -572,7 +572,7 @@ def _build_stage_runtime(config, model, device) -> RankRuntime:
         if plan.schedule.embedding_passes:  # the input embedding's rows (tied: the same)
             rows = getattr(holder, "input_shard", holder.output_shard)
             input_shard = rows.runtime_input_shard(batch_shape)
-        vocab_links = build_vocab_links()
+        vocab_links = build_vocab_links(config.pipeline.vocab_parallel_tree_arity)
     chunks = 1 if placement is None else placement.chunks_per_rank
     transport = DistributedTransport(
         rank=dist.get_rank(), backend=context.backend, device=device, dtype=dtype,

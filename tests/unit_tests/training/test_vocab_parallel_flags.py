@@ -113,3 +113,41 @@ def test_a_vocabulary_smaller_than_the_ranks_is_refused_before_any_process():
 def test_paci_options_with_another_schedule_and_the_split_are_one_line(flag, value):
     with pytest.raises(UserError, match=f"{flag} .*paci"):
         validated(["--pipeline-schedule", "1f1b", flag, value])
+
+
+@pytest.mark.parametrize("value, arity", [(None, 2), ("2", 2), ("1", 1), ("3", 3), ("fan", 3)])
+def test_the_tree_arity_reaches_the_run_config(value, arity):
+    extra = [] if value is None else ["--vocab-parallel-tree-arity", value]
+    config = RunConfig.from_args(validated(extra), vocab_size=1001)
+    assert config.pipeline.vocab_parallel_tree_arity == arity  # fan: N - 1 on 4 stages
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "binary", "2.5"])
+def test_a_bad_tree_arity_is_one_line(value):
+    with pytest.raises(UserError, match="--vocab-parallel-tree-arity must be an integer >= 1 "
+                                        "or fan, got") as caught:  # fmt: skip
+        validated(["--vocab-parallel-tree-arity", value])
+    assert "\n" not in str(caught.value)
+
+
+def test_the_tree_arity_needs_the_split():
+    whole = [a for a in SPLIT if a != "--enable-vocab-parallel"]
+    args = build_parser().parse_args(whole + ["--vocab-parallel-tree-arity", "fan"])
+    with pytest.raises(
+        UserError, match="--vocab-parallel-tree-arity needs --enable-vocab-parallel"
+    ):
+        validate_args(args, world_size=4)
+
+
+@pytest.mark.parametrize("arity, root_children", [(2, 2), (3, 3), (1, 1)])
+def test_the_transports_wire_the_root_with_the_arity(arity, root_children):
+    """The in-process transport (and `VocabLinks.tree_arity` through `wire_output_tree`): the
+    last stage sends each hidden state to `arity` children, itself besides."""
+    import threading
+
+    from megatron.pipeline.transport import InProcessTransport
+
+    transport = InProcessTransport(tree_arity=arity)
+    root = transport.vocab_streams(3, 4, threading.Condition(), hidden_size=8)
+    down, own_queue = root.hidden_out[0].outboxes
+    assert len(down.outboxes) == root_children
