@@ -185,14 +185,114 @@ class Outbox:
     def send(self, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
         with self._lock:
-            self._pending.append((dist.isend(tensor, dst=self.peer, group=self.group), tensor))
-            while len(self._pending) > self.max_pending:
-                self._pending.popleft()[0].wait()
+            self._post(tensor)
+            self._trim(self.max_pending)
 
     def flush(self) -> None:
         with self._lock:
-            while self._pending:
-                self._pending.popleft()[0].wait()
+            self._trim(0)
+
+    def _post(self, tensor: torch.Tensor) -> None:
+        """Start the send (the caller holds the lock)."""
+        self._pending.append((dist.isend(tensor, dst=self.peer, group=self.group), tensor))
+
+    def _trim(self, most: int) -> None:
+        while len(self._pending) > most:
+            self._pending.popleft()[0].wait()
+
+
+class PacedLink:
+    """One rank's outgoing link, emulated (the benchmarks' --emulated-link-gbs and
+    --emulated-link-latency-us): each message occupies the link for latency + bytes /
+    bandwidth, one after another in the order they were sent (a token bucket of no burst), and
+    its real send starts when that time is over. A thread waits out each message's due time,
+    so the rank's compute goes on meanwhile; what the backend then takes comes on top."""
+
+    def __init__(self, bandwidth_gbs: float, latency_s: float = 0.0, *,
+                 clock: Callable[[], float] = time.perf_counter):  # fmt: skip
+        if not bandwidth_gbs > 0 or not latency_s >= 0:
+            raise ValueError(f"an emulated link needs bandwidth > 0 and latency >= 0, got "
+                             f"{bandwidth_gbs} GB/s and {latency_s} s")  # fmt: skip
+        self.bandwidth_gbs, self.latency_s, self.clock = bandwidth_gbs, latency_s, clock
+        self._free_at = 0.0  # when the link has sent everything queued so far
+        self._queue: collections.deque = collections.deque()  # (due, start the send)
+        self._unsent = 0
+        self._changed = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def message_s(self, num_bytes: int) -> float:
+        """Seconds one message of `num_bytes` occupies the link."""
+        return self.latency_s + num_bytes / (self.bandwidth_gbs * 1e9)
+
+    def occupy(self, num_bytes: int, now: float) -> float:
+        """Queue a message sent at `now` behind the link's earlier ones: when it is through."""
+        self._free_at = max(now, self._free_at) + self.message_s(num_bytes)
+        return self._free_at
+
+    def submit(self, num_bytes: int, start_send: Callable[[], None]) -> None:
+        """`start_send` runs on the link's thread once the message is through the link."""
+        with self._changed:
+            self._raise_error()
+            self._queue.append((self.occupy(num_bytes, self.clock()), start_send))
+            self._unsent += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._send_loop, daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every queued message's send has started."""
+        with self._changed:
+            while self._unsent and self._error is None:
+                self._changed.wait()
+            self._raise_error()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._changed:
+                while not self._queue:
+                    self._changed.wait()
+                due, start_send = self._queue.popleft()
+            time.sleep(max(0.0, due - self.clock()))
+            try:
+                start_send()
+            except BaseException as error:  # surfaced on the sender's next submit or drain
+                with self._changed:
+                    self._error = error
+            with self._changed:
+                self._unsent -= 1
+                self._changed.notify_all()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"a send through the emulated link failed: {self._error}")
+
+
+class PacedOutbox(Outbox):
+    """An `Outbox` whose sends go through the rank's emulated link (`PacedLink`) first."""
+
+    def __init__(self, *, link: PacedLink, **kwargs):
+        super().__init__(**kwargs)
+        self.link = link
+
+    def send(self, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().contiguous()
+        self.link.submit(tensor.numel() * tensor.element_size(), lambda: self._post_locked(tensor))
+        while True:  # waits with the lock released: the link's thread posts meanwhile
+            with self._lock:
+                if len(self._pending) <= self.max_pending:
+                    return
+                work, _ = self._pending.popleft()
+            work.wait()
+
+    def flush(self) -> None:
+        self.link.drain()
+        super().flush()
+
+    def _post_locked(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._post(tensor)
 
 
 def scale_elements(dtype: torch.dtype) -> int:

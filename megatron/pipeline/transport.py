@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .p2p import Outbox, make_inbox, scale_elements
+from .p2p import Outbox, PacedLink, PacedOutbox, make_inbox, scale_elements
 from .vocab_parallel import carried_words, combine_partials
 from .vocab_tree import VocabTree
 
@@ -306,11 +306,16 @@ class DistributedTransport:
         dtype,
         max_pending: int,
         vocab_links: VocabLinks | None = None,
+        link: PacedLink | None = None,
+        pace_embedding: bool = True,
     ):
         self.rank, self.links = rank, links
         self.backend, self.device, self.dtype = backend, device, dtype
         self.max_pending = max_pending
         self.vocab_links = vocab_links
+        # an emulated link for every send of this rank to another (None: the backend's own);
+        # `pace_embedding` False lets the input embedding's messages bypass it
+        self.link, self.pace_embedding = link, pace_embedding
         self._loopbacks: dict[tuple[str, int], QueueInbox] = {}  # (stream, receiving lane)
 
     def open_vocab(
@@ -345,7 +350,8 @@ class DistributedTransport:
         def outbox(stream, peer, group):
             if peer == self.rank:
                 return QueueOutbox(self._vocab_loopback(stream, arrivals))
-            return Outbox(peer=peer, group=group, max_pending=self.max_pending)
+            paced = self.pace_embedding or stream not in ("embed", "embed_grad")
+            return self._remote_outbox(peer, group, paced=paced)
 
         streams = wire_output_tree(
             VocabTree(len(ranks), last_stage, links.tree_arity), stage, hidden_size,
@@ -422,6 +428,13 @@ class DistributedTransport:
         if peer == self.rank:  # the neighbouring lane of this rank: the next/previous chunk
             receiver = self._receiving_lane(lane, direction)
             return QueueOutbox(self._loopbacks.setdefault((stream, receiver), QueueInbox()))
+        return self._remote_outbox(peer, group)
+
+    def _remote_outbox(self, peer: int, group, paced: bool = True) -> Outbox:
+        """Sends to another rank, through the emulated link where there is one."""
+        if self.link is not None and paced:
+            return PacedOutbox(link=self.link, peer=peer, group=group,
+                               max_pending=self.max_pending)  # fmt: skip
         return Outbox(peer=peer, group=group, max_pending=self.max_pending)
 
     def _receiving_lane(self, lane: int, direction: int) -> int:

@@ -259,6 +259,10 @@ class PipelineConfig(_Section):
     emulated_vocab_forward_ms: object = 0.0
     emulated_vocab_backward_ms: object = 0.0
     emulated_param_count: int | None = None  # parameters per emulated stage (chunk)
+    # each rank's sends paced as on a link of this many GB/s (pipeline/p2p.py's PacedLink)
+    emulated_link_gbs: float | None = None
+    emulated_link_latency_us: float = 0.0
+    emulated_link_unpaced_embedding: bool = False
 
     @property
     def emulated(self) -> bool:

@@ -65,6 +65,15 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
     add("--emulated-vocab-backward-ms", type=stage_values, default=0.0,
         help="with --enable-vocab-parallel: each rank's emulated VB pass (its shard's weight "
         "gradient), ms, or one per pipeline rank")  # fmt: skip
+    add("--emulated-link-gbs", type=float, default=None, metavar="B",
+        help="emulate a link of B GB/s per rank: each rank's point-to-point sends to other "
+        "ranks wait, one after another, latency + bytes / B before they start (a pacing on "
+        "top of the backend's own transfer; docs/vocab_parallel_pace.md)")  # fmt: skip
+    add("--emulated-link-latency-us", type=float, default=0.0, metavar="L",
+        help="with --emulated-link-gbs: each message's latency on the emulated link, us")  # fmt: skip
+    add("--emulated-link-unpaced-embedding", action="store_true",
+        help="with --emulated-link-gbs: the input embedding's messages (with "
+        "--enable-vocab-parallel) bypass the emulated link")  # fmt: skip
     add("--emulated-noise-cv", type=stage_values, default=0.0,
         help="lognormal noise on each emulated action: CV, or one per stage (seeded by --seed)")  # fmt: skip
     add("--emulated-param-count", type=int, default=None, metavar="N",
@@ -157,6 +166,20 @@ def validate_emulated_stages(args: argparse.Namespace) -> None:
     if args.calculate_per_token_loss and args.emulated_forward_ms is not None:
         raise UserError("--calculate-per-token-loss needs the model's loss, not emulated compute")
     _validate_emulated_param_count(args)
+    _validate_emulated_link(args)
+
+
+def _validate_emulated_link(args: argparse.Namespace) -> None:
+    bandwidth = getattr(args, "emulated_link_gbs", None)
+    latency = getattr(args, "emulated_link_latency_us", 0.0)
+    if bandwidth is None:
+        if latency or getattr(args, "emulated_link_unpaced_embedding", False):
+            raise UserError("--emulated-link-latency-us and --emulated-link-unpaced-embedding "
+                            "need --emulated-link-gbs")  # fmt: skip
+        return
+    if not bandwidth > 0 or not latency >= 0:
+        raise UserError(f"--emulated-link-gbs must be > 0 and --emulated-link-latency-us >= 0, "
+                        f"got {bandwidth} and {latency}")  # fmt: skip
 
 
 def _validate_emulated_param_count(args: argparse.Namespace) -> None:

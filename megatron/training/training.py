@@ -49,6 +49,7 @@ from megatron.pipeline.forward_backward import (
     forward_backward_func_for,
     get_forward_backward_func,
 )
+from megatron.pipeline.p2p import PacedLink
 from megatron.pipeline.parallel import (
     build_lane_links,
     build_pipeline_context,
@@ -555,6 +556,13 @@ def boundary_sequence_length(config) -> int:
     return local // tp if config.parallel.sequence_parallel else local
 
 
+def emulated_link(pipeline) -> PacedLink | None:
+    """The rank's emulated outgoing link of --emulated-link-gbs (None without it)."""
+    if pipeline.emulated_link_gbs is None:
+        return None
+    return PacedLink(pipeline.emulated_link_gbs, pipeline.emulated_link_latency_us / 1e6)
+
+
 def _build_stage_runtime(config, model, device) -> RankRuntime:
     """The rank's pipeline runtime, attached to the model with the run's pipeline plan."""
     dtype, plan = config.model.dtype, config.pipeline.plan
@@ -578,6 +586,8 @@ def _build_stage_runtime(config, model, device) -> RankRuntime:
         rank=dist.get_rank(), backend=context.backend, device=device, dtype=dtype,
         links=plain_links(context) if placement is None else build_lane_links(placement),
         max_pending=chunks * (2 * context.num_stages + 2), vocab_links=vocab_links,
+        link=emulated_link(config.pipeline),
+        pace_embedding=not config.pipeline.emulated_link_unpaced_embedding,
     )  # fmt: skip
     runtime = RankRuntime(
         context,
