@@ -540,7 +540,7 @@ class _Simulator:
         name = _MESSAGE_KIND.get(kind)
         matrix = self.comm.message_s.get(name, self.comm.hop_s)
         seconds = matrix[st.index][rank]
-        if name is None:
+        if name is None and not self.comm.one_link_per_rank:
             return self.now + seconds
         if kind in _TREE:
             return self.tree_arrival(matrix, rank, kind)
@@ -560,7 +560,13 @@ class _Simulator:
         tree = self.vocab_tree
         if kind == _SHARD:
             path = tree.path(rank)[::-1]
-            return self.now + sum(matrix[a][b] for a, b in zip(path, path[1:]))
+            hops = sum(matrix[a][b] for a, b in zip(path, path[1:]))
+            if not self.comm.one_link_per_rank or len(path) < 2:
+                return self.now + hops
+            sender = self.stages[path[0]]  # the first hop waits for the sender's link
+            start = max(self.now, sender.outbound_free)
+            sender.outbound_free = start + matrix[path[0]][path[1]]
+            return start + hops
         if self._broadcast is None or self._broadcast[0] != (kind, self.now):
             arrivals = {tree.root: self.now}
             for parent in sorted(range(self.n), key=tree.depth):  # in the runtime's order

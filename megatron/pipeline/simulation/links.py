@@ -183,6 +183,9 @@ class Communication:
     overlap_grad_reduce: bool = False
     expert_s: tuple[tuple[float, float], ...] = ()
     vocab_tree_arity: int = 2  # the runtime's `VocabLinks.tree_arity`
+    # every message a rank sends queues on its one outbound link, pipeline hops and a shard's
+    # first hop up the tree too (the benchmarks' emulated links, `p2p.PacedLink`)
+    one_link_per_rank: bool = False
 
     def check(self, num_ranks: int) -> None:
         rows = [self.hop_s, *self.message_s.values()]
@@ -202,6 +205,32 @@ class Communication:
 
     def expert_of(self, stage: int) -> tuple[float, float]:
         return self.expert_s[stage] if self.expert_s else (0.0, 0.0)
+
+
+def per_rank_link_communication(
+    num_ranks: int, bandwidth_gbs: float, latency_s: float, message_bytes: dict, *,
+    vocab_tree_arity: int = 2, base_latency_s: float = 0.0,
+) -> Communication:  # fmt: skip
+    """Every rank with one outbound link of `bandwidth_gbs` and `latency_s` per message, each
+    message queued behind the rank's earlier ones (`one_link_per_rank`), as the emulated links
+    pace them: `message_bytes` by kind ('activation' for the pipeline's hops, 'hidden',
+    'shard', 'stats', 'embed', 'embed_grad'; a kind left out costs `base_latency_s` alone);
+    `base_latency_s` the backend's own time per message, on top."""
+    beta = bandwidth_gbs * 1e9
+
+    def matrix(kind: str) -> tuple:
+        seconds = base_latency_s
+        if kind in message_bytes:
+            seconds += latency_s + message_bytes[kind] / beta
+        return tuple(tuple(0.0 if i == j else seconds for j in range(num_ranks))
+                     for i in range(num_ranks))  # fmt: skip
+
+    kinds = ("hidden", "shard", "stats", "embed", "embed_grad")
+    return Communication(
+        hop_s=matrix("activation"), reduce_s=(0.0,) * num_ranks,
+        message_s={kind: matrix(kind) for kind in kinds},
+        vocab_tree_arity=vocab_tree_arity, one_link_per_rank=True,
+    )  # fmt: skip
 
 
 def hop_matrix(links: LinkModel, layout: RankLayout, num_bytes: float) -> list[list[float]]:

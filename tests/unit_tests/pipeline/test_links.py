@@ -197,3 +197,22 @@ def test_the_communication_must_fit_the_pipeline():
     with pytest.raises(ValueError, match="not both"):
         _run("1f1b", p2p_latency=1.0, communication=_uniform(4, 0.0))
     assert math.isfinite(_run("1f1b", communication=_uniform(4, 0.0)).makespan)
+
+
+def test_one_link_per_rank_queues_the_pipeline_hops_too():
+    """The emulated links: stage 0's forwards (cost 0.1) each send a 1 s activation; on one
+    link the k-th arrives at k s, without it at 0.1 k + 1."""
+    from megatron.pipeline.simulation.links import per_rank_link_communication
+
+    one_link = per_rank_link_communication(2, 1.0, 0.0, {"activation": 1e9})
+    assert one_link.one_link_per_rank and one_link.hop_s[0][1] == pytest.approx(1.0)
+    assert one_link.message_s["stats"][0][1] == 0.0  # a kind not given costs nothing
+    starts = {}
+    for name, communication in (("one", one_link), ("free", _uniform(2, 1.0))):
+        result = simulate(SIMULATED_SCHEDULES["gpipe"], num_stages=2, microbatches_per_step=3,
+                          steps=1, forward_cost=[0.1, 0.0], backward_cost=0.0,
+                          communication=communication, record_timeline=True)  # fmt: skip
+        starts[name] = sorted(e.start_s for e in result.timeline
+                              if e.stage == 1 and e.action.kind is ActionKind.FORWARD)  # fmt: skip
+    assert starts["one"] == pytest.approx([1.1, 2.1, 3.1])
+    assert starts["free"] == pytest.approx([1.1, 1.2, 1.3])
