@@ -6,12 +6,8 @@ replayed by the simulator (`megatron/benchmarks/vocab_links.py`; docs/vocab_para
 
 import argparse
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.benchmarks.vocab_links import benchmark  # noqa: E402
+from megatron.benchmarks.vocab_links import benchmark
 
 
 def parse(argv=None) -> argparse.Namespace:
