@@ -186,22 +186,7 @@ class RankRuntime:
         # pair and passes the others on, so the last stage (which logs) sees every rank's
         # figures, a pipeline delay old, without any extra message or synchronization.
         self.pipeline_drift = torch.zeros(2 * context.num_stages, dtype=torch.float64)
-        # fp16: the rank's loss scaler (set by the training loop). Every gradient message
-        # carries the scale its sender computed it with; the receiver rescales to its own.
-        self.loss_scaler = None
-        # Called with the scale of the loss gradient before every backward pass (B and W):
-        # losses added inside the model (megatron-core's MoE aux loss) take it at backward
-        # time, as the main loss does (1/m for flush, 1/a for PACI, the loss scale, ...).
-        self.backward_scale_listeners: list[Callable[[float], None]] = []
-        # Buffers that decide what a forward computes (the MoE router's expert bias): a
-        # weight-stashing schedule keeps them with each weight version (`WeightStash`).
-        self.versioned_buffers: list[torch.Tensor] = []
-        # Told `before_final_pass(chunk)` when the pass about to run completes a chunk's
-        # gradients for the coming step, and `chunk_complete(other)` for the rank's chunks
-        # already done by then (a bucketed data-parallel reduction with overlap launches its
-        # buckets from then on).
-        self.gradient_syncs: list = []
-        self.before_weight_reads: list[Callable[[], None]] = []  # see _weights_current
+        self._init_attachments()
         # Steps the schedule took whose update is not applied yet (PACI's deferred step): the
         # weights the passes use are version `state.steps - pending_updates`.
         self.pending_updates = 0
@@ -220,6 +205,25 @@ class RankRuntime:
         self._arrivals = threading.Condition()
         self.lanes = self._open_lanes(transport := transport or self._default_transport())
         self._hold_vocabulary(output_shard, input_shard, transport)
+
+    def _init_attachments(self) -> None:
+        """What the training loop attaches to the runtime, empty until it does."""
+        # fp16: the rank's loss scaler. Every gradient message carries the scale its sender
+        # computed it with; the receiver rescales to its own.
+        self.loss_scaler = None
+        # Called with the scale of the loss gradient before every backward pass (B and W):
+        # losses added inside the model (megatron-core's MoE aux loss) take it at backward
+        # time, as the main loss does (1/m for flush, 1/a for PACI, the loss scale, ...).
+        self.backward_scale_listeners: list[Callable[[float], None]] = []
+        # Buffers that decide what a forward computes (the MoE router's expert bias): a
+        # weight-stashing schedule keeps them with each weight version (`WeightStash`).
+        self.versioned_buffers: list[torch.Tensor] = []
+        # Told `before_final_pass(chunk)` when the pass about to run completes a chunk's
+        # gradients for the coming step, and `chunk_complete(other)` for the rank's chunks
+        # already done by then (a bucketed data-parallel reduction with overlap launches its
+        # buckets from then on).
+        self.gradient_syncs: list = []
+        self.before_weight_reads: list[Callable[[], None]] = []  # see _weights_current
 
     def _reset_timers(self) -> None:
         self.actions_run = 0

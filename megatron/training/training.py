@@ -435,17 +435,7 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
                       save_lock) -> TrainingState:  # fmt: skip
     # the resident set follows live memory (host_memory.py)
     unmap_large_blocks_when_freed(device, config.parallel.cpu_mmap_threshold_kib)
-    layout = config.parallel
-    print_rank_0(
-        f"> world size {layout.world_size}: tensor {layout.tensor_model_parallel_size} x "
-        f"pipeline {layout.pipeline_model_parallel_size} x context {_context_parallel(layout)} "
-        f"x data {layout.data_parallel_size}, backend "
-        f"{dist.get_backend()}, schedule {config.pipeline.plan.name}, "
-        f"{config.training.num_microbatches} microbatches per step"
-    )
-    pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
-    print_rank_0(f"> rank order {RANK_ORDERS[layout.use_tp_pp_dp_mapping]}: rank 0's pipeline "
-                 f"is ranks {pipeline}")  # fmt: skip
+    _print_layout(config)
     _note_inflight_window(config)
     _note_deferred_step(config)
     tokenizer, config = _build_checked_tokenizer(config)
@@ -495,6 +485,20 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
 
     _finish_run(config, state, runtime, step_func, optimizer, writer, wall_start)
     return state
+
+
+def _print_layout(config) -> None:
+    layout = config.parallel
+    print_rank_0(
+        f"> world size {layout.world_size}: tensor {layout.tensor_model_parallel_size} x "
+        f"pipeline {layout.pipeline_model_parallel_size} x context {_context_parallel(layout)} "
+        f"x data {layout.data_parallel_size}, backend "
+        f"{dist.get_backend()}, schedule {config.pipeline.plan.name}, "
+        f"{config.training.num_microbatches} microbatches per step"
+    )
+    pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    print_rank_0(f"> rank order {RANK_ORDERS[layout.use_tp_pp_dp_mapping]}: rank 0's pipeline "
+                 f"is ranks {pipeline}")  # fmt: skip
 
 
 def _connect_step(runtime: RankRuntime, step_func: "MegatronStep") -> None:
