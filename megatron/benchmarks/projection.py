@@ -38,7 +38,8 @@ Megatron's order on nodes of ``--ranks-per-node`` GPUs, each pipeline hop on its
 inter-node link, each stage's data-parallel reduction (all-reduce, or reduce-scatter and
 all-gather with ``--use-distributed-optimizer``) at the step, overlapped from the last backward,
 or behind PACI's deferred step (``--overlap-modes``), and with ``--enable-vocab-parallel`` the
-vocabulary split's passes and messages in the event engine (`megatron.pipeline.simulation.links`).
+vocabulary split's passes and messages in the event engine (`megatron.pipeline.simulation.links`;
+the output layer's on the runtime's tree, ``--vocab-tree-arity``, default 2, ``fan`` N - 1).
 It reports samples/s of the whole cluster and the fraction of the physical limit (a step's
 compute over the N ranks, no bubble, no communication).
 
@@ -191,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 OVERLAP_MODES = ("step", "overlap-grad-reduce", "deferred-step")
+FAN_ARITY = "fan"  # --vocab-tree-arity's spelling of arity N - 1 (the runtime's too)
+DEFAULT_TREE_ARITY = 2  # the runtime's default
 
 
 def _overlap_modes(text: str) -> tuple[str, ...]:
@@ -224,6 +227,11 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
       help="when the reduction runs: 'step' (after the last backward), "
       "'overlap-grad-reduce' (from the last backward's start), 'deferred-step' (PACI: "
       "behind its next passes)")  # fmt: skip
+    c("--vocab-tree-arity", "--vocab-parallel-tree-arity", dest="vocab_tree_arity",
+      metavar="K|fan", help="with --enable-vocab-parallel: children per rank of the tree the "
+      "output layer's messages travel on, rooted at the last stage, as the runtime's "
+      "--vocab-parallel-tree-arity (default 2; fan: arity N - 1, every rank the last stage's "
+      "child)")  # fmt: skip
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -379,6 +387,9 @@ class ProjectionOptions:
     use_distributed_optimizer: bool = False
     grad_reduce_bytes_per_param: float = 4.0
     overlap_modes: tuple[str, ...] = OVERLAP_MODES
+    vocab_tree_arity: int = DEFAULT_TREE_ARITY
+    """Children per rank of the output layer's message tree (`Communication.vocab_tree_arity`;
+    N - 1: the fan through the last stage)."""
 
     @classmethod
     def from_namespace(cls, namespace: argparse.Namespace) -> "ProjectionOptions":
@@ -448,7 +459,27 @@ def _cluster_values(values: dict) -> dict:
     if links is None and (max(sizes.values()) > 1 or values["use_distributed_optimizer"]):
         raise SettingsError("--tp, --dp and --use-distributed-optimizer need a link model: "
                             "give --cluster gpu or the link flags")  # fmt: skip
-    return {"links": links, **sizes}
+    return {"links": links, **sizes, "vocab_tree_arity": _vocab_tree_arity(values, links)}
+
+
+def _vocab_tree_arity(values: dict, links: LinkModel | None) -> int:
+    """--vocab-tree-arity as children per rank: an integer >= 1, or `fan` (N - 1)."""
+    given = values["vocab_tree_arity"]
+    if given is None:
+        return DEFAULT_TREE_ARITY
+    if links is None or not values["enable_vocab_parallel"]:
+        raise SettingsError("--vocab-tree-arity needs --enable-vocab-parallel and a link model "
+                            "(--cluster gpu or the link flags)")  # fmt: skip
+    if given == FAN_ARITY:
+        return max(values["stages"] - 1, 1)
+    try:
+        arity = int(given)
+    except ValueError:
+        arity = 0
+    if arity < 1:
+        raise SettingsError(f"--vocab-tree-arity must be an integer >= 1 or {FAN_ARITY}, "
+                            f"got {given!r}")  # fmt: skip
+    return arity
 
 
 def _with_defaults(given: dict, calibration: dict | None) -> dict:
@@ -1014,7 +1045,8 @@ def cluster_communication(options: ProjectionOptions, shape: Shape, mbs: int) ->
         for kind, num_bytes in vocab_message_bytes(shape, tokens).items():
             messages[kind] = _frozen(hop_matrix(links, layout, num_bytes / tp))
     hops = _frozen(hop_matrix(links, layout, tokens * shape.hidden * 2 / tp))
-    return Communication(hops, tuple(reduce), tuple(gather), messages)
+    return Communication(hops, tuple(reduce), tuple(gather), messages,
+                         vocab_tree_arity=options.vocab_tree_arity)  # fmt: skip
 
 
 def _frozen(matrix: list[list[float]]) -> tuple[tuple[float, ...], ...]:
@@ -1098,6 +1130,7 @@ def _cluster_inputs(options: ProjectionOptions, plans: dict) -> dict:
         "layout": {"tp": layout.tensor, "pp": layout.pipeline, "dp": layout.data,
                    "nodes": layout.num_nodes},  # fmt: skip
         "vocab_split": options.enable_vocab_parallel,
+        "vocab_tree_arity": options.vocab_tree_arity,
         "distributed_optimizer": options.use_distributed_optimizer,
         "efficiency": efficiency_curve(options),
         "per_micro_batch_size": per_size,

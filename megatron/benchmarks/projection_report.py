@@ -206,6 +206,14 @@ def _cluster_cell(row: dict | None, best: float | None) -> str:
     return f"**{text}**" if best is not None and row["samples_per_s"] >= best * (1 - 1e-9) else text
 
 
+def _split_text(cluster: dict, stages: int) -> str:
+    if not cluster["vocab_split"]:
+        return "off"
+    arity = cluster.get("vocab_tree_arity", 2)
+    tree = "the fan" if arity >= stages - 1 else f"a tree of arity {arity}"
+    return f"on (the output layer's messages on {tree})"
+
+
 def _cluster_input_lines(cluster: dict) -> list[str]:
     links, layout = cluster["links"], cluster["layout"]
     lines = [
@@ -214,7 +222,7 @@ def _cluster_input_lines(cluster: dict) -> list[str]:
         f"x PP {layout['pp']} x DP {layout['dp']} (Megatron's rank order); intra-node "
         f"{links['intra_bandwidth_gbs']:g} GB/s + {links['intra_latency_s'] * 1e6:g} us, "
         f"inter-node {links['inter_bandwidth_gbs']:g} GB/s + {links['inter_latency_s'] * 1e6:g} "
-        f"us per GPU; vocabulary split {'on' if cluster['vocab_split'] else 'off'}; "
+        f"us per GPU; vocabulary split {_split_text(cluster, layout['pp'])}; "
         f"{'distributed' if cluster['distributed_optimizer'] else 'plain'} optimizer.\n",
     ]
     for mbs, c in cluster["per_micro_batch_size"].items():

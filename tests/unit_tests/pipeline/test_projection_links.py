@@ -91,3 +91,34 @@ def test_slow_data_parallel_link_orders_the_overlap_modes():
     assert ("1f1b", "deferred-step") not in rate
     text = markdown(report)
     assert "physical limit" in text and "deferred step" in text
+
+
+def test_vocab_tree_arity_reaches_the_communication():
+    split = ["--cluster", "gpu", "--enable-vocab-parallel", "--ranks-per-node", "1",
+             "--inter-node-gbs", "0.5"]  # fmt: skip
+    assert _options(*split).vocab_tree_arity == 2  # the runtime's default: the binary tree
+    assert _options(*split, "--vocab-tree-arity", "fan").vocab_tree_arity == 3  # N - 1
+    assert _options(*split, "--vocab-parallel-tree-arity", "3").vocab_tree_arity == 3
+    options = _options(*split, "--vocab-tree-arity", "1")
+    comm = projection.cluster_communication(options, options.shape(), 2)
+    assert comm.vocab_tree_arity == 1
+    runs = {arity: projection.run(_options(*split, "--vocab-tree-arity", arity, "--schedules",
+                                           "1f1b", "--overlap-modes", "step"))
+            for arity in ("2", "fan")}  # fmt: skip
+    assert runs["fan"]["cluster"]["vocab_tree_arity"] == 3 and "on the fan" in markdown(runs["fan"])
+    assert "a tree of arity 2" in markdown(runs["2"])
+    # 1F1B waits for the messages: down, the fan's 3 in a row from the root, the tree's 2
+    rate = {arity: run["rows"][0]["samples_per_s"] for arity, run in runs.items()}
+    assert rate["2"] > rate["fan"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--cluster", "gpu", "--enable-vocab-parallel", "--vocab-tree-arity", "0"], ">= 1 or fan"),
+     (["--cluster", "gpu", "--enable-vocab-parallel", "--vocab-tree-arity", "two"], ">= 1 or fan"),
+     (["--cluster", "gpu", "--vocab-tree-arity", "2"], "needs --enable-vocab-parallel"),
+     (["--enable-vocab-parallel", "--vocab-tree-arity", "fan"], "a link model")],
+)  # fmt: skip
+def test_bad_vocab_tree_arity_is_a_one_line_error(flags, message):
+    with pytest.raises(projection.SettingsError, match=message):
+        _options(*flags)
