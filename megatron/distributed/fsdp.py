@@ -73,7 +73,8 @@ def _routed_experts(layer: torch.nn.Module) -> torch.nn.Module | None:
 
 def shard_model(model: torch.nn.Module, *, group, expert_group=None,
                 compute_dtype: torch.dtype = torch.float32,
-                reshard_after_forward: bool = True) -> torch.nn.Module:  # fmt: skip
+                reshard_after_forward: bool = True,
+                prefetch: bool = True) -> torch.nn.Module:  # fmt: skip
     """Shards `model` (a stage, or `ModelChunks`) in place over `group` (the routed experts over
     `expert_group`); the rows are fp32, the passes run in `compute_dtype`. The model's weights
     were already rounded to that dtype."""
@@ -99,7 +100,8 @@ def shard_model(model: torch.nn.Module, *, group, expert_group=None,
             fully_shard(layer, mesh=mesh, mp_policy=precision,
                         reshard_after_forward=reshard_after_forward)  # fmt: skip
         fully_shard(chunk, mesh=mesh, mp_policy=precision, reshard_after_forward=False)
-        _prefetch_neighbours(layers)
+        if prefetch:  # off only to measure what it buys (--no-fsdp-prefetch)
+            _prefetch_neighbours(layers)
     _restore_marks(model, marks)
     model.fsdp_compute_dtype = compute_dtype  # what the optimizer's checkpoints write
     return model

@@ -11,6 +11,8 @@ theirs), as Megatron-LM's arguments define them, and what they resolve to here (
   distributed optimizer on (except for `no_shard`, whose optimizer state is not sharded).
   Main weights are fp32 and gradients are accumulated and reduced in fp32 (`fp32`, and the
   flags' `auto` for an fp32 model or for the gradients, as `--bf16` does here everywhere).
+* `--no-fsdp-prefetch` (ours, a benchmark switch): no layer's forward starts the next layer's
+  all-gather; the backward keeps torch's own prefetch (the previous layer's gather).
 """
 
 import argparse
@@ -34,6 +36,9 @@ def add_fsdp_args(parser: argparse.ArgumentParser) -> None:
     add("--torch-fsdp2-no-reshard-after-forward", action="store_false",
         dest="torch_fsdp2_reshard_after_forward",
         help="keep a layer's gathered weights from its forward to its backward")  # fmt: skip
+    add("--no-fsdp-prefetch", action="store_false", dest="fsdp_prefetch",
+        help="a benchmark switch: a layer's forward gathers its own weights only, not the next "
+        "layer's ahead (fsdp.md)")  # fmt: skip
     add("--use-megatron-fsdp", action="store_true",
         help="Megatron-FSDP's sharding, by --data-parallel-sharding-strategy")  # fmt: skip
     add("--data-parallel-sharding-strategy", default="optim_grads_params",
@@ -70,6 +75,8 @@ def validate_fsdp_args(args: argparse.Namespace, *, replicas_order_on_their_own:
                 "arrivals, and FSDP gathers over the replicas in every pass; add "
                 "--deterministic-mode or keep the fixed order)"
             )
+    elif not getattr(args, "fsdp_prefetch", True):
+        raise UserError("--no-fsdp-prefetch needs --use-torch-fsdp2 or --use-megatron-fsdp")
     elif args.ckpt_format == "fsdp_dtensor":
         raise UserError("--ckpt-format fsdp_dtensor needs a fully sharded model: "
                         "--use-megatron-fsdp (with --data-parallel-sharding-strategy "

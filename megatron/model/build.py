@@ -253,4 +253,5 @@ def shard_stage_model(config, model: torch.nn.Module) -> torch.nn.Module:
         expert_group=experts,
         compute_dtype=config.model.dtype,
         reshard_after_forward=config.parallel.reshard_after_forward,
+        prefetch=config.parallel.fsdp_prefetch,
     )

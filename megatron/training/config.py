@@ -208,6 +208,7 @@ class ParallelConfig(_Section):
     # --use-torch-fsdp2 / --use-megatron-fsdp (fsdp_flags.py): "torch_fsdp2", "megatron_fsdp"
     fully_sharded: str | None = None
     reshard_after_forward: bool = True  # the gathered weights freed after each forward
+    fsdp_prefetch: bool = True  # each layer starts its neighbour's all-gather (fsdp.py)
     ddp_average_in_collective: bool = False
     # the data-parallel reduction in buckets (distributed/data_parallel.py)
     overlap_grad_reduce: bool = False

@@ -77,6 +77,8 @@ def test_what_the_flags_resolve_to(extra, fully_sharded, reshard, distributed_op
          "not supported yet (each replica orders its passes by its own arrivals, and FSDP "
          "gathers over the replicas in every pass; add --deterministic-mode or keep the fixed "
          "order)"),
+        (["--no-fsdp-prefetch"], "--no-fsdp-prefetch needs --use-torch-fsdp2 or "
+         "--use-megatron-fsdp"),
         (["--ckpt-format", "fsdp_dtensor"],
          "--ckpt-format fsdp_dtensor needs a fully sharded model: --use-megatron-fsdp (with "
          "--data-parallel-sharding-strategy optim_grads_params or optim_grads) or "
@@ -85,6 +87,12 @@ def test_what_the_flags_resolve_to(extra, fully_sharded, reshard, distributed_op
 )  # fmt: skip
 def test_refusals_are_one_line(extra, message):
     assert error_of(extra) == message
+
+
+def test_no_fsdp_prefetch_turns_the_prefetch_off():
+    assert validated(["--use-torch-fsdp2"]).fsdp_prefetch
+    assert not validated(["--use-torch-fsdp2", "--no-fsdp-prefetch"]).fsdp_prefetch
+    assert not validated(["--use-megatron-fsdp", "--no-fsdp-prefetch"]).fsdp_prefetch
 
 
 def test_tied_embeddings_over_stages_are_refused_but_one_stage_holds_them():
@@ -199,3 +207,15 @@ def test_a_checkpoint_sees_whole_parameters_and_a_load_reaches_the_rows(one_rank
         assert torch.equal(param.to_local(), torch.full_like(param.to_local(), 0.5))
     x = torch.randn(2, 6)  # still a working FSDP model
     assert sharded(x).shape == (2, 3)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_shard_model_sets_the_prefetch_only_when_asked(one_rank_group, monkeypatch, prefetch):
+    """--no-fsdp-prefetch reaches shard_model: no layer starts the next one's all-gather."""
+    from megatron.distributed import fsdp
+
+    monkeypatch.setattr(fsdp, "TransformerLayer", torch.nn.Linear)  # TwoLayers' units
+    model = fsdp.shard_model(TwoLayers(), group=torch.distributed.group.WORLD, prefetch=prefetch)
+    first, second = (layer._get_fsdp_state() for layer in model.layers)
+    assert first._states_to_forward_prefetch == ([second] if prefetch else [])
+    assert second._states_to_backward_prefetch == ([first] if prefetch else [])
