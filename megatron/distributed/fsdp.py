@@ -14,8 +14,9 @@ unit's weights in the model's dtype just before it runs and frees them after it:
 forward too unless reshard-after-forward is off (`--torch-fsdp2-no-reshard-after-forward`,
 Megatron-FSDP's `optim_grads`), then the gathered weights stay from the forward to the backward.
 Each layer's forward starts the next layer's all-gather (its backward the previous layer's), so
-a gather overlaps a layer's compute (`_prefetch_neighbours`). The backward reduce-scatters each
-unit's gradient in fp32 onto the rank's rows, averaged over
+a gather can overlap a layer's compute (`_prefetch_neighbours`; `--no-fsdp-prefetch` leaves the
+forward's out). The backward reduce-scatters each unit's gradient in fp32 onto the rank's rows,
+averaged over
 the unit's group (the step turns the experts' mean over the expert-data-parallel group into
 their sum over it divided by the data-parallel size, as Megatron's DDP). Every backward
 reduces, so the schedule may step a stage after any backward (PACI steps after its a-th) with
