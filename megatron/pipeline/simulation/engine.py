@@ -437,16 +437,16 @@ class _Simulator:
         st.busy, st.current = False, None
         st.busy_time += self.now - start
         st.busy_intervals.append((start, self.now))
+        unknown = [part for part in action.passes if part.kind not in self._FINISHED]
+        if unknown:
+            raise SimulationError(f"{self.schedule.name}: the simulator cannot run {unknown[0]}")
         if any(part.kind in self.gradient_kinds for part in action.passes):
             st.gradient_pass = (st.gradient_pass[0], self.now)  # the last gradient pass's end
         if self.timeline is not None:
             self.timeline.append(TraceEvent(st.index, action, start, self.now))
         sends = []  # passes run together send their outputs when the slot ends
         for part in action.passes:
-            finished = self._FINISHED.get(part.kind)
-            if finished is None:
-                raise SimulationError(f"{self.schedule.name}: the simulator cannot run {part}")
-            finished(self, st, part)
+            self._FINISHED[part.kind](self, st, part)
             sends += self._sends_of(st, part)
         for virtual_stage, kind in sends:
             self.send(st, virtual_stage, kind)

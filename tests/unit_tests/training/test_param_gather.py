@@ -113,6 +113,7 @@ def _backward_after_the_step_waits(rank: int) -> None:
     with preserve_versions(unwaited.model.parameters()):
         held.backward()  # on the poisoned weights: the check would see it
     assert torch.isnan(unwaited.model[0].weight.main_grad).any()
+    unwaited.finish_param_gather()  # no broadcast may be in flight when the group goes
 
 
 def _worker(rank: int, port: int) -> None:
