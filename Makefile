@@ -70,8 +70,11 @@ data-small: $(SMALL)/stdlib_text_document.idx
 demo: venv data
 	bash examples/paci/demo_cpu.sh
 
+# The functional tests (multi-process launches, two at a time), then the unit tests on both
+# cores (pytest-xdist: most of them run in the pytest process itself, which used one core).
 test: venv data
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider tests/functional_tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 tests/unit_tests
 
 # The edit loop's tier: the unit tests but the slowest (tests/unit_tests/conftest.py, SLOW) and
 # two 4-process launches (PACI with and without the bucketed overlap of the data-parallel
@@ -79,7 +82,7 @@ test: venv data
 QUICK_LAUNCH := tests/functional_tests/test_data_parallel_overlap_cases.py::test_overlap_gives_the_same_numbers_bit_for_bit[gpt_dp2pp2_paci_overlap-gpt_dp2pp2_paci]
 
 test-quick: venv data
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/unit_tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow" tests/unit_tests
 	FUNCTIONAL_CASES=gpt_dp2pp2_paci,gpt_dp2pp2_paci_overlap $(PY) -m pytest -q -p no:cacheprovider "$(QUICK_LAUNCH)"
 
 # The Slurm launch test on a one-node cluster it starts on loopback. Installs Debian's Slurm and

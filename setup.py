@@ -36,6 +36,7 @@ setup(
     extras_require={
         "dev": [
             "pytest>=8",
+            "pytest-xdist>=3",  # make test: the unit tests on both cores
             "pyyaml",
             "black",
             "isort",
