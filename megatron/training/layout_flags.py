@@ -402,9 +402,11 @@ def layers_by_chunk(args: argparse.Namespace, pp: int, chunks: int) -> list[list
         # the process groups for the ranks: the layout's table answers for any chunk and rank
         from megatron.core.transformer.enums import LayerType
 
-        def count(config, vp_stage, pp_rank):
+        def count_in_layout(config, vp_stage, pp_rank):
             table = config.pipeline_model_parallel_layout.layout  # [pp rank][vp stage]
             return table[pp_rank][vp_stage].count(LayerType.decoder)
+
+        count = count_in_layout
 
     layers = [[count(config, vp_stage=c, pp_rank=r) for c in range(chunks)] for r in range(pp)]
     if sum(map(sum, layers)) != args.num_layers:

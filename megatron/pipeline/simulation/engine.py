@@ -328,7 +328,6 @@ class _Simulator:
             if needs is None:
                 continue
             c = st.state.chunk_of(part)
-            chunk = st.state.chunks[c]
             if needs is Transfer.ACTIVATION:
                 ready = self.activation_ready(st, c)
             elif needs is Transfer.GRADIENT:
