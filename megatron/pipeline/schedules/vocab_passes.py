@@ -27,7 +27,8 @@ so the same passes fit a synchronous schedule and PACI without a flush.
    held back between the last virtual stage's forward and backward).
 2. A VF whose hidden state has arrived runs first: the last stage's backward waits for it.
 3. Then the schedule's own action, once its input is there. Until then a VB whose statistics
-   have arrived runs, else the rank waits for the next arrival: it never blocks on the
+   have arrived runs (once the rank has backwarded its microbatch), else the rank waits for
+   the next arrival: it never blocks on the
    schedule's input while it owes a VF, which the last stage may be waiting for.
 4. A step takes the VB of every microbatch the stage has backwarded, so a shard's gradient
    is in the same update as the stage's; a call that drains the stage ends with every VF and
@@ -114,8 +115,11 @@ def _owes_vocab_pass(view: StageView) -> bool:
 
 
 def _arrived_backward_or_wait(view: StageView) -> Action:
-    """A shard's or an embedding's weight gradient whose input has arrived, else WAIT."""
-    if view.stats_ready:
+    """A shard's or an embedding's weight gradient whose input has arrived, else WAIT. A VB
+    waits for the rank's own backward of its microbatch, so it lands in the same step as the
+    stage's gradient whatever the arrival order (a schedule without a flush may receive the
+    statistics of its next step's microbatches before it takes this step)."""
+    if view.stats_ready and view.vocab_backwards < _backwarded(view):
         return Action(VOCAB_BACKWARD, view.vocab_backwards)
     if view.embed_grad_ready:
         return Action(EMBED_BACKWARD, view.embed_backwards)

@@ -75,6 +75,21 @@ def test_the_last_backward_waits_for_every_shard(name):
             assert backward.start_s >= arrival - 1e-9
 
 
+@pytest.mark.parametrize("name", TAKING)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_shards_gradient_waits_for_the_ranks_own_backward(name, seed):
+    """Without a flush the statistics of the next step's microbatches can arrive before the
+    rank takes this step: their VB waits for the rank's backward, so each shard gradient
+    lands in the step of its microbatch whatever the arrival order (2BW is exact)."""
+    n = 4
+    result = _run(get_schedule(name, simulated=True), n=n, m=4, steps=4, latency=0.05,
+                  noise=CostNoise(0.5, seed=seed))  # fmt: skip
+    for rank in range(n):
+        backwards = _events(result, rank, ActionKind.BACKWARD)
+        for microbatch, shard in _events(result, rank, ActionKind.VOCAB_BACKWARD).items():
+            assert shard.start_s >= backwards[microbatch].end_s - 1e-9, (rank, microbatch)
+
+
 @pytest.mark.parametrize("a", [1, 2, 4])
 def test_shard_drift_within_the_bound(a):
     n = 4
