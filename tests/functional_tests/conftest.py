@@ -19,8 +19,18 @@ def case_results(tmp_path_factory):
     return run_cases.run(only or list(run_cases.discover_cases()), str(output))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tests of the case batch are marked `cases`: `make test` runs them beside the rest."""
+    for item in items:
+        if "case_results" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cases)
+
+
 def pytest_collection_finish(session):
-    """Start the waiting scenarios of the collected tests (background.py)."""
+    """Start the waiting scenarios of the collected tests (background.py); a pytest-xdist
+    worker does not know yet which tests it runs: there the fixture starts them."""
+    if hasattr(session.config, "workerinput"):
+        return
     if any("frozen_runs" in getattr(item, "fixturenames", ()) for item in session.items):
         from test_faults import start_frozen_runs
 
