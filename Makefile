@@ -74,13 +74,16 @@ demo: venv data
 # 330 runs in 4-process launches, two launches at a time), the other functional tests (each
 # file on one of two pytest-xdist workers: their module fixtures launch runs that the file's
 # tests share), then the unit tests on both cores. (Running the parts side by side oversubscribed
-# the two cores, cost more CPU and made a timing-sensitive test fail: measured in docs/tests.md.)
+# the two cores, cost more CPU and made a timing-sensitive test fail.) Every part runs; the
+# target fails if any did.
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_FLAGS)
 
 test: venv data
-	$(PYTEST) -m cases tests/functional_tests
-	$(PYTEST) -n 2 --dist loadfile -m "not cases" tests/functional_tests
-	$(PYTEST) -n 2 tests/unit_tests
+	@$(PYTEST) -m cases tests/functional_tests; cases=$$?; \
+	$(PYTEST) -n 2 --dist loadfile -m "not cases" tests/functional_tests; rest=$$?; \
+	$(PYTEST) -n 2 tests/unit_tests; unit=$$?; \
+	echo "make test: case batch exit $$cases, other functional tests $$rest, unit tests $$unit"; \
+	test $$cases -eq 0 && test $$rest -eq 0 && test $$unit -eq 0
 
 # The edit loop's tier: the unit tests but the slowest (tests/unit_tests/conftest.py, SLOW) and
 # two 4-process launches (PACI with and without the bucketed overlap of the data-parallel
