@@ -127,8 +127,8 @@ def validate_data_parallel_args(args) -> None:
 class ReductionTimes:
     """The stage's data-parallel reduction, timed: seconds with a reduction in flight (the
     union of its buckets' intervals: `reduce_s`), seconds the step waited with one still in
-    flight (`exposed_s`: what the overlap did not hide; at most `reduce_s`), bytes handed to the collectives, and buckets launched from
-    the backward's hooks or at the step. Totals over the run, and since the last `take()`.
+    flight (`exposed_s`: what the overlap did not hide; at most `reduce_s`), bytes handed to
+    the collectives, and buckets launched from the backward's hooks or at the step. Totals over the run, and since the last `take()`.
     The `gather_` fields: the distributed optimizer's overlapped parameter gathers, alike
     (the waits are those of the forward's hooks and of whatever must see every parameter)."""
 
@@ -425,7 +425,8 @@ class BucketedReduction:
 
     def finish(self) -> None:
         """Launch what is left (in bucket order, then the late buckets), wait for every bucket
-        and write the averaged gradients back. The time spent here is the exposed time."""
+        and write the averaged gradients back. The exposed time: the part of this wait with a
+        reduction still in flight."""
         start = time.perf_counter()
         self.launch_rest()
         spans = []
@@ -441,8 +442,7 @@ class BucketedReduction:
             spans.append((bucket.launched_at, max(end, bucket.launched_at)))
             self.times.add_span(*spans[-1], f"reduce bucket {bucket.index}")
         now = time.perf_counter()
-        # exposed: the part of this wait with a reduction still in flight (the launches and
-        # the write-backs of the averaged gradients are the step's own work)
+        # the launches and the write-backs of the averaged gradients are the step's own work
         waited = [(max(first, start), min(last, now)) for first, last in spans]
         exposed = _covered([(first, last) for first, last in waited if last > first])
         self.times.add_exposed(exposed, now)

@@ -20,7 +20,8 @@ def case_results(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests of the case batch are marked `cases`: `make test` runs them as a part of their own."""
+    """The tests of the case batch are marked `cases`: `make test` runs them as a part of
+    their own."""
     for item in items:
         if "case_results" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cases)

@@ -28,8 +28,8 @@ so the same passes fit a synchronous schedule and PACI without a flush.
 2. A VF whose hidden state has arrived runs first: the last stage's backward waits for it.
 3. Then the schedule's own action, once its input is there. Until then a VB whose statistics
    have arrived runs (once the rank has backwarded its microbatch), else the rank waits for
-   the next arrival: it never blocks on the
-   schedule's input while it owes a VF, which the last stage may be waiting for.
+   the next arrival: it never blocks on the schedule's input while it owes a VF, which the
+   last stage may be waiting for.
 4. A step takes the VB of every microbatch the stage has backwarded, so a shard's gradient
    is in the same update as the stage's; a call that drains the stage ends with every VF and
    VB done.

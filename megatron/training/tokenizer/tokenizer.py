@@ -485,8 +485,8 @@ def _gpt2_pattern() -> "re.Pattern[str]":
 
 def _category_classes(majors: Tuple[str, ...]) -> List[str]:
     """For each major Unicode category (``"L"``...), its code points as regex class ranges."""
-    # one letter per code point, then each category's runs found by re (in C): a Python loop
-    # over the 262,144 code points took about a second a process
+    # one letter per code point, then each category's runs found by re (in C): 0.07 s a
+    # process, against 0.17 s for a Python loop over the 262,144 code points
     table = "".join(unicodedata.category(chr(cp))[0]
                     for cp in range(_LAST_LETTER_OR_NUMBER_PLANE_END))  # fmt: skip
     classes = []
