@@ -23,6 +23,7 @@ from megatron.core.config import set_experimental_flag
 from megatron.common.errors import RunFailed, UserError
 from megatron.distributed import fsdp
 from megatron.distributed.data_parallel import resolve_bucket_size
+from megatron.distributed.gloo_device import shared_gloo_device
 from megatron.model.build import build_stage_model, shard_stage_model
 from megatron.model.dsa import (
     IndexerLossLog,
@@ -124,6 +125,27 @@ def initialize_distributed(config) -> torch.device:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    with shared_gloo_device():
+        _initialize_process_groups(config, backend)
+    torch.manual_seed(seed)
+    moe = config.moe is not None
+    gdn = config.model.experimental_attention_variant == GDN_VARIANT  # its init forks the tracker
+    if (
+        layout.sequence_parallel or moe or gdn
+    ) and device.type == "cpu":  # megatron-core's CUDA parts
+        run_sequence_parallel_on_host(
+            seed, parallel_state.get_tensor_model_parallel_rank(), moe=moe
+        )
+    if device.type == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+    return device
+
+
+def _initialize_process_groups(config, backend: str) -> None:
+    """torch.distributed's world (unless the caller made it) and megatron-core's groups."""
+    layout = config.parallel
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=layout.distributed_timeout_minutes)
         startup_s = layout.rendezvous_timeout_seconds
@@ -153,20 +175,6 @@ def initialize_distributed(config) -> torch.device:
         create_gloo_process_groups=not layout.disable_gloo_process_groups,
         order=RANK_ORDERS[layout.use_tp_pp_dp_mapping],
     )
-    torch.manual_seed(seed)
-    moe = config.moe is not None
-    gdn = config.model.experimental_attention_variant == GDN_VARIANT  # its init forks the tracker
-    if (
-        layout.sequence_parallel or moe or gdn
-    ) and device.type == "cpu":  # megatron-core's CUDA parts
-        run_sequence_parallel_on_host(
-            seed, parallel_state.get_tensor_model_parallel_rank(), moe=moe
-        )
-    if device.type == "cuda":
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(seed)
-    return device
 
 
 # ---------------------------------------------------------------------------- state

@@ -4,7 +4,7 @@ A case is a directory `test_cases/<model>/<case>/` holding `model_config.yaml`
 (`NPROC`: processes, `ENV_VARS`, `MODEL_ARGS`: flag -> value, optionally `FORWARD_STEP`:
 `module.function` replacing pretrain_gpt's forward_step) and `golden_values.json`
 (`{"lm loss": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {...}}}`).
-Cases with the same process count and environment run in one torchrun launch.
+Cases with the same process count and environment run in one launch (multi_run.py).
 
     python tests/functional_tests/run_cases.py [--cases NAME ...] [--output DIR] [--update-golden]
 """
@@ -112,8 +112,8 @@ def with_index_cache(args: list[str], output: str, launch: str = "") -> list[str
     return args
 
 
-# Cases per torchrun launch: each launch pays ~20 s of imports and start-up per process, each
-# further case ~2 s. A run leaves no threads behind (pretrain destroys its groups and collects
+# Cases per launch: each launch pays ~5 CPU-seconds of imports and start-up, each further case
+# a CPU-second or two. A run leaves no threads behind (pretrain destroys its groups and collects
 # them), so a launch can hold many; a failing case fails the rest of its launch with it.
 CASES_PER_LAUNCH = 40
 CONCURRENT_LAUNCHES = 2
@@ -179,7 +179,7 @@ def run(case_names: list[str], output: str) -> dict[str, dict]:
 
 
 def _launch(cases: dict, key: tuple, names: list[str], output: str) -> dict[str, dict]:
-    """One torchrun launch of the cases `names` (equal NPROC and ENV_VARS): their summaries."""
+    """One launch of the cases `names` (equal NPROC and ENV_VARS): their summaries."""
     nproc, env_json = key
     spec = [
         {
@@ -193,17 +193,21 @@ def _launch(cases: dict, key: tuple, names: list[str], output: str) -> dict[str,
     spec_file = os.path.join(output, f"cases_{nproc}_{abs(hash(env_json))}_{names[0]}.json")
     json.dump(spec, open(spec_file, "w"))
     env = {**os.environ, **json.loads(env_json), "OMP_NUM_THREADS": "1"}
-    command = [
-        os.path.join(os.path.dirname(sys.executable), "torchrun"),
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        os.path.join(HERE, "multi_run.py"),
-        spec_file,
-    ]
+    # torch's elastic agent (torchrun's) in the launching process, the workers forked from it
+    # after the imports (multi_run.py): a 40-case launch of 4 ranks took 130 CPU-seconds so, 160
+    # under torchrun
+    command = [sys.executable, os.path.join(HERE, "multi_run.py"), f"--nproc-per-node={nproc}",
+               spec_file]  # fmt: skip
     completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     log = completed.stdout + completed.stderr
     if completed.returncode != 0:
-        raise RuntimeError(f"cases {names} failed (exit {completed.returncode}):\n{log[-6000:]}")
+        log_file = spec_file.replace(".json", ".log")  # the whole log: the tail below is cut
+        with open(log_file, "w") as file:
+            file.write(log)
+        raise RuntimeError(
+            f"cases {names} failed (exit {completed.returncode}; whole log: {log_file}):\n"
+            f"{_first_failure(log)}{log[-6000:]}"
+        )
     results = {}
     for name in names:
         summary = json.load(open(os.path.join(output, name, "summary.json")))
@@ -211,6 +215,19 @@ def _launch(cases: dict, key: tuple, names: list[str], output: str) -> dict[str,
         summary["metrics_dir"] = os.path.join(output, name)
         results[name] = summary
     return results
+
+
+def _first_failure(log: str) -> str:
+    """The case the launch was running when it failed and the first rank's traceback (the
+    other ranks' broken-connection errors follow it and fill the log's tail)."""
+    started = [line.removeprefix("=== case ") for line in log.splitlines()
+               if line.startswith("=== case ")]  # fmt: skip
+    case = started[-1] if started else "(before the first case)"
+    first = ""
+    if "Traceback (most recent call last)" in log:
+        line_start = log.rfind("\n", 0, log.find("Traceback (most recent call last)")) + 1
+        first = log[line_start : line_start + 4000]
+    return f"running case: {case}\nfirst traceback:\n{first}\n...\n"
 
 
 def cases_with_golden_values() -> list[str]:
