@@ -194,8 +194,7 @@ def _launch(cases: dict, key: tuple, names: list[str], output: str) -> dict[str,
     json.dump(spec, open(spec_file, "w"))
     env = {**os.environ, **json.loads(env_json), "OMP_NUM_THREADS": "1"}
     # torch's elastic agent (torchrun's) in the launching process, the workers forked from it
-    # after the imports (multi_run.py): a 40-case launch of 4 ranks took 130 CPU-seconds so, 160
-    # under torchrun
+    # after the imports (multi_run.py)
     command = [sys.executable, os.path.join(HERE, "multi_run.py"), f"--nproc-per-node={nproc}",
                spec_file]  # fmt: skip
     completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
