@@ -48,6 +48,8 @@ def main(cases_file: str) -> int:
         except RunFailed as failure:
             if case.get("expect_exit") != failure.exit_code:
                 raise
+            # a rank that fails early can get here before any rank made the directory
+            os.makedirs(case["metrics_dir"], exist_ok=True)
             with open(os.path.join(case["metrics_dir"], "exit_code.txt"), "w") as file:
                 file.write(str(failure.exit_code))
         _record_cost(case, time.perf_counter() - started, _cpu_seconds() - cpu_started)
