@@ -1,5 +1,4 @@
 import os
-import tempfile
 
 import background  # beside this file
 import pytest
@@ -20,20 +19,18 @@ def case_results(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests of the case batch are marked `cases`: `make test` runs them as a part of
-    their own."""
+    """The tests of the case batch are marked `cases`, those whose work starts with the session
+    (background.py) `beside_cases`: `make test` runs them together as a part of their own."""
     for item in items:
         if "case_results" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cases)
+        if background.uses(item):
+            item.add_marker(pytest.mark.beside_cases)
 
 
 def pytest_collection_finish(session):
-    """Start the waiting scenarios of the collected tests (background.py); a pytest-xdist
-    worker does not know yet which tests it runs: there the fixture starts them."""
-    if hasattr(session.config, "workerinput"):
+    """Start the work that the collected tests wait for (background.py); a pytest-xdist worker
+    does not know yet which tests it runs: there each fixture does its own when asked."""
+    if hasattr(session.config, "workerinput") or session.config.option.collectonly:
         return
-    if any("frozen_runs" in getattr(item, "fixturenames", ()) for item in session.items):
-        from test_faults import start_frozen_runs
-
-        directory = tempfile.mkdtemp(prefix="frozen")
-        background.STARTED["frozen_runs"] = start_frozen_runs(background.POOL, directory)
+    background.start([key for item in session.items for key in background.uses(item)])

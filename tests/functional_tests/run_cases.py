@@ -156,6 +156,17 @@ def sharing_checkpoints(names: list[str], cases: dict) -> list[list[str]]:
     return list(runs.values())
 
 
+# A case's start-up (process groups, model, data, optimizer) costs about what a few of its
+# iterations do.
+START_UP_ITERATIONS = 4
+
+
+def estimated_cost(key: tuple, names: list[str], cases: dict) -> int:
+    """A launch's relative cost: its processes times its cases' iterations and start-ups."""
+    iterations = sum(int(cases[name]["MODEL_ARGS"].get("--train-iters") or 0) for name in names)
+    return key[0] * (iterations + START_UP_ITERATIONS * len(names))
+
+
 def run(case_names: list[str], output: str) -> dict[str, dict]:
     """Run the cases; return each case's summary.json (plus its log under 'log'). Two launches
     run at a time: a launch's ranks wait on each other about a quarter of the time on two
@@ -169,9 +180,11 @@ def run(case_names: list[str], output: str) -> dict[str, dict]:
         case = cases[name]
         key = (case["NPROC"], json.dumps(case.get("ENV_VARS", {}), sort_keys=True))
         groups.setdefault(key, []).append(name)
+    # the longest launches first, so that the short ones fill the last minutes beside each other
+    # instead of one long launch running alone at the end
+    ordered = sorted(launches(groups, cases), key=lambda launch: -estimated_cost(*launch, cases))
     with concurrent.futures.ThreadPoolExecutor(CONCURRENT_LAUNCHES) as pool:
-        launched = [pool.submit(_launch, cases, key, names, output)
-                    for key, names in launches(groups, cases)]  # fmt: skip
+        launched = [pool.submit(_launch, cases, key, names, output) for key, names in ordered]
         results = {}
         for future in launched:
             results.update(future.result())

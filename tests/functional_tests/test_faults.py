@@ -181,27 +181,20 @@ def test_error_of_one_rank_is_printed_with_its_rank(diverged):
 
 
 # ---------------------------------------------------------------------------- hangs
-def start_frozen_runs(pool, directory: str) -> concurrent.futures.Future:
-    """The two hang scenarios below each wait out --distributed-timeout-minutes 1, so they run
-    side by side (they sleep, they do not compute), started by conftest.py when the session
-    is collected: a future of name -> what each measured."""
+@background.started_with_the_session
+def frozen_runs(directory: str) -> dict:
+    """The three hang scenarios below each wait out --distributed-timeout-minutes 1, so they
+    run side by side (they sleep, they do not compute), started with the session where it runs
+    them: name -> what each measured."""
     root = pathlib.Path(directory)
-    (root / "stage").mkdir(), (root / "save").mkdir()
-    (root / "replica").mkdir()
-    stage = pool.submit(_freeze_a_stage, root / "stage")
-    save = pool.submit(_freeze_a_rank_in_its_save, root / "save")
-    replica = pool.submit(_freeze_a_replica_during_its_reduction, root / "replica")
-    return pool.submit(lambda: {"stage": stage.result(), "save": save.result(),
-                                "replica": replica.result()})  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def frozen_runs(tmp_path_factory):
-    future = background.STARTED.get("frozen_runs")
-    if future is None:  # not started with the session (the test run on its own)
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            return start_frozen_runs(pool, str(tmp_path_factory.mktemp("frozen"))).result()
-    return future.result()
+    scenarios = {"stage": _freeze_a_stage, "save": _freeze_a_rank_in_its_save,
+                 "replica": _freeze_a_replica_during_its_reduction}  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(len(scenarios)) as pool:
+        futures = {}
+        for name, scenario in scenarios.items():
+            (root / name).mkdir()
+            futures[name] = pool.submit(scenario, root / name)
+        return {name: future.result() for name, future in futures.items()}
 
 
 def _freeze_rank_1(out, args: list[str]) -> dict:

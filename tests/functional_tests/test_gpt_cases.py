@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import background
 import pytest
 import run_cases
 
@@ -245,21 +246,30 @@ def test_paci_resumes_from_checkpoint_exactly(case_results):
     assert second_half == uninterrupted[4:]
 
 
-def test_paci_runtime_matches_single_process_replay(case_results):
-    """Four processes exchanging activations and gradients give the numbers of one process
-    replaying each stage's PACI order on plain tensors (paci_reference.py)."""
-    name = "gpt_pp4_paci_a2_noeval"
-    case = run_cases.discover_cases()[name]
+PACI_REPLAYED = "gpt_pp4_paci_a2_noeval"
+
+
+@background.started_with_the_session
+def paci_replay_losses(directory: str) -> list[float]:
+    """The lm loss per iteration of one process replaying each stage's PACI order of the case
+    PACI_REPLAYED on plain tensors (paci_reference.py)."""
+    case = run_cases.discover_cases()[PACI_REPLAYED]
     command = [
         sys.executable,
         os.path.join(os.path.dirname(os.path.abspath(__file__)), "paci_reference.py"),
-        *run_cases.flags(case["MODEL_ARGS"], output="unused"),
+        *run_cases.flags(case["MODEL_ARGS"], output=directory),
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     completed = subprocess.run(command, capture_output=True, text=True, env=environment)
     assert completed.returncode == 0, completed.stderr[-3000:]
-    reference = json.loads(completed.stdout.strip().splitlines()[-1])
-    assert run_cases.relative_difference(case_results[name]["loss"], reference) <= 1e-6
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def test_paci_runtime_matches_single_process_replay(case_results, paci_replay_losses):
+    """Four processes exchanging activations and gradients give the numbers of one process
+    replaying each stage's PACI order on plain tensors (paci_reference.py)."""
+    losses = case_results[PACI_REPLAYED]["loss"]
+    assert run_cases.relative_difference(losses, paci_replay_losses) <= 1e-6
 
 
 def test_the_tp_pp_dp_rank_order_changes_the_ranks_not_the_numbers(case_results):

@@ -13,6 +13,7 @@ data-parallel size left out moves the EP=2 x PP=2 losses by 1e-3 relative; measu
 import os
 import re
 
+import background
 import pytest
 from run_cases import relative_difference
 
@@ -268,8 +269,8 @@ def test_an_ep2pp2_paci_checkpoint_resumes_at_ep1pp4_under_flush_and_at_ep2pp2_u
     assert paci["cross_stage_collectives"] == 0
 
 
-@pytest.fixture(scope="module")
-def stash_references(tmp_path_factory):
+@background.started_with_the_session
+def stash_references(directory: str) -> dict[str, list[float]]:
     """The weight-stashing MoE cases' flags in one process (delayed_reference.py): 2BW's as
     the one-step-delayed run (the expert bias, where there is one, kept with each weight
     version), PipeDream's at one stage as a synchronous step per microbatch."""
@@ -290,8 +291,7 @@ def stash_references(tmp_path_factory):
         {"name": "moe_pp1_pipedream_bias", "delay": 0,
          "args": args_of("moe_pp1_pipedream_bias", per_microbatch)},
     ]  # fmt: skip
-    directory = tmp_path_factory.mktemp("moe_stash_reference")
-    return delayed_reference_runs.run_in_subprocess(spec, str(directory))
+    return delayed_reference_runs.run_in_subprocess(spec, directory)
 
 
 def test_2bw_with_expert_parallelism_is_the_one_step_delayed_run(case_results, stash_references):

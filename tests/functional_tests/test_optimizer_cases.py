@@ -8,6 +8,7 @@ Every optimizer of the suite updates each parameter on its own (Muon and SOAP pe
 
 import math
 
+import background
 import delayed_reference_runs
 import pytest
 import run_cases
@@ -18,8 +19,8 @@ SCHEDULES = ["1f1b", "paci"]
 FLUSH_CASES = [f"gpt_pp4_1f1b_opt_{name}" for name in OPTIMIZERS] + ["gpt_pp4_1f1b_opt_muon_ef"]
 
 
-@pytest.fixture(scope="module")
-def single_process_losses(tmp_path_factory):
+@background.started_with_the_session
+def single_process_losses(directory: str) -> dict[str, list[float]]:
     """The flush cases' flags, trained in one process without the pipeline runtime."""
     cases = run_cases.discover_cases()
     names = FLUSH_CASES + ["gpt_tp2pp2_1f1b_opt_muon"]
@@ -27,7 +28,7 @@ def single_process_losses(tmp_path_factory):
         {"name": n, "args": run_cases.flags(cases[n]["MODEL_ARGS"], "unused"), "delay": 0}
         for n in names
     ]
-    return delayed_reference_runs.run_in_subprocess(spec, tmp_path_factory.mktemp("reference"))
+    return delayed_reference_runs.run_in_subprocess(spec, directory)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -65,9 +65,8 @@ def runs(tmp_path_factory) -> dict:
     spec = os.path.join(output, "runs.json")
     cases = _cases(output)
     json.dump(cases, open(spec, "w"))
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    command = [torchrun, "--standalone", "--nproc-per-node=2",
-               os.path.join(HERE, "multi_run.py"), spec]  # fmt: skip
+    # torchrun's agent in the launching process, the workers forked after the imports
+    command = [sys.executable, os.path.join(HERE, "multi_run.py"), "--nproc-per-node=2", spec]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     log = completed.stdout + completed.stderr

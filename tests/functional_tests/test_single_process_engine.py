@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 
+import background
 import pytest
 import run_cases
 
@@ -43,12 +44,11 @@ UNSTASHED = "engine_pp4_paci_stash:without stashing"
 COUPLED = "engine_pp4_paci_muon_decoupled:one LR"
 
 
-@pytest.fixture(scope="module")
-def engine_results(tmp_path_factory):
+@background.started_with_the_session
+def engine_results(output: str) -> dict[str, dict]:
     """Every case trained by the engine, in one subprocess (a fresh process per module, as the
     engine sets up torch.distributed for itself)."""
     cases = run_cases.discover_cases()
-    output = str(tmp_path_factory.mktemp("engine_only"))
     spec = {
         name: run_cases.with_index_cache(run_cases.flags(cases[name]["MODEL_ARGS"], output), output)
         for name in CASES

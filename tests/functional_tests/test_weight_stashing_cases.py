@@ -9,6 +9,7 @@ collective across stages, as PACI), the single-process reference over the whole 
 
 import math
 
+import background
 import delayed_reference_runs
 import pytest
 import run_cases
@@ -25,8 +26,8 @@ TWO_BW_REFERENCE = [f"gpt_pp4_2bw_opt_{name}" for name in OPTIMIZERS] + [
 STASHING = ["2bw", "pipedream"]
 
 
-@pytest.fixture(scope="module")
-def single_process_losses(tmp_path_factory):
+@background.started_with_the_session
+def single_process_losses(directory: str) -> dict[str, list[float]]:
     """The 2BW cases' flags in one process, delayed by one step; PipeDream's at one stage."""
     cases = run_cases.discover_cases()
 
@@ -40,7 +41,6 @@ def single_process_losses(tmp_path_factory):
     # PipeDream on one stage: synchronous steps of one microbatch each (m = 4 per iteration)
     per_microbatch = args_of("gpt_pp1_pipedream", {"--global-batch-size": 2, "--train-iters": 12})
     spec.append({"name": "gpt_pp1_pipedream", "args": per_microbatch, "delay": 0})
-    directory = tmp_path_factory.mktemp("stash_reference")
     return delayed_reference_runs.run_in_subprocess(spec, directory)
 
 

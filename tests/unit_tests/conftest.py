@@ -1,4 +1,5 @@
 import socket
+import sys
 
 import pytest
 
@@ -44,6 +45,20 @@ def pytest_collection_modifyitems(config, items):
         relative = item.nodeid.split("tests/unit_tests/", 1)[-1]
         if relative.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_group_left():
+    """Every test module starts without a torch.distributed group: an in-process run
+    (delayed_reference.py's) leaves its world of one up, and which modules share a pytest
+    process depends on how pytest-xdist deals the files."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_initialized():
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import TinyGPT, backward_with, optimizer_config
+from rank_processes import start_ranks
 
 from megatron.common.errors import UserError
 from megatron.training.optimizer.build import ExpertGroups, StageOptimizerStep, build_optimizer
@@ -112,7 +113,7 @@ def test_layer_wise_muon_equals_the_replicated_one_over_two_ranks():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    torch.multiprocessing.start_processes(_worker, args=(port,), nprocs=2, start_method="spawn")
+    start_ranks(_worker, (port,), nprocs=2)
 
 
 # ---------------------------------------------------------------------------- flags

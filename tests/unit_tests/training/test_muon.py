@@ -8,6 +8,7 @@ import socket
 import pytest
 import torch
 from conftest import HEADS, HIDDEN, VOCAB, TinyGPT, optimizer_config
+from rank_processes import start_ranks
 
 from megatron.training.optimizer.muon import COEFFICIENT_SETS, Muon, coefficient_schedule
 from megatron.training.optimizer.suite import build_suite_optimizer
@@ -129,8 +130,7 @@ def test_duplicated_tp_mode_at_tp2_equals_tp1_and_blockwise_does_not():
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     results = torch.multiprocessing.Manager().dict()
-    torch.multiprocessing.start_processes(_tp_worker, args=(port, results), nprocs=2,
-                                          start_method="spawn")  # fmt: skip
+    start_ranks(_tp_worker, (port, results), nprocs=2)
     config = optimizer_config("muon", muon_coefficient_type="quintic", weight_decay=0.1)
     reference = run_muon(TinyGPT(), config)
     initial = dict(TinyGPT().named_parameters())

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import optimizer_config
+from rank_processes import start_ranks
 
 from megatron.pipeline.accounting import preserve_versions
 from megatron.training.optimizer.build import (
@@ -134,5 +135,4 @@ def test_overlapped_gather_equals_the_blocking_one_over_three_ranks():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    torch.multiprocessing.start_processes(_worker, args=(port,), nprocs=WORLD,
-                                          start_method="spawn")  # fmt: skip
+    start_ranks(_worker, (port,), nprocs=WORLD)

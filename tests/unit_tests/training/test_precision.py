@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import TinyGPT, backward_with, optimizer_config
+from rank_processes import start_ranks
 
 from megatron.training.optimizer.build import StageOptimizerStep, build_optimizer
 from megatron.training.optimizer.distributed_optimizer import ShardedMainOptimizer
@@ -244,8 +245,7 @@ def test_distributed_optimizer_equals_the_unsharded_one_over_two_ranks():
              ("adam", torch.float32, {"decoupled_lr": 3e-2, "decoupled_min_lr": 1e-3}),
              ("adam", torch.bfloat16, {"use_precision_aware_optimizer": True,
                                        "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"})]  # fmt: skip
-    torch.multiprocessing.start_processes(_worker, args=(port, cases), nprocs=2,
-                                          start_method="spawn")  # fmt: skip
+    start_ranks(_worker, (port, cases), nprocs=2)
 
 
 def test_distributed_optimizer_refuses_matrix_optimizers():

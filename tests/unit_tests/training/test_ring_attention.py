@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_processes import start_ranks
 
 from megatron.distributed.context_parallel.ring import chunk_positions, ring_attention
 
@@ -54,7 +55,7 @@ def worker(rank: int, store_path: str, results) -> None:
 def measured(tmp_path_factory):
     results = mp.Manager().dict()
     store = os.path.join(tmp_path_factory.mktemp("ring"), "store")
-    mp.spawn(worker, args=(store, results), nprocs=4, join=True)
+    start_ranks(worker, (store, results), nprocs=4)
     return dict(results)
 
 
