@@ -71,11 +71,11 @@ demo: venv data
 	bash examples/paci/demo_cpu.sh
 
 # The whole suite in three parts: the case batch (the functional tests marked `cases`: some
-# 330 runs in 4-process launches, two launches at a time) with the work that needs nothing of
-# it started beside it (marked `beside_cases`: the hang scenarios and the single-process
-# references, tests/functional_tests/background.py), the other functional tests (each file on
-# one of two pytest-xdist workers: their module fixtures launch runs that the file's tests
-# share), then the unit tests on both cores. (Running the parts side by side oversubscribed
+# 330 runs in 4-process launches, two launches at a time) with the case tests' single-process
+# references started beside it (marked `beside_cases`, tests/functional_tests/background.py),
+# the other functional tests (each file on one of two pytest-xdist workers: their module
+# fixtures launch runs that the file's tests share; the hang scenarios start with the part),
+# then the unit tests on both cores. (Running the parts side by side oversubscribed
 # the two cores, cost more CPU and made a timing-sensitive test fail; the last two in one
 # pytest-xdist session took 7 min 42 s against 7 min 2 s one after the other.) Every part runs;
 # the target fails if any did.

@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import background  # beside this file
 import pytest
@@ -19,18 +20,30 @@ def case_results(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests of the case batch are marked `cases`, those whose work starts with the session
-    (background.py) `beside_cases`: `make test` runs them together as a part of their own."""
+    """The tests of the case batch are marked `cases`, those whose reference runs start with the
+    session beside it (background.py) `beside_cases`: `make test` runs them together as a part
+    of their own."""
     for item in items:
         if "case_results" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cases)
-        if background.uses(item):
+        if background.beside_cases(item):
             item.add_marker(pytest.mark.beside_cases)
 
 
 def pytest_collection_finish(session):
-    """Start the work that the collected tests wait for (background.py); a pytest-xdist worker
-    does not know yet which tests it runs: there each fixture does its own when asked."""
-    if hasattr(session.config, "workerinput") or session.config.option.collectonly:
+    """Start the work that the collected tests wait for (background.py); each pytest-xdist
+    worker collects every test of the session, and the first to claim a piece of work runs it
+    for all."""
+    if session.config.option.collectonly:
         return
+    worker = getattr(session.config, "workerinput", None)
+    if worker is not None:
+        background.SHARED["directory"] = os.path.join(
+            tempfile.gettempdir(), f"pytest-background-{worker['testrunuid']}"
+        )
+        os.makedirs(background.SHARED["directory"], exist_ok=True)
     background.start([key for item in session.items for key in background.uses(item)])
+
+
+def pytest_sessionfinish(session):
+    background.wait_for_started()

@@ -181,7 +181,7 @@ def test_error_of_one_rank_is_printed_with_its_rank(diverged):
 
 
 # ---------------------------------------------------------------------------- hangs
-@background.started_with_the_session
+@background.started_with_the_session(beside_cases=False)
 def frozen_runs(directory: str) -> dict:
     """The three hang scenarios below each wait out --distributed-timeout-minutes 1, so they
     run side by side (they sleep, they do not compute), started with the session where it runs
