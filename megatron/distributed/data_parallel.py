@@ -32,6 +32,7 @@ updated parameters (`dp_param_gather_s`, `dp_param_gather_exposed_s` in summary.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -213,10 +214,11 @@ def _covered(spans) -> float:
 
 
 class ReductionFailed(RuntimeError):
-    """A bucket's data-parallel collective failed: it timed out (a replica is stuck) or a
-    replica is gone. The message names this rank, the bucket and the group's ranks."""
+    """A data-parallel collective failed: it timed out (a replica is stuck) or a replica is
+    gone. The message names this rank, what was reduced (`what`: a bucket's gradients, the
+    loss) and the group's ranks."""
 
-    def __init__(self, bucket: "Bucket", group, cause: BaseException):
+    def __init__(self, what: str, group, cause: BaseException):
         text = str(cause).strip()
         self.timed_out = "timed out" in text.lower() or "timeout" in text.lower()
         if self.timed_out:
@@ -224,10 +226,17 @@ class ReductionFailed(RuntimeError):
         else:  # gloo's message starts with its source location: keep what follows
             problem = (re.sub(r"^\[[^\]]*\]\s*", "", text) or type(cause).__name__).splitlines()[0]
         ranks = dist.get_process_group_ranks(group) if group is not None else "all"
-        super().__init__(
-            f"rank {dist.get_rank()}: the data-parallel reduction of {bucket} over ranks "
-            f"{ranks} failed: {problem}"
-        )
+        super().__init__(f"rank {dist.get_rank()}: {what} over ranks {ranks} failed: {problem}")
+
+
+@contextlib.contextmanager
+def named_reduction(what: str, group):
+    """A data-parallel collective run inside that fails raises a `ReductionFailed` naming
+    `what`, which the entry point reports in one line (a raw gloo or NCCL traceback before)."""
+    try:
+        yield
+    except RuntimeError as error:
+        raise ReductionFailed(what, group, error) from error
 
 
 # ---------------------------------------------------------------------------- buckets
@@ -435,7 +444,8 @@ class BucketedReduction:
                 try:
                     work.wait()
                 except RuntimeError as error:
-                    raise ReductionFailed(bucket, self.strategy.group, error) from error
+                    what = f"the data-parallel reduction of {bucket}"
+                    raise ReductionFailed(what, self.strategy.group, error) from error
             bucket.works = []
             self.strategy.finish(bucket)
             end = bucket.landed_at or time.perf_counter()

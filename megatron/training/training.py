@@ -22,7 +22,7 @@ from megatron.core.config import set_experimental_flag
 
 from megatron.common.errors import RunFailed, UserError
 from megatron.distributed import fsdp
-from megatron.distributed.data_parallel import resolve_bucket_size
+from megatron.distributed.data_parallel import named_reduction, resolve_bucket_size
 from megatron.distributed.gloo_device import shared_gloo_device
 from megatron.model.build import build_stage_model, shard_stage_model
 from megatron.model.dsa import (
@@ -1285,7 +1285,8 @@ def _average_loss(loss_dicts: list[dict]) -> float:
     local = torch.stack([d["lm loss"].detach().float() for d in loss_dicts]).mean()
     group = parallel_state.get_data_parallel_group()
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(local, group=group)
+        with named_reduction("the data-parallel average of the loss", group):
+            dist.all_reduce(local, group=group)
         local = local / dist.get_world_size(group)
     return float(local)
 
@@ -1293,7 +1294,8 @@ def _average_loss(loss_dicts: list[dict]) -> float:
 def _per_token_mean(sum_and_tokens: torch.Tensor) -> float:
     group = parallel_state.get_data_parallel_group()
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(sum_and_tokens, group=group)
+        with named_reduction("the data-parallel average of the loss", group):
+            dist.all_reduce(sum_and_tokens, group=group)
     return float(sum_and_tokens[0] / sum_and_tokens[1].clamp(min=1.0))
 
 

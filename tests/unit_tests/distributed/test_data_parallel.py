@@ -10,9 +10,11 @@ from megatron.distributed.data_parallel import (
     BucketedReduction,
     BucketStrategy,
     CopiedAllReduce,
+    ReductionFailed,
     ReductionTimes,
     bucket_ranges,
     default_bucket_size,
+    named_reduction,
     resolve_bucket_size,
 )
 
@@ -135,6 +137,40 @@ def test_copied_all_reduce_writes_the_mean_back(one_rank_group):
     reduction.finish()
     assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))
     assert reduction.times.bytes == 4 * sum(p.numel() for p in params)
+
+
+GLOO_TIMEOUT = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 60000ms for recv"
+
+
+def test_a_stuck_replica_during_the_loss_average_is_named(one_rank_group, monkeypatch):
+    """The training loop's average of the loss over the data-parallel ranks, when a replica
+    never joins: one line naming the rank, the collective and the group, which the entry
+    point reports as a lost replica (a raw gloo traceback before)."""
+    import torch.distributed as dist
+
+    from megatron.training import training
+
+    def stuck(tensor, group=None):
+        raise RuntimeError(GLOO_TIMEOUT)
+
+    monkeypatch.setattr(dist, "all_reduce", stuck)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    for loss in (torch.tensor(3.0), torch.tensor([6.0, 2.0])):  # mean; (sum, tokens) pair
+        with pytest.raises(ReductionFailed) as failure:
+            training._average_loss([{"lm loss": loss}])
+        assert str(failure.value) == (
+            "rank 0: the data-parallel average of the loss over ranks [0] failed: got nothing "
+            "within --distributed-timeout-minutes: a replica is stuck"
+        )
+        assert failure.value.timed_out
+
+
+def test_a_lost_replica_keeps_what_gloo_said(one_rank_group):
+    with pytest.raises(ReductionFailed) as failure:
+        with named_reduction("the data-parallel reduction of bucket 0", None):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer\nmore")
+    assert not failure.value.timed_out
+    assert str(failure.value).endswith("over ranks all failed: Connection closed by peer")
 
 
 def test_reduction_time_counts_overlapping_buckets_once():
