@@ -27,14 +27,19 @@ and z losses take each backward's loss-gradient scale from the executor, and eac
 its expert bias and resets its counters at its own step (`_with_moe`).
 
 Mitigations are the optimizer's (`build_optimizer`: `--async-error-feedback`,
-`--delay-compensation-lambda`, every `--optimizer`). Validation uses the same fixed set of
-`--eval-iters` batches of the validation split at every evaluation, as `pretrain` does.
+`--delay-compensation-lambda`, every `--optimizer`). Each evaluation reads the next
+`--eval-iters` batches of the validation split, as `pretrain`'s do.
+
+A run given a checkpoint file (`train(..., checkpoint=PATH)`) writes it at a drain point every
+ten minutes and, started again, goes on from it with the numbers of an uninterrupted run (not
+yet for the schedules that stash weight versions).
 
     from megatron.studies.single_process_engine import parse_engine_args, train
     result = train(parse_engine_args(flags))   # flags: pretrain_gpt.py's
 """
 
 import collections
+import dataclasses
 import os
 import queue
 import threading
@@ -70,6 +75,7 @@ class EngineRun:
     # PACI: per phase of the accumulation schedule, {"a", "iterations", "max_drift" by stage}
     phases: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU time, every thread's (a resumed run's parts summed)
 
     def to_dict(self) -> dict:
         return {
@@ -78,6 +84,7 @@ class EngineRun:
             "tokens": self.tokens,
             "phases": self.phases,
             "wall_s": self.wall_s,
+            "cpu_s": self.cpu_s,
         }
 
 
@@ -125,7 +132,7 @@ def phases_of(config) -> list[tuple[int, int]]:
 class _Stages:
     """The model's stages in one process, their data iterators and optimizer steps."""
 
-    def __init__(self, config):
+    def __init__(self, config, consumed_train_samples: int = 0):
         from megatron.model.build import stage_layout
         from megatron.studies.delayed_reference import (
             build_local_stage,
@@ -161,6 +168,7 @@ class _Stages:
                 valid_samples=(
                     training.eval_iters * training.global_batch_size if evaluations else 0
                 ),
+                consumed_train_samples=consumed_train_samples,
             )
 
         # The first and the last stage read the same streams, as on separate ranks.
@@ -181,6 +189,33 @@ class _Stages:
         if deferred:  # (validation refuses it with tied embeddings or MoE)
             self.steps = [_Deferred(step, runtime, deferred)
                           for step, runtime in zip(self.steps, self.runtimes)]  # fmt: skip
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs at a drain point (the pipeline empty, deferred updates
+        landed): each stage's weights, optimizer (its delay corrections' buffers included),
+        LR schedule and step counters."""
+        stages = []
+        for model, step in zip(self.models, self.steps):
+            step = _stage_step(step)
+            stages.append({
+                "model": model.state_dict(), "optimizer": step.optimizer.state_dict(),
+                "scheduler": step.scheduler.state_dict(),
+                "counters": (step.calls, step.skipped_steps, step.consecutive_skips),
+            })  # fmt: skip
+        # evaluations read on through the validation split (cycling), as `pretrain`'s do
+        validation = [it.next_sample for it in (self.valid_first, self.valid_last) if it]
+        return {"stages": stages, "validation_next_sample": validation}
+
+    def load_state_dict(self, state: dict) -> None:
+        for model, step, saved in zip(self.models, self.steps, state["stages"], strict=True):
+            step = _stage_step(step)
+            model.load_state_dict(saved["model"])
+            step.optimizer.load_state_dict(saved["optimizer"])
+            step.scheduler.load_state_dict(saved["scheduler"])
+            step.calls, step.skipped_steps, step.consecutive_skips = saved["counters"]
+        iterators = [it for it in (self.valid_first, self.valid_last) if it]
+        for iterator, next_sample in zip(iterators, state["validation_next_sample"], strict=True):
+            iterator.next_sample = next_sample
 
     def at_drain(self) -> None:
         """The pipeline is empty: deferred updates land; the last stage's tied copy catches up
@@ -396,8 +431,9 @@ def _segment(config, stages: _Stages, a: int, iterations: int, drift: list[int])
 
 @torch.no_grad()
 def evaluate(training, stages: _Stages) -> float:
-    """Mean lm loss over `--eval-iters` batches of `--global-batch-size` validation samples
-    (the same set every time: the validation iterator cycles over exactly these)."""
+    """Mean lm loss over the next `--eval-iters` batches of `--global-batch-size` validation
+    samples (each evaluation reads on through the validation split, starting over at its end,
+    as `pretrain`'s evaluations do)."""
     for model in stages.models:
         model.eval()
     total, count = 0.0, training.eval_iters * training.num_microbatches
@@ -411,26 +447,44 @@ def evaluate(training, stages: _Stages) -> float:
     return total / count
 
 
-def train(args, *, log=None) -> EngineRun:
+def train(
+    args, *, log=None, checkpoint: str | None = None, checkpoint_interval_s: float = 600.0
+) -> EngineRun:
     """Train --train-iters iterations of --pipeline-schedule; evaluate every --eval-interval
     iterations when --eval-iters > 0. `args`: the flags of `parse_engine_args`, read once into
-    the run's configuration."""
+    the run's configuration. With `checkpoint` (a file), the run goes on from it when it
+    exists and writes it (atomically) at the first drain point after every
+    `checkpoint_interval_s` seconds of training, so a stopped study loses at most that much;
+    the numbers are those of an uninterrupted run."""
     from megatron.training.config import RunConfig
+    from megatron.training.training import drain_points
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     torch.set_num_threads(1)
     config = RunConfig.from_args(args)
     training = config.training
-    stages = _Stages(config)
+    if checkpoint and not resumable(config):
+        raise UserError(
+            f"--pipeline-schedule {args.pipeline_schedule} keeps weight versions across drain "
+            "points, which the single-process engine's checkpoints do not hold yet"
+        )
+    saved = _read_checkpoint(checkpoint, args)
+    stages = _Stages(config, consumed_train_samples=saved["consumed_train_samples"] if saved else 0)
     result, iteration, tokens = EngineRun(), 0, 0
     phase_ends, end = [], 0
     for a, iterations in phases_of(config):
         end += iterations
         phase_ends.append((a, end))
         result.phases.append({"a": a, "iterations": iterations, "max_drift": [0] * stages.count})
-    from megatron.training.training import drain_points
-
-    for point in drain_points(config, 0):
+    if saved:
+        stages.load_state_dict(saved["stages"])
+        torch.set_rng_state(saved["rng_state"])
+        result = EngineRun(**saved["result"])
+        iteration, tokens = saved["iteration"], result.tokens[-1] if result.tokens else 0
+        start -= result.wall_s  # the summary's times count the run's earlier parts
+        cpu_start -= result.cpu_s
+    last_save = time.perf_counter()
+    for point in drain_points(config, iteration):
         while iteration < point:  # a segment never spans a phase end: those are drain points
             index = next(i for i, (_, e) in enumerate(phase_ends) if e > iteration)
             a, phase_end = phase_ends[index]
@@ -447,5 +501,56 @@ def train(args, *, log=None) -> EngineRun:
             result.validation.append({"iteration": iteration, "lm loss": loss, "tokens": tokens})
             if log is not None:
                 log(f"iteration {iteration}: train {result.losses[-1]:.4f}, valid {loss:.4f}")
+        done = iteration >= training.train_iters
+        if checkpoint and not done and time.perf_counter() - last_save >= checkpoint_interval_s:
+            result.wall_s = time.perf_counter() - start
+            result.cpu_s = time.process_time() - cpu_start
+            samples = tokens // config.model.seq_length  # a varies with PACI's schedule
+            _write_checkpoint(checkpoint, args, stages, result, iteration, samples)
+            last_save = time.perf_counter()
     result.wall_s = time.perf_counter() - start
+    result.cpu_s = time.process_time() - cpu_start
     return result
+
+
+def resumable(config) -> bool:
+    """Whether `train` can checkpoint the run: not the schedules that stash weight versions
+    (2BW, PipeDream, PACI with --paci-weight-stashing), whose executors keep older versions
+    from one drain point to the next."""
+    return not config.pipeline.plan.schedule.stashes_weights
+
+
+def _run_flags(args) -> dict:
+    """The flags that decide a run's numbers, to refuse a checkpoint of another run."""
+    kinds = (int, float, str, bool, list, tuple, type(None))
+    return {k: v for k, v in sorted(vars(args).items()) if isinstance(v, kinds)}
+
+
+def _read_checkpoint(path: str | None, args) -> dict | None:
+    if not path or not os.path.exists(path):
+        return None
+    saved = torch.load(path, weights_only=False)
+    if saved["flags"] != _run_flags(args):
+        changed = sorted(k for k in saved["flags"].keys() | _run_flags(args).keys()
+                         if saved["flags"].get(k) != _run_flags(args).get(k))  # fmt: skip
+        raise UserError(
+            f"{path} is the checkpoint of another run (flags that differ: "
+            f"{', '.join(changed)}): remove it to train this run from the start"
+        )
+    return saved
+
+
+def _write_checkpoint(path, args, stages, result, iteration: int, samples: int) -> None:
+    """At a drain point: the stages, the RNG, what the run measured so far; written under a
+    temporary name and renamed, so a stop while writing keeps the previous checkpoint."""
+    payload = {
+        "flags": _run_flags(args),
+        "iteration": iteration,
+        "consumed_train_samples": samples,
+        "stages": stages.state_dict(),
+        "rng_state": torch.get_rng_state(),
+        "result": dataclasses.asdict(result),
+    }
+    temporary = f"{path}.tmp"
+    torch.save(payload, temporary)
+    os.replace(temporary, path)

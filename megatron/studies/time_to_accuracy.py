@@ -185,9 +185,8 @@ def check_model_data(model: str) -> None:
 def run_all_single_process(configurations, seeds, output, *, log=print, **run_options):
     """`run_all` with the single-process engine (`single_process_engine`), one run after the
     other in this process; `run_options` go to `Configuration.args`. Each finished run writes
-    its summary.json at once, so a cut-short study resumes where it stopped."""
-    import time
-
+    its summary.json at once, so a cut-short study resumes where it stopped, and a run in
+    progress goes on from its checkpoint."""
     from megatron.studies.single_process_engine import parse_engine_args, train
 
     check_model_data(run_options.get("model", "demo"))
@@ -197,14 +196,18 @@ def run_all_single_process(configurations, seeds, output, *, log=print, **run_op
             if os.path.exists(os.path.join(directory, "summary.json")):
                 continue
             flags = config.args(seed=seed, **run_options)
-            cpu = time.process_time()
-            result = train(parse_engine_args(flags))
-            summary = {**result.to_dict(), "cpu_s": time.process_time() - cpu, "args": flags}
             os.makedirs(directory, exist_ok=True)
+            # a stopped run goes on from its last drain point's checkpoint (at most ten
+            # minutes of training lost), with the numbers of an uninterrupted run
+            checkpoint = os.path.join(directory, "checkpoint.pt")
+            result = train(parse_engine_args(flags), checkpoint=checkpoint)
+            summary = {**result.to_dict(), "args": flags}
             with open(os.path.join(directory, "summary.json.tmp"), "w") as f:
                 json.dump(summary, f)
             os.replace(os.path.join(directory, "summary.json.tmp"),
                        os.path.join(directory, "summary.json"))  # fmt: skip
+            if os.path.exists(checkpoint):
+                os.remove(checkpoint)
             final = result.validation[-1]["lm loss"] if result.validation else float("nan")
             log(f"{config.name} seed {seed}: validation {final:.4f}, "
                 f"{summary['cpu_s']:.0f} s CPU, {result.wall_s:.0f} s wall")  # fmt: skip
@@ -227,7 +230,7 @@ def iterations_to(curve: list[tuple[int, float]], target: float) -> float | None
         if loss <= target:
             if previous is None or previous[1] == loss:
                 return float(iteration)
-            (i0, l0), fraction = previous, (previous[1] - target) / (previous[1] - loss)
+            (i0, _), fraction = previous, (previous[1] - target) / (previous[1] - loss)
             return i0 + fraction * (iteration - i0)
         previous = (iteration, loss)
     return None

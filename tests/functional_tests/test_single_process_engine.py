@@ -42,6 +42,20 @@ CASES = [
 # The engine alone, without the flag under test, for the difference it makes.
 UNSTASHED = "engine_pp4_paci_stash:without stashing"
 COUPLED = "engine_pp4_paci_muon_decoupled:one LR"
+# Runs stopped at this iteration's evaluation and resumed from their last checkpoint: a phase
+# of PACI's accumulation schedule crossed after the resume, error feedback's buffers with a
+# per-stage LR, Muon with a decoupled LR, PACI with tied embeddings (their exchange's lag), MoE,
+# and flush.
+RESUMED = {
+    "engine_pp4_paci_accumulation_schedule": 8,
+    "engine_pp4_paci_ef": 12,
+    "engine_pp4_paci_muon_decoupled": 8,
+    "engine_pp4_paci_tied_rope": 12,
+    "engine_pp4_paci_moe": 4,
+    "engine_pp4_1f1b": 8,
+}
+STASHING = "engine_pp4_2bw_muon_ef"  # its checkpoints would need the executors' weight stash
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @background.started_with_the_session
@@ -58,14 +72,13 @@ def engine_results(output: str) -> dict[str, dict]:
     at = decoupled.index("--decoupled-lr")
     assert decoupled[at + 2] == "--decoupled-min-lr"
     spec[COUPLED] = decoupled[:at] + decoupled[at + 4 :]
-    script = (
-        "import json, sys\n"
-        "from megatron.studies.single_process_engine import parse_engine_args, train\n"
-        "spec = json.loads(sys.argv[1])\n"
-        "print(json.dumps({n: train(parse_engine_args(f)).to_dict() for n, f in spec.items()}))\n"
-    )
+    runs = {name: {"flags": flags} for name, flags in spec.items()}
+    for name, stop_at in {**RESUMED, STASHING: 8}.items():
+        runs[f"{name}:resumed"] = {"flags": spec[name], "stop_at": stop_at}
+    spec_file = os.path.join(output, "engine_runs.json")
+    json.dump(runs, open(spec_file, "w"))
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    completed = subprocess.run([sys.executable, "-c", script, json.dumps(spec)],
+    completed = subprocess.run([sys.executable, os.path.join(HERE, "engine_runs.py"), spec_file],
                                capture_output=True, text=True, env=environment)  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(completed.stdout.strip().splitlines()[-1])
@@ -104,6 +117,24 @@ def test_engine_equals_the_asynchronous_runtime(case_results, engine_results, na
         )
         <= 1e-6
     )
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_a_stopped_run_goes_on_from_its_checkpoint(engine_results, name):
+    """A run stopped at an evaluation and trained again from its checkpoint (the last drain
+    point's: weights, optimizers with their corrections' buffers, LR schedules, data position,
+    what was measured) gives the uninterrupted run's numbers exactly, and did not start over."""
+    whole, resumed = engine_results[name], engine_results[f"{name}:resumed"]
+    assert resumed["first_evaluation"] == RESUMED[name], "the resumed run started over"
+    assert resumed["loss"] == whole["loss"]
+    assert resumed["validation"] == whole["validation"]
+    assert resumed["tokens"] == whole["tokens"]
+    assert resumed["phases"] == whole["phases"]
+
+
+def test_a_weight_stashing_run_is_refused_a_checkpoint(engine_results):
+    refused = engine_results[f"{STASHING}:resumed"].get("refused", "")
+    assert "2bw keeps weight versions across drain points" in refused
 
 
 @pytest.mark.parametrize("name", ["engine_pp4_1f1b", "engine_pp4_1f1b_moe"])

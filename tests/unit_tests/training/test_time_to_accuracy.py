@@ -175,3 +175,23 @@ def test_the_small_models_data_missing_is_one_line(tmp_path):
         "run `make data-small` first"
     )
     assert "Traceback" not in completed.stderr
+
+
+def test_a_checkpoint_of_other_flags_is_refused_by_name(tmp_path):
+    """A study's run directory holding another run's checkpoint (its flags changed since) is
+    not resumed: the error names the flags that differ."""
+    import argparse
+
+    import torch
+
+    from megatron.common.errors import UserError
+    from megatron.studies import single_process_engine as engine
+
+    path = str(tmp_path / "checkpoint.pt")
+    saved = argparse.Namespace(lr=3e-3, seed=1, train_iters=2000, data_path=["runs/x"])
+    torch.save({"flags": engine._run_flags(saved)}, path)
+    assert engine._read_checkpoint(path, saved)["flags"]["lr"] == 3e-3
+    assert engine._read_checkpoint(str(tmp_path / "none.pt"), saved) is None
+    changed = argparse.Namespace(**{**vars(saved), "lr": 1.5e-3, "seed": 2})
+    with pytest.raises(UserError, match=r"flags that differ: lr, seed\)"):
+        engine._read_checkpoint(path, changed)

@@ -1,0 +1,62 @@
+"""Cases trained by the single-process engine in this process; their results printed as one
+JSON line.
+
+    python tests/functional_tests/engine_runs.py SPEC.json
+
+SPEC maps a name to {"flags": pretrain_gpt.py's flags, "stop_at": N or null}. With `stop_at`,
+the run writes its checkpoint at every drain point, is stopped at its evaluation of iteration
+N (by an exception, as a study is by a kill), and is trained again from the checkpoint: the
+result is the resumed run's, with "first_evaluation", the first iteration it evaluated, or
+{"refused": the error} where the engine refuses to checkpoint the run.
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+from megatron.common.errors import UserError
+from megatron.studies.single_process_engine import parse_engine_args, train
+
+
+class Stopped(Exception):
+    pass
+
+
+def stopped_and_resumed(flags: list[str], stop_at: int, directory: str) -> dict:
+    checkpoint = os.path.join(directory, "checkpoint.pt")
+
+    def stop(message: str) -> None:
+        if message.startswith(f"iteration {stop_at}:"):
+            raise Stopped
+
+    try:
+        train(parse_engine_args(flags), log=stop, checkpoint=checkpoint, checkpoint_interval_s=0)
+    except Stopped:
+        pass
+    except UserError as error:
+        return {"refused": str(error)}
+    else:
+        raise AssertionError(f"the run never evaluated iteration {stop_at}")
+    assert os.path.exists(checkpoint), "no checkpoint was written before the stop"
+    evaluated = []
+    result = train(parse_engine_args(flags), log=evaluated.append, checkpoint=checkpoint,
+                   checkpoint_interval_s=0)  # fmt: skip
+    first = int(evaluated[0].split()[1].rstrip(":"))
+    return {**result.to_dict(), "first_evaluation": first}
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    results = {}
+    for name, run in spec.items():
+        if run.get("stop_at") is None:
+            results[name] = train(parse_engine_args(run["flags"])).to_dict()
+        else:
+            with tempfile.TemporaryDirectory() as directory:
+                results[name] = stopped_and_resumed(run["flags"], run["stop_at"], directory)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
