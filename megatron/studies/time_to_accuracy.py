@@ -41,10 +41,13 @@ RECIPE = [
 ]  # fmt: skip
 
 
-def study_model(hidden: int, seq: int, data: str, tokenizer_model: str) -> list[str]:
-    """A 4-layer GPT of width `hidden` on the corpus under the prefix `data`, with RECIPE."""
+def study_model(hidden: int, seq: int, data: str, tokenizer_model: str,
+                layers: int = 4) -> list[str]:  # fmt: skip
+    """A GPT of `layers` layers of width `hidden` on the corpus under the prefix `data`, with
+    RECIPE."""
     return [
-        "--num-layers", "4", "--hidden-size", str(hidden), "--ffn-hidden-size", str(4 * hidden),
+        "--num-layers", str(layers), "--hidden-size", str(hidden),
+        "--ffn-hidden-size", str(4 * hidden),
         "--num-attention-heads", "4", "--seq-length", str(seq),
         "--max-position-embeddings", str(seq),
         "--data-path", f"{data}/stdlib_text_document", "--data-cache-path", f"{data}/cache",
@@ -76,12 +79,17 @@ SMALL_MOE_MODEL = SMALL_MODEL + [
 # 96: 1.9x, hidden 144: 3.9x, the 1,024-token embedding and output layer counted), same data.
 SMALL_2X_MODEL = study_model(96, 32, SMALL_DATA, f"{SMALL_DATA}/tokenizer/stdlib1k.model")
 SMALL_4X_MODEL = study_model(144, 32, SMALL_DATA, f"{SMALL_DATA}/tokenizer/stdlib1k.model")
+# The depth check's model: 16 layers of hidden 112 (8.0x the small model's parameters: 4x its
+# depth, 1.75x its width), for 4 stages (4 layers each) or 8 (2 each, with
+# --pipeline-model-parallel-size=8 among a configuration's flags).
+DEEP_8X_MODEL = study_model(112, 32, SMALL_DATA, f"{SMALL_DATA}/tokenizer/stdlib1k.model", 16)
 MODELS = {
     "demo": DEMO_MODEL + ["--lr-warmup-iters", "10"],
     "small": SMALL_MODEL,
     "small-moe": SMALL_MOE_MODEL,
     "small-2x": SMALL_2X_MODEL,
     "small-4x": SMALL_4X_MODEL,
+    "deep-8x": DEEP_8X_MODEL,
 }
 
 
@@ -176,7 +184,7 @@ def _launch(cases: list[dict], output: str) -> None:
 def check_model_data(model: str) -> None:
     """The small models read a corpus that `make data-small` builds: one line if it is not."""
     dataset = f"{SMALL_DATA}/stdlib_text_document"
-    if model.startswith("small") and not os.path.exists(dataset + ".idx"):
+    if model != "demo" and not os.path.exists(dataset + ".idx"):
         raise UserError(
             f"--model {model} reads {dataset}, which is not built: run `make data-small` first"
         )

@@ -157,6 +157,31 @@ def test_the_moe_study_model_is_the_small_model_with_experts_of_equal_active_wid
     assert args.pipeline_schedule == "paci" and args.optimizer == "muon"
 
 
+def test_the_deep_model_is_the_small_model_four_times_deeper_and_eight_times_larger():
+    """16 layers of width 112 against 4 of 64; its parameters by the GPT's closed form (per
+    layer 12h^2 + 13h; the 1,024-token embedding, its 32 positions and the untied output
+    layer; the final norm): 2,664,928, 8.0x the small model's 333,184 (both what the built
+    models count)."""
+
+    def value(flags, name):
+        return int(flags[flags.index(name) + 1])
+
+    def parameters(flags):
+        h, layers = value(flags, "--hidden-size"), value(flags, "--num-layers")
+        return layers * (12 * h * h + 13 * h) + 2 * 1024 * h + 32 * h + 2 * h
+
+    small, deep = tta.MODELS["small"], tta.MODELS["deep-8x"]
+    assert value(deep, "--num-layers") == 4 * value(small, "--num-layers") == 16
+    assert value(deep, "--hidden-size") == 112
+    assert (parameters(small), parameters(deep)) == (333_184, 2_664_928)
+    assert round(parameters(deep) / parameters(small), 1) == 8.0
+    apart = {"--num-layers", "--hidden-size", "--ffn-hidden-size"}
+    rest = [(f, v) for f, v in zip(small, small[1:] + [None]) if f.startswith("--")]
+    assert [(f, v) for f, v in rest if f not in apart] == [
+        (f, v) for f, v in zip(deep, deep[1:] + [None]) if f.startswith("--") and f not in apart
+    ]
+
+
 def test_the_small_models_data_missing_is_one_line(tmp_path):
     """A fresh clone: the study command of docs/convergence.md before `make data-small` ends in
     one line naming the target, not a traceback."""
