@@ -93,6 +93,20 @@ MODELS = {
 }
 
 
+def parameter_count(flags: list[str]) -> int:
+    """A study model's parameters by the GPT's closed form, from its flags: per layer
+    12h^2 + 13h (attention and a 4h MLP with biases, two norms), the token and position
+    embeddings, the untied output layer and the final norm (what the built model counts)."""
+
+    def value(name: str) -> int:
+        return int(flags[flags.index(name) + 1])
+
+    hidden, layers, vocabulary = value("--hidden-size"), value("--num-layers"), 1024
+    assert value("--ffn-hidden-size") == 4 * hidden and "--num-experts" not in flags
+    per_layer = 12 * hidden * hidden + 13 * hidden
+    return layers * per_layer + (2 * vocabulary + value("--seq-length") + 2) * hidden
+
+
 @dataclass(frozen=True)
 class Configuration:
     """A schedule with its optimizer, LR and mitigation flags."""

@@ -160,20 +160,18 @@ def test_the_moe_study_model_is_the_small_model_with_experts_of_equal_active_wid
 def test_the_deep_model_is_the_small_model_four_times_deeper_and_eight_times_larger():
     """16 layers of width 112 against 4 of 64; its parameters by the GPT's closed form (per
     layer 12h^2 + 13h; the 1,024-token embedding, its 32 positions and the untied output
-    layer; the final norm): 2,664,928, 8.0x the small model's 333,184 (both what the built
-    models count)."""
+    layer; the final norm): 2,664,928, 8.0x the small model's 333,184 (the counts of the
+    built models)."""
 
     def value(flags, name):
         return int(flags[flags.index(name) + 1])
 
-    def parameters(flags):
-        h, layers = value(flags, "--hidden-size"), value(flags, "--num-layers")
-        return layers * (12 * h * h + 13 * h) + 2 * 1024 * h + 32 * h + 2 * h
-
+    parameters = tta.parameter_count
     small, deep = tta.MODELS["small"], tta.MODELS["deep-8x"]
     assert value(deep, "--num-layers") == 4 * value(small, "--num-layers") == 16
     assert value(deep, "--hidden-size") == 112
     assert (parameters(small), parameters(deep)) == (333_184, 2_664_928)
+    assert parameters(tta.MODELS["small-4x"]) == 1_302_624  # as built, too
     assert round(parameters(deep) / parameters(small), 1) == 8.0
     apart = {"--num-layers", "--hidden-size", "--ffn-hidden-size"}
     rest = [(f, v) for f, v in zip(small, small[1:] + [None]) if f.startswith("--")]

@@ -1,0 +1,112 @@
+"""PACI's gap to flush as the model grows and as the pipeline deepens (docs/convergence.md,
+"Scale"): the final validation loss of a PACI run over flush's on the same seed, minus one,
+median and range over the seeds both have; a markdown table and a PNG.
+
+    .venv/bin/python tools/plot_scale_trend.py --png docs/convergence_scale.png \
+        --point "AdamW|small|4|runs/tta_best|flush-adam-dec-lr3e-3|paci-adam-ef-a8x200-dec-lr3e-3" \
+        --point "AdamW|small-4x|4|runs/tta_best/small-4x|flush-adam-dec-lr3e-3|..."
+
+Each --point is OPTIMIZER|MODEL|STAGES|OUTPUT|FLUSH RUN|PACI RUN (run names under OUTPUT,
+without -seedN; MODEL one of time_to_accuracy's study models, whose parameters give the x
+axis). Left: the gap against parameters on 4 stages; right: against stages. A point whose
+runs have no seed in common is left out and named.
+"""
+
+import argparse
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+from megatron.common.errors import UserError, run_tool  # noqa: E402
+from megatron.studies import time_to_accuracy as tta  # noqa: E402
+
+
+def parse_point(text: str) -> dict:
+    parts = text.split("|")
+    if len(parts) != 6 or parts[1] not in tta.MODELS or not parts[2].isdigit():
+        raise UserError(f"--point {text!r}: expected OPTIMIZER|MODEL|STAGES|OUTPUT|FLUSH|PACI "
+                        f"with MODEL one of {', '.join(sorted(tta.MODELS))}")  # fmt: skip
+    optimizer, model, stages, output, flush, paci = parts
+    return dict(optimizer=optimizer, model=model, stages=int(stages), output=output,
+                flush=flush, paci=paci)  # fmt: skip
+
+
+def gap(point: dict, seeds: list[int]) -> dict | None:
+    """The paired gap in percent over the seeds both runs finished, with their count."""
+    runs = []
+    for name in (point["flush"], point["paci"]):
+        for seed in seeds:
+            directory = tta.run_directory(point["output"], name, seed)
+            if os.path.exists(os.path.join(directory, "summary.json")):
+                runs.append(tta._read_run(point["output"], name, seed))
+    both = {r.seed for r in runs if r.configuration == point["flush"]}
+    both &= {r.seed for r in runs if r.configuration == point["paci"]}
+    result = tta.paired_gaps(runs, point["paci"], point["flush"])
+    if result is None:
+        return None
+    return {key: 100 * value for key, value in result.items()} | {"seeds": len(both)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--point", action="append", required=True, type=parse_point,
+                        help="OPTIMIZER|MODEL|STAGES|OUTPUT|FLUSH RUN|PACI RUN")  # fmt: skip
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--png", default="docs/convergence_scale.png")
+    options = parser.parse_args(argv)
+    seeds = [int(s) for s in options.seeds.split(",")]
+    rows = []
+    print("| optimizer | model | parameters | stages | gap vs flush, median [min, max] | seeds |")
+    print("|---|---|---|---|---|---|")
+    for point in options.point:
+        measured = gap(point, seeds)
+        params = tta.parameter_count(tta.MODELS[point["model"]])
+        if measured is None:
+            print(f"(not measured yet: {point['paci']} against {point['flush']} in "
+                  f"{point['output']})", file=sys.stderr)  # fmt: skip
+            continue
+        rows.append((point, params, measured))
+        print(f"| {point['optimizer']} | {point['model']} | {params / 1e6:.2f}M | "
+              f"{point['stages']} | {measured['median']:+.2f}% [{measured['min']:+.2f}, "
+              f"{measured['max']:+.2f}] | {measured['seeds']} |")  # fmt: skip
+    figure, (by_size, by_stages) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for optimizer, marker in zip(dict.fromkeys(p["optimizer"] for p, _, _ in rows), "os^v"):
+        for axis, key in ((by_size, "params"), (by_stages, "stages")):
+            chosen = sorted(
+                (params if key == "params" else point["stages"], measured)
+                for point, params, measured in rows
+                if point["optimizer"] == optimizer
+                and (point["stages"] == 4 if key == "params" else point["model"] == "deep-8x")
+            )  # fmt: skip
+            if not chosen:
+                continue
+            xs = [x for x, _ in chosen]
+            medians = [m["median"] for _, m in chosen]
+            below = [m["median"] - m["min"] for _, m in chosen]
+            above = [m["max"] - m["median"] for _, m in chosen]
+            axis.errorbar(xs, medians, yerr=[below, above], marker=marker, capsize=4,
+                          label=optimizer)  # fmt: skip
+    for axis in (by_size, by_stages):
+        axis.axhline(0, color="grey", linewidth=0.8)
+        axis.grid(alpha=0.3)
+    by_size.set_xscale("log")
+    by_size.set_xlabel("parameters (4 stages)")
+    by_size.set_ylabel("PACI's final validation loss vs flush's (%)")
+    by_size.set_title("against size (below 0: PACI ahead)")
+    by_stages.set_xlabel("pipeline stages (deep-8x model)")
+    by_stages.set_xticks([4, 8])
+    by_stages.set_title("against stages")
+    by_size.legend()
+    figure.suptitle("PACI against flush, each at its best configuration (median, range: seeds)")
+    figure.tight_layout()
+    figure.savefig(options.png, dpi=110)
+    print(f"wrote {options.png}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool(main))
