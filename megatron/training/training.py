@@ -182,6 +182,7 @@ def _initialize_process_groups(config, backend: str) -> None:
 class TrainingState:
     iteration: int = 0
     consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0  # evaluations read on from here, also after a resume
     losses: list = field(default_factory=list)  # lm loss per iteration (last stage)
     validation: list = field(default_factory=list)
     tokens: int = 0
@@ -462,12 +463,14 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
     _bucket_the_reduction(config, model, step_func)
     state = TrainingState()
     if config.checkpoint.load:
-        state.iteration, state.consumed_train_samples = checkpointing.load(
-            config.checkpoint.load,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            config=config,
+        state.iteration, state.consumed_train_samples, state.consumed_valid_samples = (
+            checkpointing.load(
+                config.checkpoint.load,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                config=config,
+            )
         )
     runtime = _build_stage_runtime(config, model, device)
     _connect_step(runtime, step_func)
@@ -640,6 +643,7 @@ def _build_train_valid_iterators(config, tokenizer, state: TrainingState, step_f
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
         data_parallel_size=config.parallel.data_parallel_size,
         consumed_train_samples=state.consumed_train_samples,
+        consumed_valid_samples=state.consumed_valid_samples,
     )
     return _with_result_validation(config, step_func, train_iter, state), valid_iter
 
@@ -1300,6 +1304,8 @@ def _per_token_mean(sum_and_tokens: torch.Tensor) -> float:
 
 
 def evaluate(config, forward_step_func, model, valid_iter, state, writer) -> None:
+    # every rank counts, so that each stage's checkpoint holds where the next one reads
+    state.consumed_valid_samples += config.training.eval_iters * config.training.eval_batch[0]
     if valid_iter is None:
         return
     model.eval()

@@ -238,12 +238,16 @@ def test_megatron_style_log_lines(case_results):
 
 def test_paci_resumes_from_checkpoint_exactly(case_results):
     """A checkpoint is taken at a drained step boundary, so resuming reproduces the
-    uninterrupted run bit for bit (same data position, optimizer and LR schedule state)."""
-    uninterrupted = case_results["gpt_pp4_paci_a4"]["loss"]
-    first_half = case_results["gpt_pp4_paci_resume_1_save"]["loss"]
-    second_half = case_results["gpt_pp4_paci_resume_2_load"]["loss"]
-    assert first_half == uninterrupted[:4]
-    assert second_half == uninterrupted[4:]
+    uninterrupted run bit for bit (same data position, optimizer and LR schedule state), its
+    evaluations included: they read on through the validation split where the checkpoint's
+    run stopped (iteration 4's evaluation), as Megatron's do."""
+    uninterrupted = case_results["gpt_pp4_paci_a4"]
+    first_half = case_results["gpt_pp4_paci_resume_1_save"]
+    second_half = case_results["gpt_pp4_paci_resume_2_load"]
+    assert first_half["loss"] == uninterrupted["loss"][:4]
+    assert second_half["loss"] == uninterrupted["loss"][4:]
+    assert first_half["validation"] == uninterrupted["validation"][:1]
+    assert second_half["validation"] == uninterrupted["validation"][1:]
 
 
 PACI_REPLAYED = "gpt_pp4_paci_a2_noeval"

@@ -69,14 +69,16 @@ def make_run(args, width: int = 8):
 def save_at(root, iteration: int, args=None) -> None:
     args = args or make_args()
     model, optimizer, scheduler = make_run(args)
-    state = SimpleNamespace(iteration=iteration, consumed_train_samples=iteration)
+    state = SimpleNamespace(
+        iteration=iteration, consumed_train_samples=iteration, consumed_valid_samples=0
+    )
     checkpointing.save(str(root), state, model, optimizer, scheduler, config=args)
 
 
 def load(root, args=None, width: int = 8):
     args = args or make_args()
     model, optimizer, scheduler = make_run(args, width)
-    iteration, _ = checkpointing.load(
+    iteration, *_ = checkpointing.load(
         str(root), model=model, optimizer=optimizer, scheduler=scheduler, config=args
     )
     return iteration, scheduler
@@ -203,7 +205,7 @@ def test_changed_layout_is_named_or_resharded(tmp_path, ckpt_format, capsys):
     args = make_args()
     model, optimizer, scheduler = make_run(args)
     args = as_written_by(args, pipeline_model_parallel_size=4)  # a 4-stage run
-    state = SimpleNamespace(iteration=2, consumed_train_samples=2)
+    state = SimpleNamespace(iteration=2, consumed_train_samples=2, consumed_valid_samples=0)
     checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, config=args)
     if ckpt_format == "torch":
         message = load_error(tmp_path)
@@ -242,7 +244,7 @@ def test_load_past_train_iters(two_checkpoints):
 def test_checkpoint_without_recorded_args_that_does_not_fit(tmp_path):
     args = make_args()
     model, optimizer, scheduler = make_run(args)
-    state = SimpleNamespace(iteration=2, consumed_train_samples=2)
+    state = SimpleNamespace(iteration=2, consumed_train_samples=2, consumed_valid_samples=0)
     checkpointing.save(str(tmp_path), state, model, optimizer, scheduler)  # no args recorded
     assert "the checkpoint does not fit this model (" in load_error(tmp_path, width=16)
 
@@ -281,7 +283,7 @@ def save_and_load_fresh(root, args) -> tuple:
     weights; (saved run, new run, what load returned), after checking the weights are equal."""
     model, optimizer, scheduler = make_run(args)
     scheduler.step(increment=3)
-    state = SimpleNamespace(iteration=3, consumed_train_samples=24)
+    state = SimpleNamespace(iteration=3, consumed_train_samples=24, consumed_valid_samples=16)
     checkpointing.save(str(root), state, model, optimizer, scheduler, config=args)
     fresh_model, fresh_optimizer, fresh_scheduler = make_run(args)
     with torch.no_grad():
@@ -296,10 +298,33 @@ def save_and_load_fresh(root, args) -> tuple:
     return (model, optimizer, scheduler), (fresh_model, fresh_optimizer, fresh_scheduler), loaded
 
 
+def test_a_checkpoint_without_the_validation_position_resumes_at_megatrons_estimate(
+    tmp_path, ckpt_format
+):
+    """One written before the validation samples were recorded: evaluations resume where
+    evaluating every --eval-interval iterations would have read to, as Megatron estimates it
+    (iteration 12, every 5 with 3 batches of 8: 2 x 3 x 8 = 48)."""
+    args = make_args("--eval-interval", "5", "--eval-iters", "3", "--global-batch-size", "8",
+                     "--train-iters", "20")  # fmt: skip
+    model, optimizer, scheduler = make_run(args)
+    state = SimpleNamespace(iteration=12, consumed_train_samples=96, consumed_valid_samples=7)
+    checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, config=args)
+    # the torch format's one rank file, or torch_dist's common state
+    written = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
+    wanted = "common.pt" if ckpt_format == "torch_dist" else ".pt"
+    (path,) = [f for f in written if f.endswith(wanted)]
+    payload = torch.load(path, weights_only=False)
+    assert payload.pop("consumed_valid_samples") == 7
+    torch.save(payload, path)
+    loaded = checkpointing.load(str(tmp_path), model=model, optimizer=optimizer,
+                                scheduler=scheduler, config=args)  # fmt: skip
+    assert loaded == (12, 96, 48)
+
+
 def test_round_trip_restores_model_optimizer_and_schedule(tmp_path):
     saved, fresh, loaded = save_and_load_fresh(tmp_path, make_args())
     (_, optimizer, _), (_, fresh_optimizer, fresh_scheduler) = saved, fresh
-    assert loaded == (3, 24) and fresh_scheduler.num_steps == 3
+    assert loaded == (3, 24, 16) and fresh_scheduler.num_steps == 3
     expected, got = optimizer.state_dict(), fresh_optimizer.state_dict()
     assert expected["state"].keys() == got["state"].keys()
     for index, entries in expected["state"].items():
@@ -386,7 +411,7 @@ def test_every_optimizers_state_round_trips(tmp_path, flags):
     args = make_args(*flags)
     model, optimizer, scheduler = make_run(args)
     optimizer.step()  # a second step: SOAP makes its first update only now
-    state = SimpleNamespace(iteration=2, consumed_train_samples=2)
+    state = SimpleNamespace(iteration=2, consumed_train_samples=2, consumed_valid_samples=0)
     checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, config=args)
     fresh_model = build_stage_model(args, torch.device("cpu"))
     fresh_optimizer = build_optimizer(fresh_model, args.optimizer)
@@ -405,7 +430,7 @@ def test_state_that_does_not_reshard_refuses_another_layout(tmp_path):
     args = make_args("--optimizer", "soap")
     model, optimizer, scheduler = make_run(args)
     args = as_written_by(args, tensor_model_parallel_size=2)  # a TP=2 run
-    state = SimpleNamespace(iteration=2, consumed_train_samples=2)
+    state = SimpleNamespace(iteration=2, consumed_train_samples=2, consumed_valid_samples=0)
     checkpointing.save(str(tmp_path), state, model, optimizer, scheduler, config=args)
     message = load_error(tmp_path, "--optimizer", "soap")
     assert "this optimizer keeps state that does not reshard (" in message
@@ -459,7 +484,7 @@ def test_verified_checkpoint_loads_the_saved_state(tmp_path):
     """Saved and checked with --verify-integrity: the weights come back (checked in
     save_and_load_fresh) and the manifest was there to check."""
     _, _, loaded = save_and_load_fresh(tmp_path, make_args("--verify-integrity"))
-    assert loaded == (3, 24)
+    assert loaded == (3, 24, 16)
     assert (tmp_path / "iter_0000003" / "integrity.json").is_file()
 
 

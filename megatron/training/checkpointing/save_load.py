@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import signal
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -189,6 +190,7 @@ def _save_torch(root: str, state, model, optimizer, scheduler, config) -> None:
         payload = {
             "iteration": state.iteration,
             "consumed_train_samples": state.consumed_train_samples,
+            "consumed_valid_samples": state.consumed_valid_samples,
             "model": model.state_dict(),
             "args": None if config is None else recorded_flags(config),
             "run_id": checkpoint.run_id,  # which run wrote it (writer_lock.py)
@@ -210,6 +212,7 @@ def _save_dist(root: str, state, model, optimizer, scheduler, config, writer=tor
     common = {
         "iteration": state.iteration,
         "consumed_train_samples": state.consumed_train_samples,
+        "consumed_valid_samples": state.consumed_valid_samples,
         "args": recorded_flags(config),
         "run_id": checkpoint.run_id,  # which run wrote it (writer_lock.py)
     }
@@ -626,9 +629,17 @@ def has_checkpoint(root: str, fallback: bool) -> bool:
     return fallback and os.path.isdir(root) and bool(iterations_on_disk(root))
 
 
-def load(root: str, *, model, optimizer, scheduler, config=None) -> tuple[int, int]:
-    """(iteration, consumed samples) of the checkpoint in `root`, or (0, 0) when `root` has
-    none: Megatron then starts from scratch, so `--save DIR --load DIR` works on a first run."""
+class Resumed(NamedTuple):
+    """Where a loaded checkpoint's run stood."""
+
+    iteration: int
+    consumed_train_samples: int
+    consumed_valid_samples: int  # evaluations read on from there, as Megatron's do
+
+
+def load(root: str, *, model, optimizer, scheduler, config=None) -> Resumed:
+    """Where the checkpoint in `root` stood, or all 0 when `root` has none: Megatron then
+    starts from scratch, so `--save DIR --load DIR` works on a first run."""
     checkpoint = _checkpoint_config(config)
     fallback, step = checkpoint.load_fallback, checkpoint.ckpt_step
     if step is not None and step not in _iterations_if_any(root):
@@ -637,7 +648,7 @@ def load(root: str, *, model, optimizer, scheduler, config=None) -> tuple[int, i
         if dist.get_rank() == 0:
             print(f"> no checkpoint in --load {root} (no {TRACKER}): training from scratch",
                   flush=True)  # fmt: skip
-        return 0, 0
+        return Resumed(0, 0, 0)
     device = next(model.parameters()).device
     wanted = None if checkpoint.auto_detect_ckpt_format else checkpoint.ckpt_format
     verify = checkpoint.verify_integrity
@@ -662,5 +673,18 @@ def load(root: str, *, model, optimizer, scheduler, config=None) -> tuple[int, i
         print(f"> loaded the checkpoint of iteration {payload['iteration']} from {root}{by}",
               flush=True)  # fmt: skip
     if finetune:
-        return 0, 0
-    return payload["iteration"], payload["consumed_train_samples"]
+        return Resumed(0, 0, 0)
+    iteration = payload["iteration"]
+    valid = payload.get("consumed_valid_samples")
+    if valid is None:  # written before it was recorded: Megatron's estimate for such a one
+        valid = _evaluated_samples(config, iteration)
+    return Resumed(iteration, payload["consumed_train_samples"], valid)
+
+
+def _evaluated_samples(config, iteration: int) -> int:
+    """Validation samples that evaluating every --eval-interval iterations read up to
+    `iteration`."""
+    training = None if config is None else config.training
+    if training is None or not training.eval_iters or not training.eval_interval:
+        return 0
+    return (iteration // training.eval_interval) * training.eval_iters * training.eval_batch[0]

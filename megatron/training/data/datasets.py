@@ -316,10 +316,13 @@ class MicrobatchIterator:
         self.micro_batch_size = micro_batch_size
         self.data_parallel_rank = data_parallel_rank
         self.data_parallel_size = data_parallel_size
-        self.next_sample = start_sample
         self.cycle = cycle
         self.row = micro_batch_size * data_parallel_size
         self.num_samples = len(dataset)
+        if cycle and order is None and self.row <= self.num_samples:
+            # `start_sample` samples read from the start, starting over after the last whole row
+            start_sample %= self.num_samples - self.num_samples % self.row
+        self.next_sample = start_sample
 
     def __iter__(self) -> "MicrobatchIterator":
         return self
@@ -357,6 +360,7 @@ def data_iterators_of_run(
     data_parallel_rank: int = 0,
     data_parallel_size: int = 1,
     consumed_train_samples: int = 0,
+    consumed_valid_samples: int = 0,
 ):
     """`build_data_iterators` for a run (`RunConfig`: its data source or mock data, split,
     sample options, sequence length, seed and micro batch); (train, valid). Their batches are
@@ -384,6 +388,7 @@ def data_iterators_of_run(
         valid_samples=valid_samples,
         test_samples=0,
         consumed_train_samples=consumed_train_samples,
+        consumed_valid_samples=consumed_valid_samples,
         vocab_limit=config.model.padded_vocab_size,
         reading=Reading(data.dataloader_type, data.data_sharding, config.training.eval_batch[1]),
     )
@@ -423,6 +428,7 @@ def build_data_iterators(
     valid_samples: int,
     test_samples: int,
     consumed_train_samples: int = 0,
+    consumed_valid_samples: int = 0,
     vocab_limit: Optional[int] = None,
     per_split: Optional[List[Optional[List[str]]]] = None,
     sample_options: Optional[Dict] = None,
@@ -437,7 +443,9 @@ def build_data_iterators(
     Each split is built for at least the requested number of samples; a split not requested
     (0 samples) or left empty by ``--split`` gives None. Microbatches are dicts of CPU tensors
     ``[micro_batch_size, seq_length]``: ``tokens``, ``labels``, ``loss_mask``, ``position_ids``.
-    Training starts at ``consumed_train_samples`` and stops at the end; valid/test cycle.
+    Training starts at ``consumed_train_samples`` and stops at the end; valid/test cycle,
+    valid from ``consumed_valid_samples`` on (evaluations read on where the last stopped, also
+    after a resume, as Megatron's do).
     ``reading``: the order (``Reading``) and evaluation's micro-batch. With ``vocab_limit``,
     token ids must be below it.
 
@@ -454,7 +462,7 @@ def build_data_iterators(
         data_parallel_rank=data_parallel_rank,
         data_parallel_size=data_parallel_size,
         sizes=sizes,
-        consumed_train_samples=consumed_train_samples,
+        consumed=(consumed_train_samples, consumed_valid_samples),
     )
     blend, blend_per_split, split = _checked_blends(data_path, per_split, mock_data, split)
     datasets = _build_datasets(
@@ -464,7 +472,8 @@ def build_data_iterators(
 
     common = dict(micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
                   data_parallel_size=data_parallel_size, vocab_limit=vocab_limit)  # fmt: skip
-    return _split_iterators(datasets, sizes, split, consumed_train_samples, common, reading)
+    consumed = (consumed_train_samples, consumed_valid_samples)
+    return _split_iterators(datasets, sizes, split, consumed, common, reading)
 
 
 def _check_iterator_arguments(
@@ -477,15 +486,15 @@ def _check_iterator_arguments(
     data_parallel_rank: int,
     data_parallel_size: int,
     sizes: List[int],
-    consumed_train_samples: int,
+    consumed: tuple[int, int],
 ) -> None:
     """Reject the arguments of ``build_data_iterators`` that cannot build iterators."""
     _check_positive(seq_length=seq_length, micro_batch_size=micro_batch_size)
     _check_positive(data_parallel_size=data_parallel_size)
     if not 0 <= data_parallel_rank < data_parallel_size:
         raise UserError(f"data-parallel rank {data_parallel_rank} not in [0, {data_parallel_size})")
-    if any(n < 0 for n in sizes) or consumed_train_samples < 0:
-        raise UserError(f"sample counts must be non-negative: {sizes}, {consumed_train_samples}")
+    if any(n < 0 for n in (*sizes, *consumed)):
+        raise UserError(f"sample counts must be non-negative: {sizes}, consumed {consumed}")
     if mock_data and data_path:
         raise UserError("--mock-data and --data-path are mutually exclusive")
     if not mock_data and not data_path:
@@ -494,10 +503,11 @@ def _check_iterator_arguments(
         raise UserError("a tokenizer is needed to build the datasets")
 
 
-def _split_iterators(datasets, sizes, split: str, consumed_train_samples: int, common: dict,
+def _split_iterators(datasets, sizes, split: str, consumed: tuple[int, int], common: dict,
                      reading: Optional[Reading]):  # fmt: skip
     """(train, valid, test) iterators over the split datasets: None for a split not requested
-    (0 samples) or left empty by ``--split`` (an error for the training split)."""
+    (0 samples) or left empty by ``--split`` (an error for the training split). ``consumed``:
+    the training and validation samples read before (a resumed run's)."""
     reading = reading or Reading()
     data_parallel_size = common["data_parallel_size"]
     names = ("train", "valid", "test")
@@ -526,10 +536,12 @@ def _split_iterators(datasets, sizes, split: str, consumed_train_samples: int, c
             order = CyclicOrder(len(dataset), micro_batch_size, *ranks, reading.data_sharding)
         if name == "train":
             iterators.append(MicrobatchIterator(
-                dataset, start_sample=consumed_train_samples, order=order, **mine
+                dataset, start_sample=consumed[0], order=order, **mine
             ))  # fmt: skip
         else:
-            iterators.append(MicrobatchIterator(dataset, cycle=True, order=order, **mine))
+            start = consumed[1] if name == "valid" else 0
+            iterators.append(MicrobatchIterator(dataset, start_sample=start, cycle=True,
+                                                order=order, **mine))  # fmt: skip
     return tuple(iterators)
 
 

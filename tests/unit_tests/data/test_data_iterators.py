@@ -119,6 +119,22 @@ def test_train_stops_and_valid_cycles(small_dataset, null_tokenizer, tmp_path):
     assert first == again
 
 
+def test_validation_resumes_where_the_evaluations_stopped(small_dataset, null_tokenizer,
+                                                          tmp_path):  # fmt: skip
+    """A resumed run's validation iterator reads on from the samples its evaluations read,
+    across the split's end too (whole rows, then from sample 0), as the uninterrupted one."""
+    prefix, _ = small_dataset
+    cache = str(tmp_path)
+    _, whole, _ = _build(prefix, null_tokenizer, cache, mbs=3)
+    rows = len(whole.dataset) // 3
+    assert rows > 2
+    read = [_rows(next(whole)) for _ in range(3 * rows)]
+    for consumed_rows in (1, rows - 1, rows + 2, 2 * rows + 1):
+        _, resumed, _ = _build(prefix, null_tokenizer, cache, mbs=3,
+                               consumed_valid_samples=3 * consumed_rows)  # fmt: skip
+        assert [_rows(next(resumed)) for _ in range(2)] == read[consumed_rows : consumed_rows + 2]
+
+
 def test_sentencepiece_tokenizer_in_dataset_config(sp_model, tmp_path):
     tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
     prefix = str(tmp_path / "sp_text_document")
