@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     for axis in (by_size, by_stages):
         axis.axhline(0, color="grey", linewidth=0.8)
         axis.grid(alpha=0.3)
+        if not axis.lines[1:]:  # the zero line only
+            axis.text(0.5, 0.5, "not measured yet", transform=axis.transAxes, ha="center")
     by_size.set_xscale("log")
     by_size.set_xlabel("parameters (4 stages)")
     by_size.set_ylabel("PACI's final validation loss vs flush's (%)")
