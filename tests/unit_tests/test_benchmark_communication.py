@@ -2,23 +2,19 @@
 for pretrain_gpt.py at 4 processes), the launch command, the log's cutting and parsing, and the
 table from fake summaries. No root, no launch."""
 
-import importlib.util
 import os
 
 import pytest
+import tool_scripts
 
 from megatron.training.arguments import build_parser, validate_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL = os.path.join(REPO, "tools", "benchmark_communication.py")
 
 
 def load_tool():
     """The tool as a module (a script beside the packages, not one of them)."""
-    spec = importlib.util.spec_from_file_location("benchmark_communication", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool_scripts.load("benchmark_communication")
 
 
 tool = load_tool()

@@ -4,22 +4,13 @@ anchor, every repository path and module the pages name, every python snippet, a
 command of README.md and the guides in record mode, pretrain_gpt.py's command lines parsed and
 validated by its own parser."""
 
-import importlib.util
-import os
-
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tool_scripts
 
 
 @pytest.fixture(scope="module")
 def check_docs():
-    spec = importlib.util.spec_from_file_location(
-        "check_docs", os.path.join(REPO, "tools", "check_docs.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool_scripts.load("check_docs")
 
 
 @pytest.fixture(scope="module")

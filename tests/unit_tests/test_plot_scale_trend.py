@@ -1,23 +1,16 @@
 """tools/plot_scale_trend.py: the gap of each point paired by seed over the seeds both runs
 finished, its table line, and the figure; a point not measured yet is named and left out."""
 
-import importlib.util
 import json
 import os
 
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tool_scripts
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location(
-        "plot_scale_trend", os.path.join(REPO, "tools", "plot_scale_trend.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool_scripts.load("plot_scale_trend")
 
 
 def write_run(output, name, seed, final):

@@ -1,23 +1,19 @@
 """tools/replicate.py report on synthetic runs: every figure is written, and the tables carry
 the numbers the runs hold (final loss, same-seed gap to flush, drift)."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
+
+import tool_scripts
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def load_replicate():
     """tools/replicate.py as a module (a script beside the packages, not one of them)."""
-    spec = importlib.util.spec_from_file_location(
-        "replicate", os.path.join(REPO, "tools", "replicate.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool_scripts.load("replicate")
 
 
 replicate = load_replicate()

@@ -2,7 +2,6 @@
 the one-line errors, without root or a namespace; and, as root with iproute2, one measured
 run at 200mbit."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -11,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import tool_scripts
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "shaped_link.py")
@@ -18,10 +18,7 @@ TOOL = os.path.join(REPO, "tools", "shaped_link.py")
 
 def load_shaped_link():
     """tools/shaped_link.py as a module (a script beside the packages, not one of them)."""
-    spec = importlib.util.spec_from_file_location("shaped_link", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool_scripts.load("shaped_link")
 
 
 shaped_link = load_shaped_link()
