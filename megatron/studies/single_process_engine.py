@@ -463,26 +463,10 @@ def train(
     torch.set_num_threads(1)
     config = RunConfig.from_args(args)
     training = config.training
-    if checkpoint and not resumable(config):
-        raise UserError(
-            f"--pipeline-schedule {args.pipeline_schedule} keeps weight versions across drain "
-            "points, which the single-process engine's checkpoints do not hold yet"
-        )
-    saved = _read_checkpoint(checkpoint, args)
-    stages = _Stages(config, consumed_train_samples=saved["consumed_train_samples"] if saved else 0)
-    result, iteration, tokens = EngineRun(), 0, 0
-    phase_ends, end = [], 0
-    for a, iterations in phases_of(config):
-        end += iterations
-        phase_ends.append((a, end))
-        result.phases.append({"a": a, "iterations": iterations, "max_drift": [0] * stages.count})
-    if saved:
-        stages.load_state_dict(saved["stages"])
-        torch.set_rng_state(saved["rng_state"])
-        result = EngineRun(**saved["result"])
-        iteration, tokens = saved["iteration"], result.tokens[-1] if result.tokens else 0
-        start -= result.wall_s  # the summary's times count the run's earlier parts
-        cpu_start -= result.cpu_s
+    stages, result, iteration, phase_ends = _start(config, args, checkpoint)
+    tokens = result.tokens[-1] if result.tokens else 0
+    start -= result.wall_s  # a resumed run's times count its earlier parts
+    cpu_start -= result.cpu_s
     last_save = time.perf_counter()
     for point in drain_points(config, iteration):
         while iteration < point:  # a segment never spans a phase end: those are drain points
@@ -511,6 +495,28 @@ def train(
     result.wall_s = time.perf_counter() - start
     result.cpu_s = time.process_time() - cpu_start
     return result
+
+
+def _start(config, args, checkpoint: str | None):
+    """The stages, the result so far, the iteration and the phase ends ((a, last iteration)
+    per phase): a new run's, or the checkpoint's when it exists."""
+    if checkpoint and not resumable(config):
+        raise UserError(
+            f"--pipeline-schedule {args.pipeline_schedule} keeps weight versions across drain "
+            "points, which the single-process engine's checkpoints do not hold yet"
+        )
+    saved = _read_checkpoint(checkpoint, args)
+    stages = _Stages(config, consumed_train_samples=saved["consumed_train_samples"] if saved else 0)
+    result, phase_ends, end = EngineRun(), [], 0
+    for a, iterations in phases_of(config):
+        end += iterations
+        phase_ends.append((a, end))
+        result.phases.append({"a": a, "iterations": iterations, "max_drift": [0] * stages.count})
+    if not saved:
+        return stages, result, 0, phase_ends
+    stages.load_state_dict(saved["stages"])
+    torch.set_rng_state(saved["rng_state"])
+    return stages, EngineRun(**saved["result"]), saved["iteration"], phase_ends
 
 
 def resumable(config) -> bool:

@@ -453,17 +453,13 @@ def build_data_iterators(
     on the default group); rank 0 writes the index cache (``data_cache_path``) first.
     """
     sizes = [train_samples, valid_samples, test_samples]
+    consumed = (consumed_train_samples, consumed_valid_samples)
     _check_iterator_arguments(
-        data_path=data_path or per_split,
-        mock_data=mock_data,
-        seq_length=seq_length,
-        tokenizer=tokenizer,
-        micro_batch_size=micro_batch_size,
-        data_parallel_rank=data_parallel_rank,
-        data_parallel_size=data_parallel_size,
-        sizes=sizes,
-        consumed=(consumed_train_samples, consumed_valid_samples),
-    )
+        data_path=data_path or per_split, mock_data=mock_data, seq_length=seq_length,
+        tokenizer=tokenizer, micro_batch_size=micro_batch_size,
+        data_parallel_rank=data_parallel_rank, data_parallel_size=data_parallel_size,
+        sizes=sizes, consumed=consumed,
+    )  # fmt: skip
     blend, blend_per_split, split = _checked_blends(data_path, per_split, mock_data, split)
     datasets = _build_datasets(
         (blend, blend_per_split), split, seq_length, seed, tokenizer, data_cache_path, sizes,
@@ -472,7 +468,6 @@ def build_data_iterators(
 
     common = dict(micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
                   data_parallel_size=data_parallel_size, vocab_limit=vocab_limit)  # fmt: skip
-    consumed = (consumed_train_samples, consumed_valid_samples)
     return _split_iterators(datasets, sizes, split, consumed, common, reading)
 
 
