@@ -132,7 +132,7 @@ def phases_of(config) -> list[tuple[int, int]]:
 class _Stages:
     """The model's stages in one process, their data iterators and optimizer steps."""
 
-    def __init__(self, config, consumed_train_samples: int = 0):
+    def __init__(self, config, consumed: tuple[int, int] = (0, 0)):
         from megatron.model.build import stage_layout
         from megatron.studies.delayed_reference import (
             build_local_stage,
@@ -168,7 +168,8 @@ class _Stages:
                 valid_samples=(
                     training.eval_iters * training.global_batch_size if evaluations else 0
                 ),
-                consumed_train_samples=consumed_train_samples,
+                consumed_train_samples=consumed[0],
+                consumed_valid_samples=consumed[1],
             )
 
         # The first and the last stage read the same streams, as on separate ranks.
@@ -202,9 +203,7 @@ class _Stages:
                 "scheduler": step.scheduler.state_dict(),
                 "counters": (step.calls, step.skipped_steps, step.consecutive_skips),
             })  # fmt: skip
-        # evaluations read on through the validation split (cycling), as `pretrain`'s do
-        validation = [it.next_sample for it in (self.valid_first, self.valid_last) if it]
-        return {"stages": stages, "validation_next_sample": validation}
+        return {"stages": stages}
 
     def load_state_dict(self, state: dict) -> None:
         for model, step, saved in zip(self.models, self.steps, state["stages"], strict=True):
@@ -213,9 +212,6 @@ class _Stages:
             step.optimizer.load_state_dict(saved["optimizer"])
             step.scheduler.load_state_dict(saved["scheduler"])
             step.calls, step.skipped_steps, step.consecutive_skips = saved["counters"]
-        iterators = [it for it in (self.valid_first, self.valid_last) if it]
-        for iterator, next_sample in zip(iterators, state["validation_next_sample"], strict=True):
-            iterator.next_sample = next_sample
 
     def at_drain(self) -> None:
         """The pipeline is empty: deferred updates land; the last stage's tied copy catches up
@@ -490,7 +486,8 @@ def train(
             result.wall_s = time.perf_counter() - start
             result.cpu_s = time.process_time() - cpu_start
             samples = tokens // config.model.seq_length  # a varies with PACI's schedule
-            _write_checkpoint(checkpoint, args, stages, result, iteration, samples)
+            evaluated = len(result.validation) * training.eval_iters * training.global_batch_size
+            _write_checkpoint(checkpoint, args, stages, result, iteration, (samples, evaluated))
             last_save = time.perf_counter()
     result.wall_s = time.perf_counter() - start
     result.cpu_s = time.process_time() - cpu_start
@@ -506,7 +503,11 @@ def _start(config, args, checkpoint: str | None):
             "points, which the single-process engine's checkpoints do not hold yet"
         )
     saved = _read_checkpoint(checkpoint, args)
-    stages = _Stages(config, consumed_train_samples=saved["consumed_train_samples"] if saved else 0)
+    # the data iterators start where the checkpoint's run stopped reading (evaluations too)
+    consumed = (
+        (saved["consumed_train_samples"], saved["consumed_valid_samples"]) if saved else (0, 0)
+    )
+    stages = _Stages(config, consumed)
     result, phase_ends, end = EngineRun(), [], 0
     for a, iterations in phases_of(config):
         end += iterations
@@ -536,9 +537,10 @@ def _read_checkpoint(path: str | None, args) -> dict | None:
     if not path or not os.path.exists(path):
         return None
     saved = torch.load(path, weights_only=False)
-    if saved["flags"] != _run_flags(args):
-        changed = sorted(k for k in saved["flags"].keys() | _run_flags(args).keys()
-                         if saved["flags"].get(k) != _run_flags(args).get(k))  # fmt: skip
+    now = _run_flags(args)
+    if saved["flags"] != now:
+        changed = sorted(k for k in saved["flags"].keys() | now.keys()
+                         if saved["flags"].get(k) != now.get(k))  # fmt: skip
         raise UserError(
             f"{path} is the checkpoint of another run (flags that differ: "
             f"{', '.join(changed)}): remove it to train this run from the start"
@@ -546,13 +548,15 @@ def _read_checkpoint(path: str | None, args) -> dict | None:
     return saved
 
 
-def _write_checkpoint(path, args, stages, result, iteration: int, samples: int) -> None:
-    """At a drain point: the stages, the RNG, what the run measured so far; written under a
-    temporary name and renamed, so a stop while writing keeps the previous checkpoint."""
+def _write_checkpoint(path, args, stages, result, iteration: int, consumed: tuple) -> None:
+    """At a drain point: the stages, the RNG, the (training, validation) samples read, what the
+    run measured so far; written under a temporary name and renamed, so a stop while writing
+    keeps the previous checkpoint."""
     payload = {
         "flags": _run_flags(args),
         "iteration": iteration,
-        "consumed_train_samples": samples,
+        "consumed_train_samples": consumed[0],
+        "consumed_valid_samples": consumed[1],
         "stages": stages.state_dict(),
         "rng_state": torch.get_rng_state(),
         "result": dataclasses.asdict(result),
