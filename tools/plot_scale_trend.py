@@ -3,16 +3,19 @@
 median and range over the seeds both have; a markdown table and a PNG.
 
     .venv/bin/python tools/plot_scale_trend.py --png docs/convergence_scale.png \
-        --point "AdamW|small|4|runs/tta_best|flush-adam-dec-lr3e-3|paci-adam-ef-a8x200-dec-lr3e-3" \
-        --point "AdamW|small-4x|4|runs/tta_best/small-4x|flush-adam-dec-lr3e-3|..."
+        --point "AdamW|deep-8x|8|runs/tta_best/deep-8x|flush-adam-lr3e-3|paci8-adam-..."
 
-Each --point is OPTIMIZER|MODEL|STAGES|OUTPUT|FLUSH RUN|PACI RUN (run names under OUTPUT,
-without -seedN; MODEL one of time_to_accuracy's study models, whose parameters give the x
-axis). Left: the gap against parameters on 4 stages; right: against stages. A point whose
-runs have no seed in common is left out and named.
+The measured points live in a JSON file beside the figure (--data, docs/convergence_scale.json:
+each point's two runs and their final validation loss by seed), so the figure is redrawn from
+the repository alone. Each --point is OPTIMIZER|MODEL|STAGES|OUTPUT|FLUSH RUN|PACI RUN (run
+names under OUTPUT, without -seedN; MODEL one of time_to_accuracy's study models, whose
+parameters give the x axis): the runs it finds there are recorded in the file, replacing the
+point of the same optimizer, model and stages. Left: the gap against parameters on 4 stages;
+right: against stages. A point without a seed both runs finished is left out and named.
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -35,44 +38,65 @@ def parse_point(text: str) -> dict:
                 flush=flush, paci=paci)  # fmt: skip
 
 
-def gap(point: dict, seeds: list[int]) -> dict | None:
-    """The paired gap in percent over the seeds both runs finished, with their count."""
-    runs = []
-    for name in (point["flush"], point["paci"]):
+def measured_point(point: dict, seeds: list[int]) -> dict:
+    """The point as the data file keeps it: each run's final validation loss by seed, for the
+    seeds whose run finished (a summary.json under the point's output)."""
+    runs = {}
+    for schedule in ("flush", "paci"):
+        finals = {}
         for seed in seeds:
-            directory = tta.run_directory(point["output"], name, seed)
+            directory = tta.run_directory(point["output"], point[schedule], seed)
             if os.path.exists(os.path.join(directory, "summary.json")):
-                runs.append(tta._read_run(point["output"], name, seed))
-    both = {r.seed for r in runs if r.configuration == point["flush"]}
-    both &= {r.seed for r in runs if r.configuration == point["paci"]}
-    result = tta.paired_gaps(runs, point["paci"], point["flush"])
-    if result is None:
+                run = tta._read_run(point["output"], point[schedule], seed)
+                finals[str(seed)] = run.validation[-1][1]
+        runs[schedule] = {"run": point[schedule], "final": finals}
+    return {key: point[key] for key in ("optimizer", "model", "stages")} | runs
+
+
+def gap(point: dict) -> dict | None:
+    """The paired gap in percent over the seeds both runs finished, with their count."""
+    flush, paci = point["flush"]["final"], point["paci"]["final"]
+    seeds = sorted(set(flush) & set(paci), key=int)
+    if not seeds:
         return None
-    return {key: 100 * value for key, value in result.items()} | {"seeds": len(both)}
+    result = tta.spread([paci[s] / flush[s] - 1 for s in seeds])
+    return {key: 100 * value for key, value in result.items()} | {"seeds": len(seeds)}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--point", action="append", required=True, type=parse_point,
-                        help="OPTIMIZER|MODEL|STAGES|OUTPUT|FLUSH RUN|PACI RUN")  # fmt: skip
-    parser.add_argument("--seeds", default="1,2,3")
-    parser.add_argument("--png", default="docs/convergence_scale.png")
-    options = parser.parse_args(argv)
-    seeds = [int(s) for s in options.seeds.split(",")]
-    rows = []
-    print("| optimizer | model | parameters | stages | gap vs flush, median [min, max] | seeds |")
-    print("|---|---|---|---|---|---|")
-    for point in options.point:
-        measured = gap(point, seeds)
-        params = tta.parameter_count(tta.MODELS[point["model"]])
-        if measured is None:
-            print(f"(not measured yet: {point['paci']} against {point['flush']} in "
-                  f"{point['output']})", file=sys.stderr)  # fmt: skip
-            continue
-        rows.append((point, params, measured))
-        print(f"| {point['optimizer']} | {point['model']} | {params / 1e6:.2f}M | "
-              f"{point['stages']} | {measured['median']:+.2f}% [{measured['min']:+.2f}, "
-              f"{measured['max']:+.2f}] | {measured['seeds']} |")  # fmt: skip
+def read_points(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    try:
+        with open(path) as file:
+            return json.load(file)["points"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise UserError(f"--data {path}: not a scale-trend data file ({error})") from None
+
+
+def record(points: list[dict], new: dict) -> list[dict]:
+    """`points` with `new` in place of the point of the same optimizer, model and stages."""
+    key = lambda p: (p["optimizer"], p["model"], p["stages"])  # noqa: E731
+    return [p for p in points if key(p) != key(new)] + [new]
+
+
+def parameters(point: dict) -> int:
+    return tta.parameter_count(tta.MODELS[point["model"]])
+
+
+def in_order(points: list[dict]) -> list[dict]:
+    """By optimizer, then stages, then size: the table's and the file's order."""
+    return sorted(points, key=lambda p: (p["optimizer"], p["stages"], parameters(p)))
+
+
+def write_points(path: str, points: list[dict]) -> None:
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as file:
+        json.dump({"points": in_order(points)}, file, indent=1)
+        file.write("\n")
+    os.replace(temporary, path)
+
+
+def plot(rows: list[tuple[dict, int, dict]], png: str) -> None:
     figure, (by_size, by_stages) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for optimizer, marker in zip(dict.fromkeys(p["optimizer"] for p, _, _ in rows), "os^v"):
         for axis, key in ((by_size, "params"), (by_stages, "stages")):
@@ -105,7 +129,40 @@ def main(argv=None) -> int:
     by_size.legend()
     figure.suptitle("PACI against flush, each at its best configuration (median, range: seeds)")
     figure.tight_layout()
-    figure.savefig(options.png, dpi=110)
+    figure.savefig(png, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--point", action="append", default=[], type=parse_point,
+                        help="OPTIMIZER|MODEL|STAGES|OUTPUT|FLUSH RUN|PACI RUN")  # fmt: skip
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--data", default="docs/convergence_scale.json")
+    parser.add_argument("--png", default="docs/convergence_scale.png")
+    options = parser.parse_args(argv)
+    seeds = [int(s) for s in options.seeds.split(",")]
+    points = read_points(options.data)
+    for point in options.point:
+        measured = measured_point(point, seeds)
+        if gap(measured) is None:
+            print(f"(not measured yet: {point['paci']} against {point['flush']} in "
+                  f"{point['output']})", file=sys.stderr)  # fmt: skip
+            continue
+        points = record(points, measured)
+    if options.point:
+        write_points(options.data, points)
+    rows = []
+    print("| optimizer | model | parameters | stages | gap vs flush, median [min, max] | seeds |")
+    print("|---|---|---|---|---|---|")
+    for point in in_order(points):
+        measured, params = gap(point), parameters(point)
+        if measured is None:
+            continue
+        rows.append((point, params, measured))
+        print(f"| {point['optimizer']} | {point['model']} | {params / 1e6:.2f}M | "
+              f"{point['stages']} | {measured['median']:+.2f}% [{measured['min']:+.2f}, "
+              f"{measured['max']:+.2f}] | {measured['seeds']} |")  # fmt: skip
+    plot(rows, options.png)
     print(f"wrote {options.png}", file=sys.stderr)
     return 0
 

@@ -1,5 +1,6 @@
 """tools/plot_scale_trend.py: the gap of each point paired by seed over the seeds both runs
-finished, its table line, and the figure; a point not measured yet is named and left out."""
+finished, its table line, and the figure; a point not measured yet is named and left out; the
+measured points are kept in the data file, from which the figure is redrawn."""
 
 import json
 import os
@@ -28,9 +29,9 @@ def test_gaps_are_paired_by_seed_and_a_missing_point_is_named(tool, tmp_path, ca
         write_run(output, "flush", seed, flush)
         write_run(output, "paci", seed, paci)
     write_run(output, "paci8", 1, 4.4)  # seed 1 only: one seed in common with flush
-    png = str(tmp_path / "trend.png")
+    png, data = str(tmp_path / "trend.png"), str(tmp_path / "trend.json")
     assert tool.main([
-        "--png", png,
+        "--png", png, "--data", data,
         "--point", f"AdamW|small|4|{output}|flush|paci",
         "--point", f"AdamW|deep-8x|8|{output}|flush|paci8",
         "--point", f"Muon|small-4x|4|{output}|flush|absent",
@@ -43,6 +44,42 @@ def test_gaps_are_paired_by_seed_and_a_missing_point_is_named(tool, tmp_path, ca
     assert len(lines) == 4
     assert "not measured yet: absent against flush" in err
     assert os.path.getsize(png) > 10_000
+    with open(data) as file:
+        recorded = json.load(file)["points"]
+    assert [(p["model"], p["stages"]) for p in recorded] == [("small", 4), ("deep-8x", 8)]
+    assert recorded[1]["paci"] == {"run": "paci8", "final": {"1": 4.4}}
+
+
+def test_the_figure_is_redrawn_from_the_data_file_and_a_point_is_replaced(tool, tmp_path, capsys):
+    """Without the runs the recorded points still draw; a new measurement of the same optimizer,
+    model and stages replaces the old one, the others stay."""
+    output, data = str(tmp_path / "runs"), str(tmp_path / "trend.json")
+    write_run(output, "flush", 1, 4.0)
+    write_run(output, "paci", 1, 3.6)
+    write_run(output, "paci-muon", 1, 4.2)
+    png = str(tmp_path / "trend.png")
+    tool.main(["--png", png, "--data", data, "--point", f"AdamW|small|4|{output}|flush|paci",
+               "--point", f"Muon|small|4|{output}|flush|paci-muon"])  # fmt: skip
+    capsys.readouterr()
+    write_run(output, "paci-better", 1, 3.8)
+    tool.main(
+        ["--png", png, "--data", data, "--point", f"AdamW|small|4|{output}|flush|paci-better"]
+    )
+    capsys.readouterr()
+    os.rename(output, output + ".gone")
+    assert tool.main(["--png", png, "--data", data]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2:] == ["| AdamW | small | 0.33M | 4 | -5.00% [-5.00, -5.00] | 1 |",
+                         "| Muon | small | 0.33M | 4 | +5.00% [+5.00, +5.00] | 1 |"]  # fmt: skip
+
+
+def test_a_data_file_of_something_else_is_one_line(tool, tmp_path):
+    from megatron.common.errors import UserError
+
+    data = tmp_path / "trend.json"
+    data.write_text('{"runs": []}')
+    with pytest.raises(UserError, match="not a scale-trend data file"):
+        tool.read_points(str(data))
 
 
 def test_a_malformed_point_is_one_line(tool):

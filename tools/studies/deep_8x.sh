@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The deep model of docs/convergence.md's scale section (--model deep-8x: 16 layers of hidden
+# 112, 8.0x the study model) on 4 and on 8 stages, seed 1, each schedule at its best
+# configuration and LR of the 4x model; 16,000 iterations (the study model's tokens per
+# parameter). One run is 80 to 120 CPU-minutes; niced, one core each.
+#
+#   tools/studies/deep_8x.sh                      # every configuration, one after the other
+#   tools/studies/deep_8x.sh flush-adam-lr3e-3    # only the named ones (a lane per core)
+#
+# Finished runs (a summary.json under --output) are reused; a stopped run goes on from its
+# checkpoint.pt. Needs `make venv data-small`.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+M=--optimizer=muon D=--decoupled-lr=1e-2,--decoupled-min-lr=1e-3
+LA=--async-nesterov-lookahead EF=--async-error-feedback
+# a = 8 for the first 200 iterations doubles their batch: 15,800 iterations for the same tokens.
+A8=--paci-accumulation-schedule=8:200,--train-iters=15800
+P8=--pipeline-model-parallel-size=8
+declare -A CONFIGS=(
+  [flush-adam-lr3e-3]=1f1b:3e-3
+  [flush-muon-lr1.5e-3]=1f1b:1.5e-3:$M
+  [paci4-adam-ef-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,$A8,$D
+  [paci8-adam-ef-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,$A8,$D,$P8
+  [paci4-muon-la-ef-lr1.5e-3]=paci:1.5e-3:$M,$LA,$EF
+  [paci8-muon-la-ef-lr1.5e-3]=paci:1.5e-3:$M,$LA,$EF,$P8
+)
+ORDER=(flush-adam-lr3e-3 paci8-adam-ef-a8x200-dec-lr1.5e-3 paci4-adam-ef-a8x200-dec-lr1.5e-3
+       flush-muon-lr1.5e-3 paci8-muon-la-ef-lr1.5e-3 paci4-muon-la-ef-lr1.5e-3)
+for name in "${@:-${ORDER[@]}}"; do
+  [[ -v CONFIGS[$name] ]] || { echo "error: unknown configuration $name" >&2; exit 2; }
+  OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python tools/time_to_accuracy.py --engine single-process \
+    --model deep-8x --output runs/tta_best/deep-8x --iterations 16000 --eval-interval 200 \
+    --eval-iters 8 --warmup-iters 800 --targets 4.2,4.0,3.8,3.7,3.5 --seeds 1 \
+    --config "$name=${CONFIGS[$name]}"
+done
