@@ -9,9 +9,11 @@ The measured points live in a JSON file beside the figure (--data, docs/converge
 each point's two runs and their final validation loss by seed), so the figure is redrawn from
 the repository alone. Each --point is OPTIMIZER|MODEL|STAGES|OUTPUT|FLUSH RUN|PACI RUN (run
 names under OUTPUT, without -seedN; MODEL one of time_to_accuracy's study models, whose
-parameters give the x axis): the runs it finds there are recorded in the file, replacing the
-point of the same optimizer, model and stages. Left: the gap against parameters on 4 stages;
-right: against stages. A point without a seed both runs finished is left out and named.
+parameters give the x axis): the finished runs it finds there are recorded in the file at the
+point of that optimizer, model and stages (a run of the same name keeps the seeds recorded
+before, so one schedule can be run in one study and the other later; another name replaces
+it). Left: the gap against parameters on 4 stages; right: against stages. A point without a
+seed both runs finished is left out and named.
 """
 
 import argparse
@@ -48,7 +50,7 @@ def measured_point(point: dict, seeds: list[int]) -> dict:
             directory = tta.run_directory(point["output"], point[schedule], seed)
             if os.path.exists(os.path.join(directory, "summary.json")):
                 run = tta._read_run(point["output"], point[schedule], seed)
-                finals[str(seed)] = run.validation[-1][1]
+                finals[str(seed)] = round(run.validation[-1][1], 6)
         runs[schedule] = {"run": point[schedule], "final": finals}
     return {key: point[key] for key in ("optimizer", "model", "stages")} | runs
 
@@ -74,9 +76,17 @@ def read_points(path: str) -> list[dict]:
 
 
 def record(points: list[dict], new: dict) -> list[dict]:
-    """`points` with `new` in place of the point of the same optimizer, model and stages."""
+    """`points` with `new` recorded at its optimizer, model and stages: a schedule's run of the
+    same name keeps its seeds that `new` lacks (one side can be measured in one study and the
+    other later, after the first's run directories are gone); another run replaces it."""
     key = lambda p: (p["optimizer"], p["model"], p["stages"])  # noqa: E731
-    return [p for p in points if key(p) != key(new)] + [new]
+    old = next((p for p in points if key(p) == key(new)), None)
+    merged = dict(new)
+    for schedule in ("flush", "paci"):
+        if old is not None and old[schedule]["run"] == new[schedule]["run"]:
+            finals = old[schedule]["final"] | new[schedule]["final"]
+            merged[schedule] = {"run": new[schedule]["run"], "final": finals}
+    return [p for p in points if key(p) != key(new)] + [merged]
 
 
 def parameters(point: dict) -> int:
@@ -144,11 +154,8 @@ def main(argv=None) -> int:
     points = read_points(options.data)
     for point in options.point:
         measured = measured_point(point, seeds)
-        if gap(measured) is None:
-            print(f"(not measured yet: {point['paci']} against {point['flush']} in "
-                  f"{point['output']})", file=sys.stderr)  # fmt: skip
-            continue
-        points = record(points, measured)
+        if measured["flush"]["final"] or measured["paci"]["final"]:
+            points = record(points, measured)
     if options.point:
         write_points(options.data, points)
     rows = []
@@ -157,6 +164,9 @@ def main(argv=None) -> int:
     for point in in_order(points):
         measured, params = gap(point), parameters(point)
         if measured is None:
+            print(f"(not measured yet: {point['paci']['run']} against {point['flush']['run']}, "
+                  f"{point['optimizer']}, {point['model']} on {point['stages']} stages)",
+                  file=sys.stderr)  # fmt: skip
             continue
         rows.append((point, params, measured))
         print(f"| {point['optimizer']} | {point['model']} | {params / 1e6:.2f}M | "

@@ -46,8 +46,10 @@ def test_gaps_are_paired_by_seed_and_a_missing_point_is_named(tool, tmp_path, ca
     assert os.path.getsize(png) > 10_000
     with open(data) as file:
         recorded = json.load(file)["points"]
-    assert [(p["model"], p["stages"]) for p in recorded] == [("small", 4), ("deep-8x", 8)]
+    assert [(p["model"], p["stages"]) for p in recorded] == [
+        ("small", 4), ("deep-8x", 8), ("small-4x", 4)]  # fmt: skip
     assert recorded[1]["paci"] == {"run": "paci8", "final": {"1": 4.4}}
+    assert recorded[2]["paci"] == {"run": "absent", "final": {}}  # flush's side kept for later
 
 
 def test_the_figure_is_redrawn_from_the_data_file_and_a_point_is_replaced(tool, tmp_path, capsys):
@@ -71,6 +73,27 @@ def test_the_figure_is_redrawn_from_the_data_file_and_a_point_is_replaced(tool, 
     lines = capsys.readouterr().out.splitlines()
     assert lines[2:] == ["| AdamW | small | 0.33M | 4 | -5.00% [-5.00, -5.00] | 1 |",
                          "| Muon | small | 0.33M | 4 | +5.00% [+5.00, +5.00] | 1 |"]  # fmt: skip
+
+
+def test_one_schedule_recorded_now_and_the_other_later_make_the_point(tool, tmp_path, capsys):
+    """Flush's runs recorded in one study, PACI's in a later one whose output lacks flush's:
+    the point pairs them; a PACI run of another name replaces the old PACI side."""
+    data, png = str(tmp_path / "trend.json"), str(tmp_path / "trend.png")
+    first, later = str(tmp_path / "first"), str(tmp_path / "later")
+    write_run(first, "flush", 1, 4.0)
+    write_run(first, "flush", 2, 5.0)
+    write_run(later, "paci4", 1, 4.2)
+    write_run(later, "paci4", 2, 4.5)
+    write_run(later, "paci4-other", 1, 3.0)
+    tool.main(["--png", png, "--data", data, "--point", f"AdamW|deep-8x|4|{first}|flush|paci4"])
+    assert "not measured yet: paci4 against flush" in capsys.readouterr().err
+    tool.main(["--png", png, "--data", data, "--point", f"AdamW|deep-8x|4|{later}|flush|paci4"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2:] == ["| AdamW | deep-8x | 2.66M | 4 | -2.50% [-10.00, +5.00] | 2 |"]
+    tool.main(["--png", png, "--data", data,
+               "--point", f"AdamW|deep-8x|4|{later}|flush|paci4-other"])  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2:] == ["| AdamW | deep-8x | 2.66M | 4 | -25.00% [-25.00, -25.00] | 1 |"]
 
 
 def test_a_data_file_of_something_else_is_one_line(tool, tmp_path):
