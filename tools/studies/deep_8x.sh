@@ -23,6 +23,12 @@ declare -A CONFIGS=(
   [paci8-adam-ef-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,$A8,$D,$P8
   [paci4-muon-la-ef-lr1.5e-3]=paci:1.5e-3:$M,$LA,$EF
   [paci8-muon-la-ef-lr1.5e-3]=paci:1.5e-3:$M,$LA,$EF,$P8
+  # PACI on 8 stages behind flush: its LR bracketed above, and the stage LR scale, which lowers
+  # stage s's LR by its mean gradient staleness (N - 1 - s) / a (7/4 steps on stage 0 of 8; it
+  # takes one a, so without the accumulation schedule)
+  [paci8-adam-ef-a8x200-dec-lr3e-3]=paci:3e-3:$EF,$A8,$D,$P8
+  [paci8-adam-ef-dec-slr1-lr3e-3]=paci:3e-3:$EF,$D,$P8,--paci-stage-lr-scale=1
+  [paci8-adam-ef-dec-slr1-lr1.5e-3]=paci:1.5e-3:$EF,$D,$P8,--paci-stage-lr-scale=1
 )
 ORDER=(flush-adam-lr3e-3 paci8-adam-ef-a8x200-dec-lr1.5e-3 paci4-adam-ef-a8x200-dec-lr1.5e-3
        flush-muon-lr1.5e-3 paci8-muon-la-ef-lr1.5e-3 paci4-muon-la-ef-lr1.5e-3)
