@@ -50,7 +50,7 @@ def measured_point(point: dict, seeds: list[int]) -> dict:
             directory = tta.run_directory(point["output"], point[schedule], seed)
             if os.path.exists(os.path.join(directory, "summary.json")):
                 run = tta._read_run(point["output"], point[schedule], seed)
-                finals[str(seed)] = round(run.validation[-1][1], 6)
+                finals[str(seed)] = round(tta.final_losses([run])[0], 6)
         runs[schedule] = {"run": point[schedule], "final": finals}
     return {key: point[key] for key in ("optimizer", "model", "stages")} | runs
 

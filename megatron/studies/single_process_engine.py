@@ -65,6 +65,11 @@ UNSUPPORTED = {
     "save": "--save",
 }
 SCHEDULES = ("1f1b", "paci", "2bw", "pipedream")
+# The final evaluation's batches of --global-batch-size, read from the validation split's start:
+# the same batches for every run of a seed, whatever its iterations (each periodic evaluation
+# reads on through the split, so two runs' last ones read the same batches only when they
+# evaluated as often; the batches differ in difficulty by a few percent).
+FINAL_EVAL_BATCHES = 64
 
 
 @dataclass
@@ -76,11 +81,14 @@ class EngineRun:
     phases: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
     cpu_s: float = 0.0  # this process's CPU time, every thread's (a resumed run's parts summed)
+    # lm loss over the first FINAL_EVAL_BATCHES validation batches after training (with evaluations)
+    final_validation: float | None = None
 
     def to_dict(self) -> dict:
         return {
             "loss": self.losses,
             "validation": self.validation,
+            "final_validation": self.final_validation,
             "tokens": self.tokens,
             "phases": self.phases,
             "wall_s": self.wall_s,
@@ -158,26 +166,26 @@ class _Stages:
             self.models.append(model)
             self.steps.append(step)
         training = config.training
-        evaluations = training.eval_iters and training.train_iters >= training.eval_interval
+        evaluations = bool(training.eval_iters) and training.train_iters >= training.eval_interval
+        valid_batches = training.eval_iters if evaluations else 0
 
-        def iterators():
+        def iterators(valid_batches: int, consumed: tuple[int, int]):
             return data_iterators_of_run(
                 config,
                 tokenizer,
                 train_samples=total_train_samples(config),
-                valid_samples=(
-                    training.eval_iters * training.global_batch_size if evaluations else 0
-                ),
+                valid_samples=valid_batches * training.global_batch_size,
                 consumed_train_samples=consumed[0],
                 consumed_valid_samples=consumed[1],
             )
 
         # The first and the last stage read the same streams, as on separate ranks.
-        self.train_first, self.valid_first = iterators()
+        self.train_first, self.valid_first = iterators(valid_batches, consumed)
         if self.count > 1:
-            self.train_last, self.valid_last = iterators()
+            self.train_last, self.valid_last = iterators(valid_batches, consumed)
         else:
             self.train_last, self.valid_last = self.train_first, self.valid_first
+        self._iterators = iterators
         self.runtimes = _executors(config, self.models, device)
         if config.moe is not None:
             self.steps = _with_moe(self.runtimes, self.models, self.steps)
@@ -190,6 +198,12 @@ class _Stages:
         if deferred:  # (validation refuses it with tied embeddings or MoE)
             self.steps = [_Deferred(step, runtime, deferred)
                           for step, runtime in zip(self.steps, self.runtimes)]  # fmt: skip
+
+    def validation_from_start(self, batches: int) -> tuple:
+        """The first and the last stage's validation iterators over the split's first
+        `batches` batches."""
+        first = self._iterators(batches, (0, 0))[1]
+        return first, self._iterators(batches, (0, 0))[1] if self.count > 1 else first
 
     def state_dict(self) -> dict:
         """What a resumed run needs at a drain point (the pipeline empty, deferred updates
@@ -426,17 +440,18 @@ def _segment(config, stages: _Stages, a: int, iterations: int, drift: list[int])
 
 
 @torch.no_grad()
-def evaluate(training, stages: _Stages) -> float:
-    """Mean lm loss over the next `--eval-iters` batches of `--global-batch-size` validation
-    samples (each evaluation reads on through the validation split, starting over at its end,
-    as `pretrain`'s evaluations do)."""
+def evaluate(training, stages: _Stages, batches: int | None = None, iterators=None) -> float:
+    """Mean lm loss over the next `batches` (default `--eval-iters`) batches of
+    `--global-batch-size` validation samples (each evaluation reads on through the validation
+    split, starting over at its end, as `pretrain`'s evaluations do), or over `iterators`'."""
+    first, last = iterators or (stages.valid_first, stages.valid_last)
     for model in stages.models:
         model.eval()
-    total, count = 0.0, training.eval_iters * training.num_microbatches
+    total, count = 0.0, (batches or training.eval_iters) * training.num_microbatches
     for _ in range(count):
         hidden = None
         for s in range(stages.count):
-            hidden, loss_func = stages.forward(s, stages.valid_first, stages.valid_last, hidden)
+            hidden, loss_func = stages.forward(s, first, last, hidden)
         total += float(loss_func(hidden)[1]["lm loss"])
     for model in stages.models:
         model.train()
@@ -489,6 +504,9 @@ def train(
             evaluated = len(result.validation) * training.eval_iters * training.global_batch_size
             _write_checkpoint(checkpoint, args, stages, result, iteration, (samples, evaluated))
             last_save = time.perf_counter()
+    if training.eval_iters and training.train_iters >= training.eval_interval:
+        from_start = stages.validation_from_start(FINAL_EVAL_BATCHES)
+        result.final_validation = evaluate(training, stages, FINAL_EVAL_BATCHES, from_start)
     result.wall_s = time.perf_counter() - start
     result.cpu_s = time.process_time() - cpu_start
     return result

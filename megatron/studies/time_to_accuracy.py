@@ -152,6 +152,8 @@ class Run:
     validation: list = field(default_factory=list)  # [(iteration, lm loss)]
     tokens: list = field(default_factory=list)  # tokens consumed at each evaluation
     args: list = field(default_factory=list)  # the run's flags (single-process runs)
+    # the engine's final evaluation on the validation split's first batches (None: not made)
+    final_validation: float | None = None
 
     @property
     def by_tokens(self) -> list[tuple[int, float]]:
@@ -230,8 +232,8 @@ def run_all_single_process(configurations, seeds, output, *, log=print, **run_op
                        os.path.join(directory, "summary.json"))  # fmt: skip
             if os.path.exists(checkpoint):
                 os.remove(checkpoint)
-            final = result.validation[-1]["lm loss"] if result.validation else float("nan")
-            log(f"{config.name} seed {seed}: validation {final:.4f}, "
+            final = result.final_validation
+            log(f"{config.name} seed {seed}: final validation {final or float('nan'):.4f}, "
                 f"{summary['cpu_s']:.0f} s CPU, {result.wall_s:.0f} s wall")  # fmt: skip
     return [_read_run(output, c.name, s) for c in configurations for s in seeds]
 
@@ -242,7 +244,7 @@ def _read_run(output: str, configuration: str, seed: int) -> Run:
     curve = [(entry["iteration"], entry["lm loss"]) for entry in summary["validation"]]
     tokens = [entry.get("tokens") for entry in summary["validation"]]
     return Run(configuration, seed, curve, tokens if None not in tokens else [],
-               summary.get("args", []))  # fmt: skip
+               summary.get("args", []), summary.get("final_validation"))  # fmt: skip
 
 
 def iterations_to(curve: list[tuple[int, float]], target: float) -> float | None:
@@ -265,13 +267,24 @@ def spread(values: list[float]) -> dict | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def final_losses(runs: list[Run]) -> list[float]:
+    """Each run's final validation loss: its final evaluation on the split's first batches when
+    every run has one (the same batches for all), else its last periodic evaluation (which reads
+    the same batches as another run's only where both evaluated as often)."""
+    if all(r.final_validation is not None for r in runs):
+        return [r.final_validation for r in runs]
+    return [r.validation[-1][1] for r in runs]
+
+
 def iteration_table(runs: list[Run], targets: list[float]) -> dict:
-    """{configuration: {"final": spread of the last validation loss, str(target): spread of
-    the iterations to it, f"{target} tokens": of the tokens to it (runs that count them)}}."""
+    """{configuration: {"final": spread of the final validation loss (`final_losses`),
+    str(target): spread of the iterations to it, f"{target} tokens": of the tokens to it (runs
+    that count them)}}."""
     table = {}
+    finals = dict(zip(map(id, runs), final_losses(runs)))
     for name in dict.fromkeys(r.configuration for r in runs):
         mine = [r for r in runs if r.configuration == name]
-        entry = {"final": spread([r.validation[-1][1] for r in mine]), "seeds": len(mine)}
+        entry = {"final": spread([finals[id(r)] for r in mine]), "seeds": len(mine)}
         for target in targets:
             reached = [iterations_to(r.validation, target) for r in mine]
             entry[str(target)] = spread(reached)
@@ -284,9 +297,10 @@ def iteration_table(runs: list[Run], targets: list[float]) -> dict:
 
 
 def paired_gaps(runs: list[Run], name: str, reference: str) -> dict | None:
-    """Final validation loss of `name` over `reference`'s on the same seed, minus one:
-    spread over the seeds both have."""
-    finals = {(r.configuration, r.seed): r.validation[-1][1] for r in runs}
+    """Final validation loss (`final_losses`) of `name` over `reference`'s on the same seed,
+    minus one: spread over the seeds both have."""
+    pair = [r for r in runs if r.configuration in (name, reference)]
+    finals = {(r.configuration, r.seed): loss for r, loss in zip(pair, final_losses(pair))}
     seeds = sorted(s for (c, s) in finals if c == name and (reference, s) in finals)
     return spread([finals[(name, s)] / finals[(reference, s)] - 1 for s in seeds])
 

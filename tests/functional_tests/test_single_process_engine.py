@@ -42,6 +42,7 @@ CASES = [
 # The engine alone, without the flag under test, for the difference it makes.
 UNSTASHED = "engine_pp4_paci_stash:without stashing"
 COUPLED = "engine_pp4_paci_muon_decoupled:one LR"
+EVALUATED_LESS = "engine_pp4_1f1b:evaluated every 8"
 # Runs stopped at this iteration's evaluation and resumed from their last checkpoint: a phase
 # of PACI's accumulation schedule crossed after the resume, error feedback's buffers with a
 # per-stage LR, Muon with a decoupled LR, PACI with tied embeddings (their exchange's lag), MoE,
@@ -72,6 +73,9 @@ def engine_results(output: str) -> dict[str, dict]:
     at = decoupled.index("--decoupled-lr")
     assert decoupled[at + 2] == "--decoupled-min-lr"
     spec[COUPLED] = decoupled[:at] + decoupled[at + 4 :]
+    flush = spec["engine_pp4_1f1b"]
+    at = flush.index("--eval-interval")
+    spec[EVALUATED_LESS] = flush[: at + 1] + ["8"] + flush[at + 2 :]
     runs = {name: {"flags": flags} for name, flags in spec.items()}
     for name, stop_at in {**RESUMED, STASHING: 8}.items():
         runs[f"{name}:resumed"] = {"flags": spec[name], "stop_at": stop_at}
@@ -130,6 +134,23 @@ def test_a_stopped_run_goes_on_from_its_checkpoint(engine_results, name):
     assert resumed["validation"] == whole["validation"]
     assert resumed["tokens"] == whole["tokens"]
     assert resumed["phases"] == whole["phases"]
+    assert resumed["final_validation"] == whole["final_validation"] is not None
+
+
+def test_the_final_evaluation_reads_the_same_batches_however_often_a_run_evaluated(
+    engine_results,
+):
+    """Flush evaluated every 4 and every 8 iterations trains the same weights. Each periodic
+    evaluation reads on through the validation split, so the two runs' evaluations of iteration
+    8 read different batches; the final evaluation reads the split's first batches in both
+    (what makes two runs' final losses comparable when they evaluated a different number of
+    times, as PACI with an accumulation schedule does against flush)."""
+    often, less = engine_results["engine_pp4_1f1b"], engine_results[EVALUATED_LESS]
+    assert often["loss"] == less["loss"]
+    assert often["validation"][-1]["iteration"] == less["validation"][-1]["iteration"] == 8
+    assert often["validation"][-1]["lm loss"] != less["validation"][-1]["lm loss"]
+    assert often["final_validation"] is not None
+    assert often["final_validation"] == less["final_validation"]
 
 
 def test_a_weight_stashing_run_is_refused_a_checkpoint(engine_results):

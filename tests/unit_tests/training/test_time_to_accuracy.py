@@ -26,6 +26,22 @@ def test_a_seed_that_misses_the_target_has_no_median():
     assert table["a"]["final"] == {"median": 5.4, "min": 5.0, "max": 5.8}
 
 
+def test_the_final_evaluation_is_the_final_loss_only_where_every_run_has_one():
+    """Two runs' last periodic evaluations read other validation batches when they evaluated a
+    different number of times; the final evaluation reads the same, so it is the final loss when
+    both have it, and neither's is mixed with the other's last periodic one."""
+    flush = tta.Run("flush", 1, [(40, 3.0), (50, 2.5)], final_validation=3.2)
+    paci = tta.Run("paci", 1, [(40, 2.8)], final_validation=3.3)
+    older = tta.Run("older", 1, [(40, 2.9), (50, 2.7)])
+    assert tta.final_losses([flush, paci]) == [3.2, 3.3]
+    assert tta.paired_gaps([flush, paci], "paci", "flush")["median"] == pytest.approx(3.3 / 3.2 - 1)
+    assert tta.final_losses([flush, older]) == [2.5, 2.7]
+    assert tta.paired_gaps([flush, paci, older], "older", "flush")["median"] == pytest.approx(
+        2.7 / 2.5 - 1
+    )
+    assert tta.iteration_table([flush, paci], [2.9])["paci"]["final"]["median"] == 3.3
+
+
 def test_projected_ratio_multiplies_iteration_ratio_by_schedule_speed():
     table = {
         "flush-a": {"5.0": {"median": 100.0}},
