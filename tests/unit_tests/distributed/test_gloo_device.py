@@ -32,9 +32,9 @@ backend = shared[0]._get_backend(torch.device("cpu"))
 print(json.dumps({"own": after_own - before, "shared": after_shared - after_own,
                   "values": values, "is_gloo": isinstance(backend, dist.ProcessGroupGloo),
                   "restored": c10d.ProcessGroupGloo is torch._C._distributed_c10d.ProcessGroupGloo}))
-# as a run ends (training.py's _destroy_groups_since): groups gone before the interpreter, whose
-# teardown with live gloo worker threads aborted once (a make test of 49c75b8: "terminate called without
-# an active exception")
+# as a run ends (training.py's _destroy_groups_since): the groups gone before the interpreter,
+# whose teardown with live gloo worker threads aborted once in a make test ("terminate called
+# without an active exception")
 dist.destroy_process_group()
 """
 
