@@ -166,8 +166,11 @@ class _Stages:
             self.models.append(model)
             self.steps.append(step)
         training = config.training
-        evaluations = bool(training.eval_iters) and training.train_iters >= training.eval_interval
-        valid_batches = training.eval_iters if evaluations else 0
+        # evaluations, the final one included (when the run evaluates at all)
+        self.evaluates = (
+            bool(training.eval_iters) and training.train_iters >= training.eval_interval
+        )
+        valid_batches = training.eval_iters if self.evaluates else 0
 
         def iterators(valid_batches: int, consumed: tuple[int, int]):
             return data_iterators_of_run(
@@ -504,7 +507,7 @@ def train(
             evaluated = len(result.validation) * training.eval_iters * training.global_batch_size
             _write_checkpoint(checkpoint, args, stages, result, iteration, (samples, evaluated))
             last_save = time.perf_counter()
-    if training.eval_iters and training.train_iters >= training.eval_interval:
+    if stages.evaluates:
         from_start = stages.validation_from_start(FINAL_EVAL_BATCHES)
         result.final_validation = evaluate(training, stages, FINAL_EVAL_BATCHES, from_start)
     result.wall_s = time.perf_counter() - start
