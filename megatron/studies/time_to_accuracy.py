@@ -224,7 +224,11 @@ def run_all_single_process(configurations, seeds, output, *, log=print, **run_op
             # a stopped run goes on from its last drain point's checkpoint (at most ten
             # minutes of training lost), with the numbers of an uninterrupted run
             checkpoint = os.path.join(directory, "checkpoint.pt")
-            result = train(parse_engine_args(flags), checkpoint=checkpoint)
+            result = train(
+                parse_engine_args(flags),
+                checkpoint=checkpoint,
+                log=lambda line: log(f"{config.name} seed {seed}: {line}"),
+            )
             summary = {**result.to_dict(), "args": flags}
             with open(os.path.join(directory, "summary.json.tmp"), "w") as f:
                 json.dump(summary, f)

@@ -29,6 +29,11 @@ declare -A CONFIGS=(
   [paci8-adam-ef-a8x200-dec-lr3e-3]=paci:3e-3:$EF,$A8,$D,$P8
   [paci8-adam-ef-dec-slr1-lr3e-3]=paci:3e-3:$EF,$D,$P8,--paci-stage-lr-scale=1
   [paci8-adam-ef-dec-slr1-lr1.5e-3]=paci:1.5e-3:$EF,$D,$P8,--paci-stage-lr-scale=1
+  # ... its LR bracketed below, and without error feedback
+  [paci8-adam-ef-a8x200-dec-lr7.5e-4]=paci:7.5e-4:$EF,$A8,$D,$P8
+  [paci8-adam-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$A8,$D,$P8
+  # error feedback stretched over each stage's delay bound (2 on stages 0 and 1 of 8 at a = 4)
+  [paci8-adam-efs-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,--async-error-feedback-stretch,$A8,$D,$P8
 )
 ORDER=(flush-adam-lr3e-3 paci8-adam-ef-a8x200-dec-lr1.5e-3 paci4-adam-ef-a8x200-dec-lr1.5e-3
        flush-muon-lr1.5e-3 paci8-muon-la-ef-lr1.5e-3 paci4-muon-la-ef-lr1.5e-3)

@@ -76,9 +76,11 @@ class OptimizerConfig:
     exp_avg_dtype: str = "fp32"
     exp_avg_sq_dtype: str = "fp32"
     async_error_feedback: bool = False  # delay mitigation (delay_mitigation.py)
+    async_error_feedback_stretch: bool = False
     delay_compensation_lambda: float = 0.0
     # --async-nesterov-lookahead, --async-delay-momentum (delay_lookahead.py), and the stage's
-    # gradient delay bound and the pipeline's largest, which they read (set by `for_stage`)
+    # gradient delay bound and the pipeline's largest, which they and the error feedback's
+    # stretch read (set by `for_stage`)
     async_nesterov_lookahead: bool = False
     async_delay_momentum: float | None = None
     stage_delay: int = 0

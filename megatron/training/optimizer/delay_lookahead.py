@@ -43,7 +43,8 @@ def stage_delay_bound(pipeline, training, stage: int) -> int:
 def for_stage(config, pipeline, training, stage: int):
     """The `OptimizerConfig` of pipeline stage `stage`: its delay and the pipeline's largest,
     when a flag of this module needs them; `config` itself otherwise."""
-    if not (config.async_nesterov_lookahead or config.async_delay_momentum is not None):
+    if not (config.async_nesterov_lookahead or config.async_delay_momentum is not None
+            or config.async_error_feedback_stretch):  # fmt: skip
         return config
     delays = [stage_delay_bound(pipeline, training, s) for s in range(pipeline.plan.num_stages)]
     return dataclasses.replace(config, stage_delay=delays[stage], max_stage_delay=max(delays))

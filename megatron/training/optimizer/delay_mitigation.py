@@ -11,6 +11,10 @@ communication, no extra weight version.
   decay stays outside `u`: the optimizer steps with its decay set to zero and the stage
   applies decoupled decay `x <- x - lr * wd * x` once (for SGD this makes the decay
   decoupled instead of torch's L2 term, with EF only). Costs one parameter-sized buffer.
+  With `--async-error-feedback-stretch` a stage whose gradients are up to `d > 1` steps stale
+  (PACI's stages s with N - 1 - s > a) extrapolates over its `d` steps:
+  `x(t+1) = x(t) - lr * wd * x(t) - (1 + d) u(t) + d u(t-1)`; where `d <= 1` the rule is the
+  one above, so on 4 stages at a >= 3 the stretch changes nothing.
 * **Delay compensation** (DC-ASGD, `--delay-compensation-lambda L`): the gradient taken at
   stale weights is corrected to the current ones by a diagonal outer-product Hessian
   estimate, `g <- g + L * g * g * (x_now - x_stale)`. The stage does not keep stale weights;
@@ -30,10 +34,12 @@ DECAY_KEYS = ("weight_decay", "weight_decay_1d")  # the second: MARS's AdamW pat
 class DelayMitigatedOptimizer:
     """An optimizer (torch or `OptimizerChain`) with error feedback and/or DC-ASGD."""
 
-    def __init__(self, inner, params, *, error_feedback: bool, compensation_lambda: float = 0.0):
+    def __init__(self, inner, params, *, error_feedback: bool, compensation_lambda: float = 0.0,
+                 error_feedback_steps: int = 1):  # fmt: skip
         self.inner = inner
         self.params = list(params)  # the model's: the optimizer may step copies of some
         self.error_feedback = error_feedback
+        self.error_feedback_steps = error_feedback_steps  # d of the stretched rule, 1 plain
         self.compensation_lambda = compensation_lambda
         self.previous_update: dict[torch.Tensor, torch.Tensor] = {}  # u(t-1), EF
         self.last_change: dict[torch.Tensor, torch.Tensor] = {}  # x(t) - x(t-1), DC
@@ -103,9 +109,10 @@ class DelayMitigatedOptimizer:
             old = before[param]
             update = old - param.detach()  # u(t), no decay in it
             previous = self.previous_update.get(param)
-            param.copy_(old).sub_(old, alpha=rates[param]).sub_(update, alpha=2.0)
+            steps = self.error_feedback_steps
+            param.copy_(old).sub_(old, alpha=rates[param]).sub_(update, alpha=1.0 + steps)
             if previous is not None:
-                param.add_(previous)
+                param.add_(previous, alpha=steps)
             self.previous_update[param] = update
 
     def state_dict(self) -> dict:
@@ -133,9 +140,9 @@ def with_delay_mitigation(optimizer, params, config):
     compensation = config.delay_compensation_lambda
     if not error_feedback and not compensation:
         return optimizer
-    return DelayMitigatedOptimizer(
-        optimizer, params, error_feedback=error_feedback, compensation_lambda=compensation
-    )
+    steps = max(1, config.stage_delay) if config.async_error_feedback_stretch else 1
+    return DelayMitigatedOptimizer(optimizer, params, error_feedback=error_feedback,
+                                   compensation_lambda=compensation, error_feedback_steps=steps)  # fmt: skip
 
 
 def plan_of_iteration(pipeline, train_iters: int, iteration: int):

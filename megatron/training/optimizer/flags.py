@@ -77,6 +77,9 @@ def add_optimizer_suite_args(parser: argparse.ArgumentParser) -> None:
     add("--muon-extra-scale-factor", type=float, default=1.0)
     add("--async-error-feedback", action="store_true",
         help="update-level error feedback x(t+1) = x(t) - 2u(t) + u(t-1), decay outside u")  # fmt: skip
+    add("--async-error-feedback-stretch", action="store_true",
+        help="with --async-error-feedback: a stage whose gradients are up to d > 1 steps stale "
+        "extrapolates over its d steps, x(t+1) = x(t) - (1 + d) u(t) + d u(t-1)")  # fmt: skip
     add("--delay-compensation-lambda", type=float, default=0.0,
         help="DC-ASGD: g += lambda * g * g * (x now - x at the gradient), 0 = off")  # fmt: skip
     add("--async-nesterov-lookahead", action="store_true",
@@ -157,6 +160,7 @@ def validate_optimizer_suite_args(args: argparse.Namespace) -> None:
             "under 1f1b no gradient is stale"
         )
     _validate_delay_lookahead(args)
+    _validate_error_feedback_stretch(args)
     for flag in ("async_sync_warmup_iters", "async_sync_cooldown_iters"):
         name = "--" + flag.replace("_", "-")
         if getattr(args, flag) < 0:
@@ -221,6 +225,17 @@ def _validate_delay_lookahead(args: argparse.Namespace) -> None:
         for what, on in unsupported:
             if on:
                 raise UserError(f"{flag} with {what} is not supported yet")
+
+
+def _validate_error_feedback_stretch(args: argparse.Namespace) -> None:
+    """--async-error-feedback-stretch reads the stage's delay bound, as the look-ahead does."""
+    if not getattr(args, "async_error_feedback_stretch", False):
+        return
+    if not args.async_error_feedback:
+        raise UserError("--async-error-feedback-stretch needs --async-error-feedback")
+    if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
+        raise UserError("--async-error-feedback-stretch with virtual pipeline stages is not "
+                        "supported yet")  # fmt: skip
 
 
 def validate_precision_args(args: argparse.Namespace) -> None:

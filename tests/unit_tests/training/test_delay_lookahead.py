@@ -63,6 +63,19 @@ def test_flags_reach_each_stage_config():
     assert for_stage(plain.optimizer, plain.pipeline, plain.training, 0) is plain.optimizer
 
 
+def test_error_feedback_stretch_reads_each_stage_delay():
+    """4 stages at a = 1: delay bounds 3, 2, 1, 0; the stretch extrapolates by max(1, d)
+    updates, and without it every stage by one."""
+    from megatron.training.optimizer.build import build_optimizer as build
+
+    flags = ["--pipeline-schedule", "paci", "--global-batch-size", "2", "--async-error-feedback"]
+    for extra, expected in (([], [1, 1, 1, 1]), (["--async-error-feedback-stretch"], [3, 2, 1, 1])):
+        config = run_config(flags + extra)
+        stages = [for_stage(config.optimizer, config.pipeline, config.training, s)
+                  for s in range(4)]  # fmt: skip
+        assert [build(TinyGPT(), c).error_feedback_steps for c in stages] == expected
+
+
 def lookahead_config(name: str, delay: int, momentum: float | None = None, **overrides):
     return optimizer_config(name, async_nesterov_lookahead=True, async_delay_momentum=momentum,
                             stage_delay=delay, max_stage_delay=3, **overrides)  # fmt: skip
@@ -197,6 +210,8 @@ def test_state_round_trips_through_a_checkpoint(name):
         (["--pipeline-schedule", "paci", "--async-nesterov-lookahead", "--optimizer", "muon",
           "--muon-scalar-optimizer", "lion"],
          "--async-nesterov-lookahead with --muon-scalar-optimizer lion is not supported yet"),
+        (["--pipeline-schedule", "paci", "--async-error-feedback-stretch"],
+         "--async-error-feedback-stretch needs --async-error-feedback"),
     ],
 )  # fmt: skip
 def test_bad_settings_are_one_line_errors(extra, message):

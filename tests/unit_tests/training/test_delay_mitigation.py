@@ -47,6 +47,25 @@ def test_error_feedback_extrapolates_the_plain_trajectory_by_one_update(name):
     assert not torch.allclose(flat(corrected), history[-1])  # the correction did something
 
 
+@pytest.mark.parametrize("delay,steps", [(0, 1), (1, 1), (2, 2), (3, 3)])
+def test_stretched_error_feedback_extrapolates_by_the_stage_delay(delay, steps):
+    """--async-error-feedback-stretch on a stage d steps stale: x(t+1) = x(t) - (1 + k) u(t)
+    + k u(t-1), k = max(1, d), which is the plain trajectory extrapolated by k updates,
+    x_ef(t) = (1 + k) x(t) - k x(t-1)."""
+    plain, corrected = TinyGPT(), TinyGPT()
+    plain_opt = built(plain, optimizer_config("adam"))
+    config = optimizer_config("adam", async_error_feedback=True,
+                              async_error_feedback_stretch=True, stage_delay=delay)  # fmt: skip
+    corrected_opt = built(corrected, config)
+    history = [flat(plain)]
+    for step in range(4):
+        set_random_grads(plain, step), set_random_grads(corrected, step)
+        plain_opt.step(), corrected_opt.step()
+        history.append(flat(plain))
+        expected = (1 + steps) * history[-1] - steps * history[-2]
+        torch.testing.assert_close(flat(corrected), expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["adam", "muon", "lion"])
 def test_error_feedback_keeps_weight_decay_outside_the_update(name):
     """x(t+1) = x(t) - lr wd x(t) - 2u(t) + u(t-1), with u from a run without decay."""
