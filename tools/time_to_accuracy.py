@@ -40,15 +40,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--model", choices=sorted(tta.MODELS), default="demo")
     add("--eval-iters", type=int, default=5)
     add("--warmup-iters", type=int, default=None, help="default: the model's (demo: 10)")
+    add("--exit-interval", type=int, default=None, metavar="N",
+        help="single-process engine: stop each unfinished run at its first iteration that N "
+        "divides, with its checkpoint, and print the curves so far (a screen: the next call "
+        "without it goes on from there)")  # fmt: skip
     add("--reference", action="append", default=[], metavar="NAME=REFERENCE",
         help="also print the long-horizon table: NAME's final loss over REFERENCE's, by seed")  # fmt: skip
     add("--calibration", default=None, metavar="FILE.json",
         help="with --reference: also the projected time to each target, the simulator's pace "
         "for each run's pipeline with this calibration's costs (docs/calibration/)")  # fmt: skip
     options = parser.parse_args(argv)
-    if options.engine == "torchrun" and (options.model, options.eval_iters,
-                                         options.warmup_iters) != ("demo", 5, None):  # fmt: skip
-        parser.error("--model, --eval-iters and --warmup-iters need --engine single-process")
+    if options.engine == "torchrun" and (options.model, options.eval_iters, options.warmup_iters,
+                                         options.exit_interval) != ("demo", 5, None, None):  # fmt: skip
+        parser.error("--model, --eval-iters, --warmup-iters and --exit-interval need --engine "
+                     "single-process")  # fmt: skip
+    if options.exit_interval is not None and (options.exit_interval < 1 or options.report):
+        parser.error("--exit-interval needs a value >= 1 and no --report")
     return options
 
 
@@ -64,8 +71,13 @@ def main(argv=None) -> int:
             configs, seeds, options.output, iterations=options.iterations,
             eval_interval=options.eval_interval, model=options.model,
             eval_iters=options.eval_iters, warmup_iters=options.warmup_iters,
+            exit_interval=options.exit_interval,
             log=lambda line: print(line, file=sys.stderr, flush=True),
         )  # fmt: skip
+        if options.exit_interval:  # some runs unfinished: their curves so far, no table
+            curves = {f"{r.configuration} seed {r.seed}": r.validation for r in runs}
+            print(json.dumps({"validation_curves": curves}, indent=2))
+            return 0
     else:
         runs = tta.run_all(configs, seeds, options.iterations, options.eval_interval,
                            options.output)  # fmt: skip

@@ -83,6 +83,8 @@ class EngineRun:
     cpu_s: float = 0.0  # this process's CPU time, every thread's (a resumed run's parts summed)
     # lm loss over the first FINAL_EVAL_BATCHES validation batches after training (with evaluations)
     final_validation: float | None = None
+    # where --exit-interval stopped the run before --train-iters (its checkpoint holds it there)
+    stopped_at: int | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -469,7 +471,9 @@ def train(
     the run's configuration. With `checkpoint` (a file), the run goes on from it when it
     exists and writes it (atomically) at the first drain point after every
     `checkpoint_interval_s` seconds of training, so a stopped study loses at most that much;
-    the numbers are those of an uninterrupted run."""
+    the numbers are those of an uninterrupted run. --exit-interval stops the run at its first
+    multiple (checkpoint written, no final evaluation, `stopped_at` set), for a later call to
+    go on."""
     from megatron.training.config import RunConfig
     from megatron.training.training import drain_points
 
@@ -478,6 +482,7 @@ def train(
     config = RunConfig.from_args(args)
     training = config.training
     stages, result, iteration, phase_ends = _start(config, args, checkpoint)
+    result.stopped_at = None  # a run stopped by --exit-interval goes on
     tokens = result.tokens[-1] if result.tokens else 0
     start -= result.wall_s  # a resumed run's times count its earlier parts
     cpu_start -= result.cpu_s
@@ -501,18 +506,29 @@ def train(
                 log(f"iteration {iteration}: train {result.losses[-1]:.4f}, valid {loss:.4f}")
         done = iteration >= training.train_iters
         if checkpoint and not done and time.perf_counter() - last_save >= checkpoint_interval_s:
-            result.wall_s = time.perf_counter() - start
-            result.cpu_s = time.process_time() - cpu_start
-            samples = tokens // config.model.seq_length  # a varies with PACI's schedule
-            evaluated = len(result.validation) * training.eval_iters * training.global_batch_size
-            _write_checkpoint(checkpoint, args, stages, result, iteration, (samples, evaluated))
+            _save(checkpoint, args, config, stages, result, iteration, tokens, (start, cpu_start))
             last_save = time.perf_counter()
+    if iteration < training.train_iters:  # --exit-interval: stopped here, goes on from here
+        result.stopped_at = iteration
+        if checkpoint:
+            _save(checkpoint, args, config, stages, result, iteration, tokens, (start, cpu_start))
+        return result
     if stages.evaluates:
         from_start = stages.validation_from_start(FINAL_EVAL_BATCHES)
         result.final_validation = evaluate(training, stages, FINAL_EVAL_BATCHES, from_start)
     result.wall_s = time.perf_counter() - start
     result.cpu_s = time.process_time() - cpu_start
     return result
+
+
+def _save(checkpoint, args, config, stages, result, iteration: int, tokens: int, clocks):
+    """The run's checkpoint now, with its times so far (`clocks`: the wall and CPU starts)."""
+    training, seq_length = config.training, config.model.seq_length
+    result.wall_s = time.perf_counter() - clocks[0]
+    result.cpu_s = time.process_time() - clocks[1]
+    samples = tokens // seq_length  # a varies with PACI's schedule
+    evaluated = len(result.validation) * training.eval_iters * training.global_batch_size
+    _write_checkpoint(checkpoint, args, stages, result, iteration, (samples, evaluated))
 
 
 def _start(config, args, checkpoint: str | None):
@@ -549,9 +565,11 @@ def resumable(config) -> bool:
 
 
 def _run_flags(args) -> dict:
-    """The flags that decide a run's numbers, to refuse a checkpoint of another run."""
+    """The flags that decide a run's numbers, to refuse a checkpoint of another run
+    (--exit-interval does not: a run stopped and resumed has the uninterrupted run's)."""
     kinds = (int, float, str, bool, list, tuple, type(None))
-    return {k: v for k, v in sorted(vars(args).items()) if isinstance(v, kinds)}
+    return {k: v for k, v in sorted(vars(args).items())
+            if isinstance(v, kinds) and k != "exit_interval"}  # fmt: skip
 
 
 def _read_checkpoint(path: str | None, args) -> dict | None:

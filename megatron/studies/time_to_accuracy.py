@@ -214,21 +214,29 @@ def run_all_single_process(configurations, seeds, output, *, log=print, **run_op
     from megatron.studies.single_process_engine import parse_engine_args, train
 
     check_model_data(run_options.get("model", "demo"))
+    exit_interval = run_options.pop("exit_interval", None)
+    stopped = {}  # runs --exit-interval stopped: (name, seed) -> Run so far
     for seed in seeds:  # seed-major, as run_all
         for config in configurations:
             directory = run_directory(output, config.name, seed)
             if os.path.exists(os.path.join(directory, "summary.json")):
                 continue
             flags = config.args(seed=seed, **run_options)
+            stop = ["--exit-interval", str(exit_interval)] if exit_interval else []
             os.makedirs(directory, exist_ok=True)
             # a stopped run goes on from its last drain point's checkpoint (at most ten
             # minutes of training lost), with the numbers of an uninterrupted run
             checkpoint = os.path.join(directory, "checkpoint.pt")
             result = train(
-                parse_engine_args(flags),
+                parse_engine_args(flags + stop),
                 checkpoint=checkpoint,
                 log=lambda line: log(f"{config.name} seed {seed}: {line}"),
             )
+            if result.stopped_at is not None:  # no summary: the next call goes on
+                log(f"{config.name} seed {seed}: stopped at iteration {result.stopped_at}")
+                curve = [(e["iteration"], e["lm loss"]) for e in result.validation]
+                stopped[config.name, seed] = Run(config.name, seed, curve, [], flags)
+                continue
             summary = {**result.to_dict(), "args": flags}
             with open(os.path.join(directory, "summary.json.tmp"), "w") as f:
                 json.dump(summary, f)
@@ -239,7 +247,8 @@ def run_all_single_process(configurations, seeds, output, *, log=print, **run_op
             final = result.final_validation
             log(f"{config.name} seed {seed}: final validation {final or float('nan'):.4f}, "
                 f"{summary['cpu_s']:.0f} s CPU, {result.wall_s:.0f} s wall")  # fmt: skip
-    return [_read_run(output, c.name, s) for c in configurations for s in seeds]
+    return [stopped.get((c.name, s)) or _read_run(output, c.name, s)
+            for c in configurations for s in seeds]  # fmt: skip
 
 
 def _read_run(output: str, configuration: str, seed: int) -> Run:

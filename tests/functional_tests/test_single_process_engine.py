@@ -56,6 +56,7 @@ RESUMED = {
     "engine_pp4_1f1b": 8,
 }
 STASHING = "engine_pp4_2bw_muon_ef"  # its checkpoints would need the executors' weight stash
+EXITED = "engine_pp4_paci_ef:stopped by --exit-interval 8"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -79,6 +80,7 @@ def engine_results(output: str) -> dict[str, dict]:
     runs = {name: {"flags": flags} for name, flags in spec.items()}
     for name, stop_at in {**RESUMED, STASHING: 8}.items():
         runs[f"{name}:resumed"] = {"flags": spec[name], "stop_at": stop_at}
+    runs[EXITED] = {"flags": spec["engine_pp4_paci_ef"], "exit_interval": 8}
     spec_file = os.path.join(output, "engine_runs.json")
     json.dump(runs, open(spec_file, "w"))
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -134,6 +136,18 @@ def test_a_stopped_run_goes_on_from_its_checkpoint(engine_results, name):
     assert resumed["validation"] == whole["validation"]
     assert resumed["tokens"] == whole["tokens"]
     assert resumed["phases"] == whole["phases"]
+    assert resumed["final_validation"] == whole["final_validation"] is not None
+
+
+def test_a_run_stopped_by_exit_interval_goes_on_from_there(engine_results):
+    """--exit-interval 8 (a study's screen) stops the run at iteration 8 with its checkpoint and
+    no final evaluation; trained again without the flag, it goes on from iteration 8 to the
+    uninterrupted run's numbers (the flag is not one that decides them)."""
+    whole, resumed = engine_results["engine_pp4_paci_ef"], engine_results[EXITED]
+    assert resumed["stopped_at"] == 8 and resumed["stopped_final"] is None
+    assert resumed["first_evaluation"] == 12, "the resumed run did not go on from iteration 8"
+    assert resumed["loss"] == whole["loss"]
+    assert resumed["validation"] == whole["validation"]
     assert resumed["final_validation"] == whole["final_validation"] is not None
 
 

@@ -7,8 +7,11 @@
 #   tools/studies/deep_8x.sh                      # every configuration, one after the other
 #   tools/studies/deep_8x.sh flush-adam-lr3e-3    # only the named ones (a lane per core)
 #
+#   EXIT_INTERVAL=4000 tools/studies/deep_8x.sh NAME   # a screen: stop at iteration 4,000
+#
 # Finished runs (a summary.json under --output) are reused; a stopped run goes on from its
-# checkpoint.pt. Needs `make venv data-small`.
+# checkpoint.pt (a screened one too, when run again without EXIT_INTERVAL). Needs `make venv
+# data-small`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 M=--optimizer=muon D=--decoupled-lr=1e-2,--decoupled-min-lr=1e-3
@@ -42,5 +45,5 @@ for name in "${@:-${ORDER[@]}}"; do
   OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python tools/time_to_accuracy.py --engine single-process \
     --model deep-8x --output runs/tta_best/deep-8x --iterations 16000 --eval-interval 200 \
     --eval-iters 8 --warmup-iters 800 --targets 4.2,4.0,3.8,3.7,3.5 --seeds 1 \
-    --config "$name=${CONFIGS[$name]}"
+    ${EXIT_INTERVAL:+--exit-interval "$EXIT_INTERVAL"} --config "$name=${CONFIGS[$name]}"
 done

@@ -234,3 +234,27 @@ def test_a_checkpoint_of_other_flags_is_refused_by_name(tmp_path):
     changed = argparse.Namespace(**{**vars(saved), "lr": 1.5e-3, "seed": 2})
     with pytest.raises(UserError, match=r"flags that differ: lr, seed\)"):
         engine._read_checkpoint(path, changed)
+    # --exit-interval stops and resumes a run without changing its numbers: not a difference
+    stopped = argparse.Namespace(**{**vars(saved), "exit_interval": 4000})
+    assert engine._read_checkpoint(path, stopped)["flags"]["lr"] == 3e-3
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--exit-interval", "0"], "--exit-interval needs a value >= 1 and no --report"),
+        (["--exit-interval", "8", "--report"], "--exit-interval needs a value >= 1 and no --report"),
+        (["--engine", "torchrun", "--exit-interval", "8"], "need --engine single-process"),
+    ],
+)  # fmt: skip
+def test_the_tools_exit_interval_is_checked(extra, message, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "tta_tool", os.path.join(REPO, "tools", "time_to_accuracy.py")
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--config", "paci=paci:1e-3", "--engine", "single-process", *extra])
+    assert message in capsys.readouterr().err
