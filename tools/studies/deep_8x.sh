@@ -19,6 +19,8 @@ LA=--async-nesterov-lookahead EF=--async-error-feedback
 # a = 8 for the first 200 iterations doubles their batch: 15,800 iterations for the same tokens.
 A8=--paci-accumulation-schedule=8:200,--train-iters=15800
 P8=--pipeline-model-parallel-size=8
+# a = 8 on 8 stages: micro batch 2 (global batch 16 as before), a = 16 for the first 200
+A16MB2=--micro-batch-size=2,--paci-accumulation-schedule=16:200,--train-iters=15800
 declare -A CONFIGS=(
   [flush-adam-lr3e-3]=1f1b:3e-3
   [flush-muon-lr1.5e-3]=1f1b:1.5e-3:$M
@@ -35,6 +37,9 @@ declare -A CONFIGS=(
   # ... its LR bracketed below, and without error feedback
   [paci8-adam-ef-a8x200-dec-lr7.5e-4]=paci:7.5e-4:$EF,$A8,$D,$P8
   [paci8-adam-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$A8,$D,$P8
+  # a = 8 on 8 stages (micro batch 2, the same global batch 16 and tokens): drift bound 1 on
+  # every stage, as a = 4 gives on 4; a = 16 for the first 200 iterations doubles their batch
+  [paci8-mb2-adam-ef-a16x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,$A16MB2,$D,$P8
   # error feedback stretched over each stage's delay bound (2 on stages 0 and 1 of 8 at a = 4)
   [paci8-adam-efs-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,--async-error-feedback-stretch,$A8,$D,$P8
 )
