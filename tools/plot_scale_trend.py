@@ -42,23 +42,31 @@ def parse_point(text: str) -> dict:
 
 def measured_point(point: dict, seeds: list[int]) -> dict:
     """The point as the data file keeps it: each run's final validation loss by seed, for the
-    seeds whose run finished (a summary.json under the point's output)."""
+    seeds whose run finished (a summary.json under the point's output), and which evaluation
+    gave it ("final": the final evaluation's batches, the same for every run of a seed; "last
+    of N": the last of N periodic evaluations, the same batches only for a run of N too)."""
     runs = {}
     for schedule in ("flush", "paci"):
-        finals = {}
+        finals, evaluations = {}, {}
         for seed in seeds:
             directory = tta.run_directory(point["output"], point[schedule], seed)
             if os.path.exists(os.path.join(directory, "summary.json")):
                 run = tta._read_run(point["output"], point[schedule], seed)
                 finals[str(seed)] = round(tta.final_losses([run])[0], 6)
-        runs[schedule] = {"run": point[schedule], "final": finals}
+                final = run.final_validation is not None
+                evaluations[str(seed)] = "final" if final else f"last of {len(run.validation)}"
+        runs[schedule] = {"run": point[schedule], "final": finals, "evaluation": evaluations}
     return {key: point[key] for key in ("optimizer", "model", "stages")} | runs
 
 
 def gap(point: dict) -> dict | None:
-    """The paired gap in percent over the seeds both runs finished, with their count."""
+    """The paired gap in percent over the seeds both runs finished on the same validation
+    batches (the same evaluation; points recorded before the file named it pair as they are),
+    with their count."""
     flush, paci = point["flush"]["final"], point["paci"]["final"]
-    seeds = sorted(set(flush) & set(paci), key=int)
+    read = lambda side, seed: point[side].get("evaluation", {}).get(seed)  # noqa: E731
+    seeds = sorted((s for s in set(flush) & set(paci) if read("flush", s) == read("paci", s)),
+                   key=int)  # fmt: skip
     if not seeds:
         return None
     result = tta.spread([paci[s] / flush[s] - 1 for s in seeds])
@@ -84,8 +92,10 @@ def record(points: list[dict], new: dict) -> list[dict]:
     merged = dict(new)
     for schedule in ("flush", "paci"):
         if old is not None and old[schedule]["run"] == new[schedule]["run"]:
-            finals = old[schedule]["final"] | new[schedule]["final"]
-            merged[schedule] = {"run": new[schedule]["run"], "final": finals}
+            merged[schedule] = {"run": new[schedule]["run"]} | {
+                key: old[schedule].get(key, {}) | new[schedule][key]
+                for key in ("final", "evaluation")
+            }
     return [p for p in points if key(p) != key(new)] + [merged]
 
 

@@ -14,13 +14,16 @@ def tool():
     return tool_scripts.load("plot_scale_trend")
 
 
-def write_run(output, name, seed, final):
+def write_run(output, name, seed, final, final_evaluation=None, evaluations=2):
+    """A finished run: `evaluations` periodic evaluations, the last at `final`, and a final
+    evaluation when given."""
     directory = os.path.join(output, f"{name}-seed{seed}")
     os.makedirs(directory)
-    validation = [{"iteration": 50, "lm loss": 5.0, "tokens": 1}, {"iteration": 100,
-                  "lm loss": final, "tokens": 2}]  # fmt: skip
+    validation = [{"iteration": 50 * k, "lm loss": 5.0, "tokens": k} for k in range(1, evaluations)]
+    validation.append({"iteration": 50 * evaluations, "lm loss": final, "tokens": evaluations})
     with open(os.path.join(directory, "summary.json"), "w") as file:
-        json.dump({"validation": validation, "args": []}, file)
+        json.dump({"validation": validation, "args": [], "final_validation": final_evaluation},
+                  file)  # fmt: skip
 
 
 def test_gaps_are_paired_by_seed_and_a_missing_point_is_named(tool, tmp_path, capsys):
@@ -48,8 +51,9 @@ def test_gaps_are_paired_by_seed_and_a_missing_point_is_named(tool, tmp_path, ca
         recorded = json.load(file)["points"]
     assert [(p["model"], p["stages"]) for p in recorded] == [
         ("small", 4), ("deep-8x", 8), ("small-4x", 4)]  # fmt: skip
-    assert recorded[1]["paci"] == {"run": "paci8", "final": {"1": 4.4}}
-    assert recorded[2]["paci"] == {"run": "absent", "final": {}}  # flush's side kept for later
+    assert recorded[1]["paci"] == {"run": "paci8", "final": {"1": 4.4},
+                                   "evaluation": {"1": "last of 2"}}  # fmt: skip
+    assert recorded[2]["paci"] == {"run": "absent", "final": {}, "evaluation": {}}
 
 
 def test_the_figure_is_redrawn_from_the_data_file_and_a_point_is_replaced(tool, tmp_path, capsys):
@@ -94,6 +98,28 @@ def test_one_schedule_recorded_now_and_the_other_later_make_the_point(tool, tmp_
                "--point", f"AdamW|deep-8x|4|{later}|flush|paci4-other"])  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
     assert lines[2:] == ["| AdamW | deep-8x | 2.66M | 4 | -25.00% [-25.00, -25.00] | 1 |"]
+
+
+def test_only_losses_of_the_same_validation_batches_are_paired(tool, tmp_path, capsys):
+    """A seed pairs where both runs give the final evaluation, or both the last of as many
+    periodic evaluations; a run that evaluated less often (PACI with an accumulation schedule)
+    against flush read other batches, and one with a final evaluation against one without."""
+    output, data = str(tmp_path / "runs"), str(tmp_path / "trend.json")
+    write_run(output, "flush", 1, 4.0, final_evaluation=4.1)
+    write_run(output, "paci", 1, 3.9, final_evaluation=4.0)  # paired on the final evaluations
+    write_run(output, "flush", 2, 4.0, evaluations=40)
+    write_run(output, "paci", 2, 3.0, evaluations=36)  # other batches: not paired
+    write_run(output, "flush", 3, 4.0, final_evaluation=4.4)
+    write_run(output, "paci", 3, 3.0)  # no final evaluation: not paired
+    write_run(output, "flush-muon", 1, 4.0, evaluations=40)
+    write_run(output, "paci-muon", 1, 4.2, evaluations=40)  # the same 40 evaluations: paired
+    tool.main(["--png", str(tmp_path / "trend.png"), "--data", data,
+               "--point", f"AdamW|small|4|{output}|flush|paci",
+               "--point", f"Muon|small|4|{output}|flush-muon|paci-muon"])  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    gap = 100 * (4.0 / 4.1 - 1)
+    assert lines[2:] == [f"| AdamW | small | 0.33M | 4 | {gap:+.2f}% [{gap:+.2f}, {gap:+.2f}] | 1 |",
+                         "| Muon | small | 0.33M | 4 | +5.00% [+5.00, +5.00] | 1 |"]  # fmt: skip
 
 
 def test_a_data_file_of_something_else_is_one_line(tool, tmp_path):
