@@ -576,15 +576,25 @@ def _read_checkpoint(path: str | None, args) -> dict | None:
     if not path or not os.path.exists(path):
         return None
     saved = torch.load(path, weights_only=False)
-    now = _run_flags(args)
-    if saved["flags"] != now:
-        changed = sorted(k for k in saved["flags"].keys() | now.keys()
-                         if saved["flags"].get(k) != now.get(k))  # fmt: skip
+    changed = _differing_flags(saved["flags"], _run_flags(args))
+    if changed:
         raise UserError(
             f"{path} is the checkpoint of another run (flags that differ: "
             f"{', '.join(changed)}): remove it to train this run from the start"
         )
     return saved
+
+
+def _differing_flags(saved: dict, now: dict) -> list[str]:
+    """The flags whose values differ; a flag one side lacks (added to the project since the
+    checkpoint was written, or removed) is at its default there."""
+    if saved == now:
+        return []
+    from megatron.training.arguments import build_parser
+
+    default = build_parser().get_default
+    return sorted(k for k in saved.keys() | now.keys()
+                  if saved.get(k, default(k)) != now.get(k, default(k)))  # fmt: skip
 
 
 def _write_checkpoint(path, args, stages, result, iteration: int, consumed: tuple) -> None:

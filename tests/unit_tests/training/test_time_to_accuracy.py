@@ -258,3 +258,23 @@ def test_the_tools_exit_interval_is_checked(extra, message, capsys):
     with pytest.raises(SystemExit):
         tool.parse_args(["--config", "paci=paci:1e-3", "--engine", "single-process", *extra])
     assert message in capsys.readouterr().err
+
+
+def test_a_checkpoint_from_before_a_new_flag_is_resumed(tmp_path):
+    """A flag added to the project after a study's checkpoint was written is at its default
+    there: the run goes on (at another value it is a flag that differs)."""
+    import argparse
+
+    import torch
+
+    from megatron.common.errors import UserError
+    from megatron.studies import single_process_engine as engine
+
+    path = str(tmp_path / "checkpoint.pt")
+    torch.save({"flags": engine._run_flags(argparse.Namespace(lr=3e-3))}, path)
+    now = argparse.Namespace(lr=3e-3, async_error_feedback_stretch=False)
+    assert engine._read_checkpoint(path, now)["flags"] == {"lr": 3e-3}
+    with pytest.raises(UserError, match=r"flags that differ: async_error_feedback_stretch\)"):
+        engine._read_checkpoint(
+            path, argparse.Namespace(lr=3e-3, async_error_feedback_stretch=True)
+        )
