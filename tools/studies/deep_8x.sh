@@ -24,6 +24,7 @@ A16MB2=--micro-batch-size=2,--paci-accumulation-schedule=16:200,--train-iters=15
 declare -A CONFIGS=(
   [flush-adam-lr3e-3]=1f1b:3e-3
   [flush-muon-lr1.5e-3]=1f1b:1.5e-3:$M
+  [flush-adam-lr1.5e-3]=1f1b:1.5e-3
   [paci4-adam-ef-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,$A8,$D
   [paci8-adam-ef-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,$A8,$D,$P8
   [paci4-muon-la-ef-lr1.5e-3]=paci:1.5e-3:$M,$LA,$EF
@@ -40,6 +41,7 @@ declare -A CONFIGS=(
   # a = 8 on 8 stages (micro batch 2, the same global batch 16 and tokens): drift bound 1 on
   # every stage, as a = 4 gives on 4; a = 16 for the first 200 iterations doubles their batch
   [paci8-mb2-adam-ef-a16x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,$A16MB2,$D,$P8
+  [paci8-mb2-adam-ef-a16x200-dec-lr3e-3]=paci:3e-3:$EF,$A16MB2,$D,$P8
   # error feedback stretched over each stage's delay bound (2 on stages 0 and 1 of 8 at a = 4)
   [paci8-adam-efs-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,--async-error-feedback-stretch,$A8,$D,$P8
 )
