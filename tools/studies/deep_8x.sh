@@ -42,7 +42,7 @@ declare -A CONFIGS=(
   # every stage, as a = 4 gives on 4; a = 16 for the first 200 iterations doubles their batch
   [paci8-mb2-adam-ef-a16x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,$A16MB2,$D,$P8
   [paci8-mb2-adam-ef-a16x200-dec-lr3e-3]=paci:3e-3:$EF,$A16MB2,$D,$P8
-  # error feedback stretched over each stage's delay bound (2 on stages 0 and 1 of 8 at a = 4)
+  # error feedback stretched over each stage's delay bound (2 on stages 0 to 2 of 8 at a = 4)
   [paci8-adam-efs-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,--async-error-feedback-stretch,$A8,$D,$P8
 )
 ORDER=(flush-adam-lr3e-3 paci8-adam-ef-a8x200-dec-lr1.5e-3 paci4-adam-ef-a8x200-dec-lr1.5e-3
