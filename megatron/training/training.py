@@ -341,6 +341,22 @@ def _note_inflight_window(config) -> None:
     )
 
 
+def drift_bound_note(config) -> str | None:
+    """PACI with fewer microbatches per step than N - 1 lets the first stages' gradients grow
+    more than one step stale; on the deep study model on 8 stages a = 8 instead of 4 (the same
+    global batch) closed what 8 stages cost over 4 (docs/convergence.md, "Scale")."""
+    plan, pipeline = config.pipeline.plan, config.pipeline
+    if plan.name != "paci" or plan.chunks_per_rank > 1 or pipeline.paci_deferred_step:
+        return None  # (the deferred step prints its own bound)
+    n, a = plan.num_stages, config.training.num_microbatches
+    bounds = [plan.schedule.drift_bound(s, n, a) for s in range(n)]
+    if max(bounds) <= 1:
+        return None
+    return (f"> note: PACI on {n} stages at a = {a} microbatches per step: drift bound by stage "
+            f"{' '.join(map(str, bounds))}; a >= {n - 1} (the same global batch at a smaller "
+            "--micro-batch-size) keeps every stage within one step")  # fmt: skip
+
+
 def _note_deferred_step(config) -> None:
     """--paci-deferred-step: the drift bound it implies, per stage (paci.py derives it)."""
     if not config.pipeline.paci_deferred_step:
@@ -446,6 +462,8 @@ def _set_up_and_train(config, forward_step_func, wall_start, requests, device,
     unmap_large_blocks_when_freed(device, config.parallel.cpu_mmap_threshold_kib)
     _print_layout(config)
     _note_inflight_window(config)
+    if (note := drift_bound_note(config)) is not None:
+        print_rank_0(note)
     _note_deferred_step(config)
     tokenizer, config = _build_checked_tokenizer(config)
     model = shard_stage_model(config, build_stage_model(config, device))

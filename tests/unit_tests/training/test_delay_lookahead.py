@@ -217,3 +217,18 @@ def test_state_round_trips_through_a_checkpoint(name):
 def test_bad_settings_are_one_line_errors(extra, message):
     with pytest.raises(UserError, match=message):
         validated(extra)
+
+
+def test_a_drift_bound_above_one_step_is_noted_at_start():
+    """PACI at a = 1 on 4 stages: bounds 3 2 1 0, and the note says what keeps them at one;
+    nothing at a = 4, under 1f1b, or with the in-flight limit that caps the drift at one."""
+    from megatron.training.training import drift_bound_note
+
+    note = drift_bound_note(run_config(["--pipeline-schedule", "paci", "--global-batch-size", "2"]))
+    assert note == ("> note: PACI on 4 stages at a = 1 microbatches per step: drift bound by stage "
+                    "3 2 1 0; a >= 3 (the same global batch at a smaller --micro-batch-size) keeps "
+                    "every stage within one step")  # fmt: skip
+    for quiet in (["--pipeline-schedule", "paci"], ["--global-batch-size", "2"],
+                  ["--pipeline-schedule", "paci", "--global-batch-size", "2",
+                   "--paci-inflight-limit", "flush"]):  # fmt: skip
+        assert drift_bound_note(run_config(quiet)) is None
