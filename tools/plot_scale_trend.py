@@ -1,5 +1,5 @@
-"""PACI's gap to flush as the model grows and as the pipeline deepens (docs/convergence.md,
-"Scale"): the final validation loss of a PACI run over flush's on the same seed, minus one,
+"""PACI's gap to flush as the model grows and as the pipeline deepens
+(docs/convergence_scale.md): the final validation loss of a PACI run over flush's on the same seed, minus one,
 median and range over the seeds both have; a markdown table and a PNG.
 
     .venv/bin/python tools/plot_scale_trend.py --png docs/convergence_scale.png \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The deep model of docs/convergence.md's scale section (--model deep-8x: 16 layers of hidden
+# The deep model of docs/convergence_scale.md (--model deep-8x: 16 layers of hidden
 # 112, 8.0x the study model) on 4 and on 8 stages, seed 1, each schedule at its best
 # configuration and LR of the 4x model; 16,000 iterations (the study model's tokens per
 # parameter). One run is 80 to 120 CPU-minutes; niced, one core each.
