@@ -346,10 +346,11 @@ def drift_bound_note(config) -> str | None:
     more than one step stale; on the deep study model on 8 stages a = 8 instead of 4 (the same
     global batch) closed what 8 stages cost over 4 (docs/convergence_scale.md)."""
     plan, pipeline = config.pipeline.plan, config.pipeline
-    if plan.name != "paci" or plan.chunks_per_rank > 1 or pipeline.paci_deferred_step:
+    drift_bound = plan.schedule.drift_bound  # PACI's; None for the stashing and flush schedules
+    if drift_bound is None or plan.chunks_per_rank > 1 or pipeline.paci_deferred_step:
         return None  # (the deferred step prints its own bound)
     n, a = plan.num_stages, config.training.num_microbatches
-    bounds = [plan.schedule.drift_bound(s, n, a) for s in range(n)]
+    bounds = [drift_bound(s, n, a) for s in range(n)]
     if max(bounds) <= 1:
         return None
     return (f"> note: PACI on {n} stages at a = {a} microbatches per step: drift bound by stage "
