@@ -139,16 +139,26 @@ def phases_of(config) -> list[tuple[int, int]]:
     return accumulation_phases(config)
 
 
+def _local_stages(config, device) -> tuple[list, list]:
+    """Each pipeline stage's model and optimizer step, built as its rank builds them."""
+    from megatron.model.build import stage_layout
+    from megatron.studies.delayed_reference import build_local_stage
+
+    models, steps = [], []
+    for stage in range(config.parallel.pipeline_model_parallel_size):
+        layout = stage_layout(config)
+        layout.pipeline_rank = stage
+        model, step = build_local_stage(config, layout, device)
+        models.append(model)
+        steps.append(step)
+    return models, steps
+
+
 class _Stages:
     """The model's stages in one process, their data iterators and optimizer steps."""
 
     def __init__(self, config, consumed: tuple[int, int] = (0, 0)):
-        from megatron.model.build import stage_layout
-        from megatron.studies.delayed_reference import (
-            build_local_stage,
-            ensure_single_process_groups,
-            prepare_host,
-        )
+        from megatron.studies.delayed_reference import ensure_single_process_groups, prepare_host
         from megatron.training.batch_schedule import total_train_samples
         from megatron.training.data.datasets import data_iterators_of_run
         from megatron.training.tokenizer.tokenizer import build_tokenizer_of_run
@@ -160,13 +170,7 @@ class _Stages:
         tokenizer = build_tokenizer_of_run(config.data)
         config = config.with_vocabulary(tokenizer.vocab_size)
         self.count = config.parallel.pipeline_model_parallel_size
-        self.models, self.steps = [], []
-        for stage in range(self.count):
-            layout = stage_layout(config)
-            layout.pipeline_rank = stage
-            model, step = build_local_stage(config, layout, device)
-            self.models.append(model)
-            self.steps.append(step)
+        self.models, self.steps = _local_stages(config, device)
         training = config.training
         # evaluations, the final one included (when the run evaluates at all)
         self.evaluates = (
