@@ -211,7 +211,8 @@ def run_all_single_process(configurations, seeds, output, *, log=print, **run_op
     other in this process; `run_options` go to `Configuration.args`. Each finished run writes
     its summary.json at once, so a cut-short study resumes where it stopped, and a run in
     progress goes on from its checkpoint."""
-    from megatron.studies.single_process_engine import parse_engine_args, train
+    from megatron.studies.single_process_engine import parse_engine_args, resumable, train
+    from megatron.training.config import RunConfig
 
     check_model_data(run_options.get("model", "demo"))
     exit_interval = run_options.pop("exit_interval", None)
@@ -225,10 +226,15 @@ def run_all_single_process(configurations, seeds, output, *, log=print, **run_op
             stop = ["--exit-interval", str(exit_interval)] if exit_interval else []
             os.makedirs(directory, exist_ok=True)
             # a stopped run goes on from its last drain point's checkpoint (at most ten
-            # minutes of training lost), with the numbers of an uninterrupted run
+            # minutes of training lost), with the numbers of an uninterrupted run; the
+            # schedules that stash weight versions have none and start over
+            args = parse_engine_args(flags + stop)
             checkpoint = os.path.join(directory, "checkpoint.pt")
+            if not resumable(RunConfig.from_args(args)):
+                checkpoint = None
+                log(f"{config.name} seed {seed}: no checkpoint (the schedule stashes weights)")
             result = train(
-                parse_engine_args(flags + stop),
+                args,
                 checkpoint=checkpoint,
                 log=lambda line: log(f"{config.name} seed {seed}: {line}"),
             )
@@ -242,7 +248,7 @@ def run_all_single_process(configurations, seeds, output, *, log=print, **run_op
                 json.dump(summary, f)
             os.replace(os.path.join(directory, "summary.json.tmp"),
                        os.path.join(directory, "summary.json"))  # fmt: skip
-            if os.path.exists(checkpoint):
+            if checkpoint and os.path.exists(checkpoint):
                 os.remove(checkpoint)
             final = result.final_validation
             log(f"{config.name} seed {seed}: final validation {final or float('nan'):.4f}, "

@@ -42,6 +42,13 @@ declare -A CONFIGS=(
   # every stage, as a = 4 gives on 4; a = 16 for the first 200 iterations doubles their batch
   [paci8-mb2-adam-ef-a16x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,$A16MB2,$D,$P8
   [paci8-mb2-adam-ef-a16x200-dec-lr3e-3]=paci:3e-3:$EF,$A16MB2,$D,$P8
+  # PACI on 4 stages behind flush with drift bound 1 everywhere: without the decoupled embedding
+  # LR (flush's best has none), and without error feedback
+  [paci4-adam-ef-a8x200-lr1.5e-3]=paci:1.5e-3:$EF,$A8
+  [paci4-adam-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$A8,$D
+  # ... and with weight stashing (each backward on its forward's weights): is it the forward
+  # and backward weights differing inside a stage of 4 layers? (no checkpoint: runs through)
+  [paci4-adam-ef-a8x200-dec-stash-lr1.5e-3]=paci:1.5e-3:$EF,$A8,$D,--paci-weight-stashing
   # error feedback stretched over each stage's delay bound (2 on stages 0 to 2 of 8 at a = 4)
   [paci8-adam-efs-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,--async-error-feedback-stretch,$A8,$D,$P8
 )

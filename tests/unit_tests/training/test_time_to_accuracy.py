@@ -278,3 +278,28 @@ def test_a_checkpoint_from_before_a_new_flag_is_resumed(tmp_path):
         engine._read_checkpoint(
             path, argparse.Namespace(lr=3e-3, async_error_feedback_stretch=True)
         )
+
+
+def test_a_study_run_that_stashes_weights_trains_without_a_checkpoint(tmp_path, monkeypatch):
+    """The engine cannot checkpoint the schedules that keep weight versions (PACI with
+    --paci-weight-stashing): a study runs them without one (a stopped run starts over) and
+    says so, and gives the other runs their checkpoint file."""
+    from megatron.studies import single_process_engine as engine
+    from megatron.studies import time_to_accuracy as study
+
+    given = {}
+
+    def recording_train(args, *, checkpoint=None, log=None):
+        given[args.paci_weight_stashing] = checkpoint
+        return engine.EngineRun(stopped_at=4)  # stopped: no summary to write
+
+    monkeypatch.setattr(engine, "train", recording_train)
+    lines = []
+    configurations = [study.parse_configuration("plain=paci:1e-3"),
+                      study.parse_configuration("stashed=paci:1e-3:--paci-weight-stashing")]  # fmt: skip
+    study.run_all_single_process(configurations, [1], str(tmp_path), log=lines.append,
+                                 iterations=40, eval_interval=20)  # fmt: skip
+    assert given[False] == str(tmp_path / "plain-seed1" / "checkpoint.pt")
+    assert given[True] is None
+    assert "stashed seed 1: no checkpoint (the schedule stashes weights)" in lines
+    assert not any(line.startswith("plain seed 1: no checkpoint") for line in lines)
