@@ -78,13 +78,18 @@ demo: venv data
 # then the unit tests on both cores. (Running the parts side by side oversubscribed
 # the two cores, cost more CPU and made a timing-sensitive test fail; the last two in one
 # pytest-xdist session took 7 min 42 s against 7 min 2 s one after the other.) Every part runs;
-# the target fails if any did.
+# the target fails if any did, and ends with every part's failed tests (a log's tail names them).
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_FLAGS)
 
 test: venv data
-	@$(PYTEST) -m "cases or beside_cases" tests/functional_tests; cases=$$?; \
-	$(PYTEST) -n 2 --dist loadfile -m "not cases and not beside_cases" tests/functional_tests; rest=$$?; \
-	$(PYTEST) -n 2 tests/unit_tests; unit=$$?; \
+	@logs=$$(mktemp -d); \
+	{ $(PYTEST) -m "cases or beside_cases" tests/functional_tests; echo $$? >$$logs/cases; } 2>&1 \
+		| tee $$logs/cases.log; \
+	{ $(PYTEST) -n 2 --dist loadfile -m "not cases and not beside_cases" tests/functional_tests; \
+		echo $$? >$$logs/rest; } 2>&1 | tee $$logs/rest.log; \
+	{ $(PYTEST) -n 2 tests/unit_tests; echo $$? >$$logs/unit; } 2>&1 | tee $$logs/unit.log; \
+	cases=$$(cat $$logs/cases); rest=$$(cat $$logs/rest); unit=$$(cat $$logs/unit); \
+	grep -h -E "^(FAILED|ERROR) " $$logs/*.log | sed "s/^/make test: /"; rm -rf $$logs; \
 	echo "make test: case batch exit $$cases, other functional tests $$rest, unit tests $$unit"; \
 	test $$cases -eq 0 && test $$rest -eq 0 && test $$unit -eq 0
 
