@@ -49,6 +49,8 @@ declare -A CONFIGS=(
   # ... and with weight stashing (each backward on its forward's weights): is it the forward
   # and backward weights differing inside a stage of 4 layers? (no checkpoint: runs through)
   [paci4-adam-ef-a8x200-dec-stash-lr1.5e-3]=paci:1.5e-3:$EF,$A8,$D,--paci-weight-stashing
+  # ... and on 8 stages at a = 8 without the decoupled LR
+  [paci8-mb2-adam-ef-a16x200-lr1.5e-3]=paci:1.5e-3:$EF,$A16MB2,$P8
   # error feedback stretched over each stage's delay bound (2 on stages 0 to 2 of 8 at a = 4)
   [paci8-adam-efs-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,--async-error-feedback-stretch,$A8,$D,$P8
 )
