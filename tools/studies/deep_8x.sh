@@ -29,6 +29,7 @@ declare -A CONFIGS=(
   [paci8-adam-ef-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,$A8,$D,$P8
   [paci4-muon-la-ef-lr1.5e-3]=paci:1.5e-3:$M,$LA,$EF
   [paci8-muon-la-ef-lr1.5e-3]=paci:1.5e-3:$M,$LA,$EF,$P8
+  [paci8-mb2-muon-la-ef-lr1.5e-3]=paci:1.5e-3:$M,$LA,$EF,$P8,--micro-batch-size=2
   # PACI on 8 stages behind flush: its LR bracketed above, and the stage LR scale, which lowers
   # stage s's LR by its mean gradient staleness (N - 1 - s) / a (7/4 steps on stage 0 of 8; it
   # takes one a, so without the accumulation schedule)
@@ -54,8 +55,9 @@ declare -A CONFIGS=(
   # error feedback stretched over each stage's delay bound (2 on stages 0 to 2 of 8 at a = 4)
   [paci8-adam-efs-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,--async-error-feedback-stretch,$A8,$D,$P8
 )
-ORDER=(flush-adam-lr3e-3 paci8-adam-ef-a8x200-dec-lr1.5e-3 paci4-adam-ef-a8x200-dec-lr1.5e-3
-       flush-muon-lr1.5e-3 paci8-muon-la-ef-lr1.5e-3 paci4-muon-la-ef-lr1.5e-3)
+# the trend's points: each schedule at its best; PACI on 8 stages at a = 8 (a >= N - 1)
+ORDER=(flush-adam-lr3e-3 paci4-adam-ef-a8x200-lr1.5e-3 paci8-mb2-adam-ef-a16x200-lr1.5e-3
+       flush-muon-lr1.5e-3 paci4-muon-la-ef-lr1.5e-3 paci8-mb2-muon-la-ef-lr1.5e-3)
 for name in "${@:-${ORDER[@]}}"; do
   [[ -v CONFIGS[$name] ]] || { echo "error: unknown configuration $name" >&2; exit 2; }
   OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python tools/time_to_accuracy.py --engine single-process \
