@@ -25,6 +25,7 @@ declare -A CONFIGS=(
   [flush-adam-lr3e-3]=1f1b:3e-3
   [flush-muon-lr1.5e-3]=1f1b:1.5e-3:$M
   [flush-adam-lr1.5e-3]=1f1b:1.5e-3
+  [flush-adam-dec-lr3e-3]=1f1b:3e-3:$D
   [paci4-adam-ef-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,$A8,$D
   [paci8-adam-ef-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,$A8,$D,$P8
   [paci4-muon-la-ef-lr1.5e-3]=paci:1.5e-3:$M,$LA,$EF
