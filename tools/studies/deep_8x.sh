@@ -48,6 +48,9 @@ declare -A CONFIGS=(
   # LR (flush's best has none), and without error feedback
   [paci4-adam-ef-a8x200-lr1.5e-3]=paci:1.5e-3:$EF,$A8
   [paci4-adam-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$A8,$D
+  # ... without the decoupled LR, its LR bracketed
+  [paci4-adam-ef-a8x200-lr3e-3]=paci:3e-3:$EF,$A8
+  [paci4-adam-ef-a8x200-lr7.5e-4]=paci:7.5e-4:$EF,$A8
   # ... and with weight stashing (each backward on its forward's weights): is it the forward
   # and backward weights differing inside a stage of 4 layers? (no checkpoint: runs through)
   [paci4-adam-ef-a8x200-dec-stash-lr1.5e-3]=paci:1.5e-3:$EF,$A8,$D,--paci-weight-stashing
