@@ -50,11 +50,21 @@ class PeerLost(RuntimeError):
         )
 
 
+_STAGES: dict[int, int] = {}  # global rank -> pipeline stage, every rank's (register_stages)
+
+
+def register_stages(stages: dict[int, int]) -> None:
+    """Every rank's stage, gathered at set-up, so that a rank of another pipeline (a replica)
+    is named by its stage too."""
+    _STAGES.clear()
+    _STAGES.update(stages)
+
+
 def describe_rank(rank: int) -> str:
     from megatron.core import parallel_state
 
     ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
-    stage = ranks.index(rank) if rank in ranks else "?"
+    stage = ranks.index(rank) if rank in ranks else _STAGES.get(rank, "?")
     return f"stage {stage} (rank {rank})"
 
 

@@ -135,11 +135,18 @@ def apply_timeout_to_all_groups(minutes: int) -> None:
 
 
 def register_peers() -> None:
-    """Every rank's host and pid (collective over the world; once, at set-up)."""
+    """Every rank's host, pid and pipeline stage (collective over the world; once, at set-up):
+    a rank names a stopped peer of another pipeline by its stage too."""
+    from megatron.core import parallel_state
+
+    from megatron.pipeline import p2p
+
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (socket.gethostname(), os.getpid()))
+    own = (socket.gethostname(), os.getpid(), parallel_state.get_pipeline_model_parallel_rank())
+    dist.all_gather_object(gathered, own)
     _peers.clear()
-    _peers.update(enumerate(gathered))
+    _peers.update((rank, (host, pid)) for rank, (host, pid, _) in enumerate(gathered))
+    p2p.register_stages({rank: stage for rank, (_, _, stage) in enumerate(gathered)})
 
 
 def _process_state(pid: int) -> str:

@@ -231,17 +231,21 @@ def _freeze_a_replica_during_its_reduction(out) -> dict:
 
 
 def test_a_replica_frozen_during_a_reduction_is_named_and_ended(frozen_runs):
-    """Every process ends within the timeout; its replica names the reduction that never
-    landed, and the stopped rank is named and ended."""
+    """Every process ends within the timeout and the stopped rank is named (by its stage) and
+    ended. Which rank's wait times out first depends on when each began it (rank 0's on its
+    replica's reduction or loss average, rank 3's on its stage 0, rank 2's on rank 3), and the
+    launcher ends the others then: rank 0, where it reported, names its data-parallel group.
+    The reduction's own message: test_data_parallel.py, a stuck bucket."""
     run = frozen_runs["replica"]
     output, errors = run["output"], our_errors(run["output"])
     print(f"every process ended {run['ended_after']:.1f} s after rank 1 was frozen")
     print("\n".join(errors))
     assert not run["left"], run["left"]
     assert run["ended_after"] < 90, (run["ended_after"], output[-3000:])
-    assert any("the data-parallel reduction of bucket" in line and "over ranks [0, 1]" in line
-               for line in errors), output[-3000:]  # fmt: skip
-    assert any("(rank 1) was stopped: ended" in line for line in errors), output[-3000:]
+    assert errors and all("stage ?" not in line for line in errors), errors
+    assert any("stage 0 (rank 1) was stopped: ended" in line for line in errors), output[-3000:]
+    replica = [line for line in errors if line.startswith("error: rank 0: ")]
+    assert all("over ranks [0, 1] failed" in line for line in replica), replica
     assert not worker_traceback(output), output[-3000:]
 
 

@@ -165,6 +165,44 @@ def test_a_stuck_replica_during_the_loss_average_is_named(one_rank_group, monkey
         assert failure.value.timed_out
 
 
+class StuckReplica(Recording):
+    """Each bucket's reduction is in flight and times out when waited for, as gloo's does
+    when a replica never joins."""
+
+    group = None
+
+    def start(self, bucket):
+        super().start(bucket)
+
+        class Work:
+            def wait(self):
+                raise RuntimeError(GLOO_TIMEOUT)
+
+            def get_future(self):
+                raise RuntimeError("no future")  # timed when waited for, as gloo's lists
+
+        return [Work()]
+
+
+def test_a_stuck_replica_during_a_bucket_reduction_is_named(one_rank_group):
+    """A bucket in flight whose replica never joins: the step's wait raises one line naming
+    the rank, the bucket and the group, which the entry point reports as a lost replica."""
+    model, _, _ = _model_and_reduction(20)
+    params = list(model.parameters())
+    reduction = BucketedReduction(params, bucket_ranges([p.numel() for p in params], 20),
+                                  StuckReplica())  # fmt: skip
+    reduction.attach_hooks()
+    reduction.before_final_pass(0)
+    _backward(model)
+    with pytest.raises(ReductionFailed) as failure:
+        reduction.finish()
+    assert str(failure.value) == (
+        f"rank 0: the data-parallel reduction of {reduction.buckets[0]} over ranks all failed: "
+        "got nothing within --distributed-timeout-minutes: a replica is stuck"
+    )
+    assert failure.value.timed_out
+
+
 def test_a_lost_replica_keeps_what_gloo_said(one_rank_group):
     with pytest.raises(ReductionFailed) as failure:
         with named_reduction("the data-parallel reduction of bucket 0", None):
