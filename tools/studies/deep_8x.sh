@@ -51,6 +51,11 @@ declare -A CONFIGS=(
   # ... without the decoupled LR, its LR bracketed
   [paci4-adam-ef-a8x200-lr3e-3]=paci:3e-3:$EF,$A8
   [paci4-adam-ef-a8x200-lr7.5e-4]=paci:7.5e-4:$EF,$A8
+  # PACI ahead for the first third, behind from the second pass over the data on: 8 stages at
+  # flush's LR, and a synchronous last eighth (1F1B-flush for the last 2,000 iterations; it
+  # excludes the accumulation schedule)
+  [paci8-mb2-adam-ef-a16x200-lr3e-3]=paci:3e-3:$EF,$A16MB2,$P8
+  [paci4-adam-ef-cd2000-lr3e-3]=paci:3e-3:$EF,--async-sync-cooldown-iters=2000
   # ... and with weight stashing (each backward on its forward's weights): is it the forward
   # and backward weights differing inside a stage of 4 layers? (no checkpoint: runs through)
   [paci4-adam-ef-a8x200-dec-stash-lr1.5e-3]=paci:1.5e-3:$EF,$A8,$D,--paci-weight-stashing
@@ -60,7 +65,7 @@ declare -A CONFIGS=(
   [paci8-adam-efs-a8x200-dec-lr1.5e-3]=paci:1.5e-3:$EF,--async-error-feedback-stretch,$A8,$D,$P8
 )
 # the trend's points: each schedule at its best; PACI on 8 stages at a = 8 (a >= N - 1)
-ORDER=(flush-adam-lr3e-3 paci4-adam-ef-a8x200-lr1.5e-3 paci8-mb2-adam-ef-a16x200-lr1.5e-3
+ORDER=(flush-adam-lr3e-3 paci4-adam-ef-a8x200-lr3e-3 paci8-mb2-adam-ef-a16x200-lr3e-3
        flush-muon-lr1.5e-3 paci4-muon-la-ef-lr1.5e-3 paci8-mb2-muon-la-ef-lr1.5e-3)
 for name in "${@:-${ORDER[@]}}"; do
   [[ -v CONFIGS[$name] ]] || { echo "error: unknown configuration $name" >&2; exit 2; }
