@@ -52,10 +52,10 @@ declare -A CONFIGS=(
   [paci4-adam-ef-a8x200-lr3e-3]=paci:3e-3:$EF,$A8
   [paci4-adam-ef-a8x200-lr7.5e-4]=paci:7.5e-4:$EF,$A8
   # PACI ahead for the first third, behind from the second pass over the data on: 8 stages at
-  # flush's LR, and a synchronous last eighth (1F1B-flush for the last 2,000 iterations; it
-  # excludes the accumulation schedule)
+  # flush's LR; PACI's LR bracketed above (the higher LR helps flush more in the second pass);
+  # a synchronous last eighth (1F1B-flush for the last 2,000 iterations; it excludes the
+  # accumulation schedule)
   [paci8-mb2-adam-ef-a16x200-lr3e-3]=paci:3e-3:$EF,$A16MB2,$P8
-  # the higher LR helps flush more than PACI in the second pass: PACI's LR bracketed above
   [paci4-adam-ef-a8x200-lr6e-3]=paci:6e-3:$EF,$A8
   [paci4-adam-ef-cd2000-lr3e-3]=paci:3e-3:$EF,--async-sync-cooldown-iters=2000
   # ... and with weight stashing (each backward on its forward's weights): is it the forward
