@@ -6,8 +6,10 @@ initialization of the distributed run), each with its own optimizer, LR schedule
 gradient clipping, as PACI's ranks have them, and each run by the real rank executor
 (`megatron.pipeline.runtime.RankRuntime`) on its own thread, the stages joined by the
 in-process transport (`megatron.pipeline.transport`). Between two drain points (evaluations,
-the phase ends of `--paci-accumulation-schedule`, the end) each stage's executor asks the run's
-PACI schedule for its next pass, as a rank does; under the default `fixed` arrival rule (and
+the phase ends of `--paci-accumulation-schedule` and of `--async-sync-warmup-iters` /
+`--async-sync-cooldown-iters`, the end) each stage's executor asks the run's PACI schedule for
+its next pass, as a rank does (1F1B-flush's in the synchronous phases, each stage still clipping
+and stepping on its own as PACI's ranks do there); under the default `fixed` arrival rule (and
 under --deterministic-mode, whatever the rule) that decision reads the stage's counters alone,
 so a stage's numbers are those of the distributed run. A reactive rule's order depends on
 arrival times, which one process does not have: the engine refuses it without
@@ -53,8 +55,6 @@ from megatron.model.mtp import set_mtp_loss_scale
 
 # Flags whose runtime behaviour the engine does not reproduce.
 UNSUPPORTED = {
-    "async_sync_warmup_iters": "--async-sync-warmup-iters",
-    "async_sync_cooldown_iters": "--async-sync-cooldown-iters",
     "rampup_batch_size": "--rampup-batch-size",
     "step_batch_size_schedule": "--step-batch-size-schedule",
     "fp16": "--fp16",
@@ -420,14 +420,20 @@ def _run_stages(stages: _Stages, work) -> None:
         raise errors[0]
 
 
-def _segment(config, stages: _Stages, a: int, iterations: int, drift: list[int]) -> list[float]:
-    """`iterations` steps from an empty pipeline to an empty one (1F1B-flush on the one stage,
-    or PACI's order on each stage); the per-iteration mean losses. `drift[s]` is raised to the
+def _segment(
+    config, stages: _Stages, a: int, first: int, iterations: int, drift: list[int]
+) -> list[float]:
+    """`iterations` steps from an empty pipeline to an empty one, the first of them iteration
+    `first` (1-based): 1F1B-flush on the one stage, or the schedule of those iterations on each
+    stage (PACI's order, or 1F1B-flush's in a synchronous phase: a segment never spans a
+    switch, which is a drain point); the per-iteration mean losses. `drift[s]` is raised to the
     most steps a microbatch crossed on stage s."""
     from megatron.training.gpt_step import forward_step
+    from megatron.training.optimizer.delay_mitigation import plan_of_iteration
 
     n, losses = stages.count, []
-    schedule = config.pipeline.plan.schedule  # the run's, with its options
+    plan = plan_of_iteration(config.pipeline, config.training.train_iters, first)
+    schedule = plan.schedule  # the run's, with its options
     schedule = schedule.fixed_order or schedule  # what --deterministic-mode runs on a rank
 
     def run(s: int) -> None:
@@ -497,7 +503,7 @@ def train(
             a, phase_end = phase_ends[index]
             count = min(point, phase_end) - iteration
             drift = result.phases[index]["max_drift"]
-            result.losses += _segment(config, stages, a, count, drift)
+            result.losses += _segment(config, stages, a, iteration + 1, count, drift)
             stages.at_drain()
             for _ in range(count):
                 tokens += a * training.micro_batch_size * config.model.seq_length

@@ -10,7 +10,8 @@ initialization under 2BW (the engine builds its stages with the ranks' builder),
 whose a changes (`--paci-accumulation-schedule`), PACI with Muon and a decoupled LR, MoE under
 PACI, flush, 2BW and PipeDream, PipeDream-2BW (with Muon and error feedback) and PipeDream, whose weight
 stashing the engine's executors do as the ranks' do, and flush (which the engine trains as one
-stage). The 4-process runs are test_cases/gpt/engine_pp4_*, run with the other cases.
+stage), and PACI with a synchronous start and cool-down. The 4-process runs are
+test_cases/gpt/engine_pp4_* and gpt_pp4_paci_sync_phases, run with the other cases.
 """
 
 import json
@@ -55,6 +56,13 @@ RESUMED = {
     "engine_pp4_paci_moe": 4,
     "engine_pp4_1f1b": 8,
 }
+# PACI with a synchronous start and cool-down (1F1B-flush for iterations 1-2 and 5-6), the
+# 4-process run of test_optimizer_cases.py; the engine without the two flags; and evaluated every
+# 2 iterations, stopped at 6 and resumed from its checkpoint of 4 (the cool-down's start).
+SYNC_PHASES = "gpt_pp4_paci_sync_phases"
+SYNC_FLAGS = ("--async-sync-warmup-iters", "--async-sync-cooldown-iters")
+ASYNC_THROUGHOUT = f"{SYNC_PHASES}:without synchronous phases"
+SYNC_EVALUATED = f"{SYNC_PHASES}:evaluated every 2"
 STASHING = "engine_pp4_2bw_muon_ef"  # its checkpoints would need the executors' weight stash
 EXITED = "engine_pp4_paci_ef:stopped by --exit-interval 8"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -67,8 +75,11 @@ def engine_results(output: str) -> dict[str, dict]:
     cases = run_cases.discover_cases()
     spec = {
         name: run_cases.with_index_cache(run_cases.flags(cases[name]["MODEL_ARGS"], output), output)
-        for name in CASES
+        for name in [*CASES, SYNC_PHASES]
     }
+    spec[ASYNC_THROUGHOUT] = without_flags(spec[SYNC_PHASES], SYNC_FLAGS)
+    spec[SYNC_EVALUATED] = without_flags(spec[SYNC_PHASES], ("--eval-interval", "--eval-iters"))
+    spec[SYNC_EVALUATED] += ["--eval-interval", "2", "--eval-iters", "1"]
     spec[UNSTASHED] = [f for f in spec["engine_pp4_paci_stash"] if f != "--paci-weight-stashing"]
     decoupled = spec["engine_pp4_paci_muon_decoupled"]
     at = decoupled.index("--decoupled-lr")
@@ -78,7 +89,7 @@ def engine_results(output: str) -> dict[str, dict]:
     at = flush.index("--eval-interval")
     spec[EVALUATED_LESS] = flush[: at + 1] + ["8"] + flush[at + 2 :]
     runs = {name: {"flags": flags} for name, flags in spec.items()}
-    for name, stop_at in {**RESUMED, STASHING: 8}.items():
+    for name, stop_at in {**RESUMED, STASHING: 8, SYNC_EVALUATED: 6}.items():
         runs[f"{name}:resumed"] = {"flags": spec[name], "stop_at": stop_at}
     runs[EXITED] = {"flags": spec["engine_pp4_paci_ef"], "exit_interval": 8}
     spec_file = os.path.join(output, "engine_runs.json")
@@ -88,6 +99,19 @@ def engine_results(output: str) -> dict[str, dict]:
                                capture_output=True, text=True, env=environment)  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def without_flags(flags: list[str], names: tuple[str, ...]) -> list[str]:
+    """`flags` less the named ones and their values."""
+    kept, index = [], 0
+    while index < len(flags):
+        if flags[index] in names:
+            index += 2
+            continue
+        kept.append(flags[index])
+        index += 1
+    assert len(kept) == len(flags) - 2 * len(names), "a flag to remove is missing"
+    return kept
 
 
 def validation_losses(entries: list[dict]) -> list[float]:
@@ -123,6 +147,26 @@ def test_engine_equals_the_asynchronous_runtime(case_results, engine_results, na
         )
         <= 1e-6
     )
+
+
+def test_engine_runs_the_synchronous_phases_as_the_runtime(case_results, engine_results):
+    """--async-sync-warmup-iters 2 --async-sync-cooldown-iters 2 over 6 iterations: the engine's
+    stages run 1F1B-flush for iterations 1-2 and 5-6 and PACI between, as the 4 processes do
+    (equal losses within 1e-6); PACI throughout gives other numbers, so the phases are really
+    run; a run resumed from its checkpoint at the cool-down's start gives the uninterrupted
+    run's numbers."""
+    runtime, engine = case_results[SYNC_PHASES], engine_results[SYNC_PHASES]
+    assert len(engine["loss"]) == runtime["iterations"] == 6
+    assert run_cases.relative_difference(engine["loss"], runtime["loss"]) <= 1e-6
+    assert [phase["max_drift"] for phase in engine["phases"]] == [[1, 1, 1, 0]]
+    throughout = engine_results[ASYNC_THROUGHOUT]["loss"]
+    assert run_cases.relative_difference(throughout, runtime["loss"]) > 1e-5
+    whole, resumed = engine_results[SYNC_EVALUATED], engine_results[f"{SYNC_EVALUATED}:resumed"]
+    assert resumed["first_evaluation"] == 6, "the resumed run started over"
+    assert resumed["loss"] == whole["loss"]
+    assert run_cases.relative_difference(whole["loss"], runtime["loss"]) <= 1e-6
+    assert resumed["validation"] == whole["validation"]
+    assert resumed["final_validation"] == whole["final_validation"] is not None
 
 
 @pytest.mark.parametrize("name", RESUMED)

@@ -64,8 +64,9 @@ def test_the_engine_refuses_what_it_does_not_reproduce():
 
     from megatron.studies.single_process_engine import parse_engine_args
 
-    with pytest.raises(UserError, match="--async-sync-warmup-iters is not supported yet"):
-        parse_engine_args(BASE + PACI + ["--async-sync-warmup-iters", "1"])
+    with pytest.raises(UserError, match="^--use-distributed-optimizer is not supported yet by "
+                       "the single-process engine$"):  # fmt: skip
+        parse_engine_args(BASE + PACI + ["--use-distributed-optimizer"])
     with pytest.raises(UserError, match="^the single-process engine runs --pipeline-schedule "
                        "1f1b, paci, 2bw or pipedream, not zb-h1$"):  # fmt: skip
         parse_engine_args(
