@@ -11,7 +11,7 @@
 #
 # Finished runs (a summary.json under --output) are reused; a stopped run goes on from its
 # checkpoint.pt (a screened one too, when run again without EXIT_INTERVAL). Needs `make venv
-# data-small`.
+# data-small` (and `make data-small-tests` for the *-onepass runs).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 M=--optimizer=muon D=--decoupled-lr=1e-2,--decoupled-min-lr=1e-3
@@ -19,6 +19,8 @@ LA=--async-nesterov-lookahead EF=--async-error-feedback
 # a = 8 for the first 200 iterations doubles their batch: 15,800 iterations for the same tokens.
 A8=--paci-accumulation-schedule=8:200,--train-iters=15800
 P8=--pipeline-model-parallel-size=8
+# The standard library with its tests (`make data-small-tests`): the 8.2M tokens in one pass
+ONEPASS=--data-path=runs/data_v1k_tests/stdlib_text_document,--data-cache-path=runs/data_v1k_tests/cache
 # a = 8 on 8 stages: micro batch 2 (global batch 16 as before), a = 16 for the first 200
 A16MB2=--micro-batch-size=2,--paci-accumulation-schedule=16:200,--train-iters=15800
 declare -A CONFIGS=(
@@ -58,6 +60,13 @@ declare -A CONFIGS=(
   [paci8-mb2-adam-ef-a16x200-lr3e-3]=paci:3e-3:$EF,$A16MB2,$P8
   [paci4-adam-ef-a8x200-lr6e-3]=paci:6e-3:$EF,$A8
   [paci4-adam-ef-cd2000-lr3e-3]=paci:3e-3:$EF,--async-sync-cooldown-iters=2000
+  # ... is it the second pass over the data? Flush and PACI on a corpus the run reads once; and
+  # is it error feedback late in the run (without it: behind early in the screens)? And flush's
+  # LR bracketed above
+  [flush-adam-lr3e-3-onepass]=1f1b:3e-3:$ONEPASS
+  [paci4-adam-ef-a8x200-lr3e-3-onepass]=paci:3e-3:$EF,$A8,$ONEPASS
+  [paci4-adam-a8x200-lr3e-3]=paci:3e-3:$A8
+  [flush-adam-lr6e-3]=1f1b:6e-3
   # ... and with weight stashing (each backward on its forward's weights): is it the forward
   # and backward weights differing inside a stage of 4 layers? (no checkpoint: runs through)
   [paci4-adam-ef-a8x200-dec-stash-lr1.5e-3]=paci:1.5e-3:$EF,$A8,$D,--paci-weight-stashing
