@@ -66,7 +66,7 @@ $(SMALL)/stdlib_text_document.idx: $(SMALL_TOKENIZER)
 
 data-small: $(SMALL)/stdlib_text_document.idx
 
-# The same tokenizer over the standard library with its test suites (2.6x the tokens, 12.6M):
+# The same tokenizer over the standard library with its test suites (2.7x the tokens, 13.2M):
 # the deep model's 8.2M training tokens in one pass, where the default corpus repeats
 # (tools/studies/deep_8x.sh's *-onepass runs).
 SMALL_TESTS := runs/data_v1k_tests
