@@ -8,7 +8,7 @@ update of batch t computed with version t-1): `--pipeline-schedule 2bw` on any n
 stages gives these numbers when no clipping happens (docs/weight_stashing.md); delay 0 is synchronous training, the same
 arithmetic as a non-pipelined 1F1B-flush run. Each batch is used exactly once, at its own
 step. `sync_warmup_iters` / `sync_cooldown_iters` run the first / last K steps with delay 0
-(a synchronous start and cooldown).
+(a synchronous start and cooldown), the delay corrections there stepping as with no delay.
 
 Everything else is the project's own: megatron-core's GPT built by `build_gpt_stage` (one
 stage, the layout-independent initialization), the data iterators, `build_optimizer` (so
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.model.mtp import set_mtp_loss_scale
+from megatron.training.optimizer.delay_mitigation import set_synchronous_phase
 
 
 @dataclass
@@ -176,6 +177,8 @@ def run_delayed(args, *, delay: int, sync_warmup_iters: int = 0, sync_cooldown_i
     result = DelayedRun()
     for t in range(iterations):
         stale = delay_at(t, iterations, delay, sync_warmup_iters, sync_cooldown_iters)
+        synchronous = t < sync_warmup_iters or t >= iterations - sync_cooldown_iters
+        set_synchronous_phase(step.optimizer, synchronous)  # the corrections: nothing to correct
         stale = min(stale, len(versions) - 1)  # x(max(t - delay, 0))
         current = _swap_in(params, versions[-1 - stale]) if stale else None
         loss = _microbatch_losses(model, train, microbatches, backward=True)

@@ -429,10 +429,15 @@ def _segment(
     switch, which is a drain point); the per-iteration mean losses. `drift[s]` is raised to the
     most steps a microbatch crossed on stage s."""
     from megatron.training.gpt_step import forward_step
-    from megatron.training.optimizer.delay_mitigation import plan_of_iteration
+    from megatron.training.optimizer.delay_mitigation import (
+        plan_of_iteration,
+        set_synchronous_phase,
+    )
 
     n, losses = stages.count, []
     plan = plan_of_iteration(config.pipeline, config.training.train_iters, first)
+    for step in stages.steps:  # fresh gradients in a synchronous phase: nothing to correct
+        set_synchronous_phase(_stage_step(step).optimizer, plan is not config.pipeline.plan)
     schedule = plan.schedule  # the run's, with its options
     schedule = schedule.fixed_order or schedule  # what --deterministic-mode runs on a rank
 

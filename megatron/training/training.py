@@ -87,6 +87,7 @@ from megatron.training.optimizer.build import (
 from megatron.training.optimizer.delay_lookahead import for_stage
 from megatron.training.optimizer.delay_mitigation import (
     plan_of_iteration,
+    set_synchronous_phase,
     synchronous_phase_ends,
 )
 from megatron.training.optimizer.lr_per_iteration import per_iteration
@@ -1193,8 +1194,12 @@ def _run_iteration(config, forward_step_func, model, train_iter, step_func, plan
         schedule_function = get_forward_backward_func()
     else:  # a synchronous phase of an asynchronous run
         schedule_function = forward_backward_func_for(pipeline.schedule)
+    stage_step = getattr(step_func, "step_func", step_func)
+    if synchronous_phase_ends(config.pipeline, config.training.train_iters):
+        # fresh gradients in a synchronous phase: the delay corrections have nothing to correct
+        set_synchronous_phase(stage_step.optimizer, pipeline is not config.pipeline.plan)
     if plan.lr_in_samples:  # Megatron's LR schedule of a ramp (or a step schedule) in samples
-        getattr(step_func, "step_func", step_func).scheduler_increment = plan.batch(iteration)
+        stage_step.scheduler_increment = plan.batch(iteration)
     return schedule_function(
         forward_step_func=forward_step_func,
         data_iterator=train_iter,

@@ -91,6 +91,20 @@ def test_synchronous_start_and_cooldown_switch_schedules_at_drained_boundaries(c
     assert phased["cross_stage_collectives"] == 0
 
 
+def test_error_feedback_steps_the_plain_update_in_the_synchronous_phases(case_results):
+    """The same run with --async-error-feedback: in the flush phases the gradients are fresh, so
+    error feedback steps the plain update and the run equals the flush run up to the first
+    PACI iteration (within rounding: it applies AdamW's decay apart); extrapolating there, its
+    second loss would be a step ahead. Then PACI's stale microbatches and the correction make
+    it differ from the same run without error feedback."""
+    flush = case_results["gpt_pp4_1f1b_sync_phases_ref"]["loss"]
+    feedback = case_results["gpt_pp4_paci_sync_phases_ef"]
+    plain = case_results["gpt_pp4_paci_sync_phases"]["loss"]
+    assert relative_difference(feedback["loss"][:3], flush[:3]) <= 1e-6
+    assert relative_difference(feedback["loss"][3:], plain[3:]) > 1e-5
+    assert [stage["max_drift"] for stage in feedback["stages"]] == [1, 1, 1, 0]
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_precision_aware_optimizer_halves_adams_state_on_every_stage(case_results, schedule):
     """--use-precision-aware-optimizer with bf16 moments on 4 stages (flush and PACI): every

@@ -60,6 +60,7 @@ RESUMED = {
 # 4-process run of test_optimizer_cases.py; the engine without the two flags; and evaluated every
 # 2 iterations, stopped at 6 and resumed from its checkpoint of 4 (the cool-down's start).
 SYNC_PHASES = "gpt_pp4_paci_sync_phases"
+SYNC_PHASES_EF = "gpt_pp4_paci_sync_phases_ef"  # with error feedback, off in the phases
 SYNC_FLAGS = ("--async-sync-warmup-iters", "--async-sync-cooldown-iters")
 ASYNC_THROUGHOUT = f"{SYNC_PHASES}:without synchronous phases"
 SYNC_EVALUATED = f"{SYNC_PHASES}:evaluated every 2"
@@ -75,7 +76,7 @@ def engine_results(output: str) -> dict[str, dict]:
     cases = run_cases.discover_cases()
     spec = {
         name: run_cases.with_index_cache(run_cases.flags(cases[name]["MODEL_ARGS"], output), output)
-        for name in [*CASES, SYNC_PHASES]
+        for name in [*CASES, SYNC_PHASES, SYNC_PHASES_EF]
     }
     spec[ASYNC_THROUGHOUT] = without_flags(spec[SYNC_PHASES], SYNC_FLAGS)
     spec[SYNC_EVALUATED] = without_flags(spec[SYNC_PHASES], ("--eval-interval", "--eval-iters"))
@@ -154,7 +155,8 @@ def test_engine_runs_the_synchronous_phases_as_the_runtime(case_results, engine_
     stages run 1F1B-flush for iterations 1-2 and 5-6 and PACI between, as the 4 processes do
     (equal losses within 1e-6); PACI throughout gives other numbers, so the phases are really
     run; a run resumed from its checkpoint at the cool-down's start gives the uninterrupted
-    run's numbers."""
+    run's numbers; with error feedback (the plain update in the phases) too the engine's
+    numbers are the runtime's."""
     runtime, engine = case_results[SYNC_PHASES], engine_results[SYNC_PHASES]
     assert len(engine["loss"]) == runtime["iterations"] == 6
     assert run_cases.relative_difference(engine["loss"], runtime["loss"]) <= 1e-6
@@ -167,6 +169,10 @@ def test_engine_runs_the_synchronous_phases_as_the_runtime(case_results, engine_
     assert run_cases.relative_difference(whole["loss"], runtime["loss"]) <= 1e-6
     assert resumed["validation"] == whole["validation"]
     assert resumed["final_validation"] == whole["final_validation"] is not None
+    # with error feedback, which the stages' optimizers step as the plain update in the phases
+    feedback = engine_results[SYNC_PHASES_EF]["loss"]
+    assert run_cases.relative_difference(feedback, case_results[SYNC_PHASES_EF]["loss"]) <= 1e-6
+    assert run_cases.relative_difference(feedback, engine["loss"]) > 1e-5
 
 
 @pytest.mark.parametrize("name", RESUMED)

@@ -22,6 +22,13 @@ communication, no extra weight version.
   delay (PipeDream-2BW, `delayed_reference.py`) and the one-step estimate under PACI, where
   a microbatch crosses at most ceil((N-1-s)/a) steps. Costs one parameter-sized buffer.
 
+In a synchronous phase (`--async-sync-warmup-iters`, `--async-sync-cooldown-iters`: 1F1B-flush,
+fresh gradients) there is no delay to correct: error feedback steps the plain update
+`x(t+1) = x(t) - lr * wd * x(t) - u(t)` and delay compensation adds nothing, both still
+recording `u(t)` and `x(t+1) - x(t)` for the first asynchronous step after the phase
+(`set_synchronous_phase`, which the training loop, the single-process engine and the delayed
+reference call at each switch).
+
 The buffers are part of the optimizer's state: saved in checkpoints, counted in
 `optimizer_state_bytes`.
 """
@@ -43,6 +50,7 @@ class DelayMitigatedOptimizer:
         self.compensation_lambda = compensation_lambda
         self.previous_update: dict[torch.Tensor, torch.Tensor] = {}  # u(t-1), EF
         self.last_change: dict[torch.Tensor, torch.Tensor] = {}  # x(t) - x(t-1), DC
+        self.synchronous = False  # fresh gradients (a synchronous phase): nothing to correct
 
     @property
     def param_groups(self) -> list[dict]:
@@ -76,7 +84,7 @@ class DelayMitigatedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        if self.compensation_lambda:
+        if self.compensation_lambda and not self.synchronous:
             self._compensate_gradients()
         before = {p: p.detach().clone() for p in self._params()}
         if self.error_feedback:
@@ -109,9 +117,9 @@ class DelayMitigatedOptimizer:
             old = before[param]
             update = old - param.detach()  # u(t), no decay in it
             previous = self.previous_update.get(param)
-            steps = self.error_feedback_steps
+            steps = 0 if self.synchronous else self.error_feedback_steps
             param.copy_(old).sub_(old, alpha=rates[param]).sub_(update, alpha=1.0 + steps)
-            if previous is not None:
+            if previous is not None and steps:
                 param.add_(previous, alpha=steps)
             self.previous_update[param] = update
 
@@ -143,6 +151,18 @@ def with_delay_mitigation(optimizer, params, config):
     steps = max(1, config.stage_delay) if config.async_error_feedback_stretch else 1
     return DelayMitigatedOptimizer(optimizer, params, error_feedback=error_feedback,
                                    compensation_lambda=compensation, error_feedback_steps=steps)  # fmt: skip
+
+
+def set_synchronous_phase(optimizer, synchronous: bool) -> None:
+    """Whether the coming steps of `optimizer` (any of the suite's wrappers, or None) take fresh
+    gradients: its delay corrections step as with no delay while `synchronous` (module doc)."""
+    pending = [optimizer]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, DelayMitigatedOptimizer):
+            current.synchronous = synchronous
+        elif current is not None:  # a wrapper: main weights, sharding, dense and expert parts
+            pending += [getattr(current, "inner", None), *getattr(current, "parts", ())]
 
 
 def plan_of_iteration(pipeline, train_iters: int, iteration: int):

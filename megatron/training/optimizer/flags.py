@@ -167,6 +167,11 @@ def validate_optimizer_suite_args(args: argparse.Namespace) -> None:
             raise UserError(f"{name} must be >= 0")
         if getattr(args, flag) and args.pipeline_schedule == "1f1b":
             raise UserError(f"{name} needs an asynchronous --pipeline-schedule (1f1b is flush)")
+        # their per-stage momentum is set once, for the asynchronous phase's delays
+        for other, value in (("--async-nesterov-lookahead", args.async_nesterov_lookahead),
+                             ("--async-delay-momentum", args.async_delay_momentum)):  # fmt: skip
+            if getattr(args, flag) and value not in (None, False):
+                raise UserError(f"{name} with {other} is not supported yet")
 
 
 def _validate_muon_args(args: argparse.Namespace) -> None:

@@ -14,7 +14,10 @@ from conftest import TinyGPT, optimizer_config, schedule_config
 from test_optimizers import set_random_grads
 
 from megatron.training.optimizer.build import build_lr_scheduler, build_optimizer
-from megatron.training.optimizer.delay_mitigation import DelayMitigatedOptimizer
+from megatron.training.optimizer.delay_mitigation import (
+    DelayMitigatedOptimizer,
+    set_synchronous_phase,
+)
 from megatron.training.optimizer.suite import OPTIMIZERS
 from megatron.training.reporting import _optimizer_state_bytes
 
@@ -101,6 +104,64 @@ def test_delay_compensation_adds_the_diagonal_hessian_term():
     g1 = torch.cat([g.reshape(-1) for g in set_random_grads(model, 1).values()])
     optimizer.step()
     torch.testing.assert_close(flat(model), x1 - lr * (g1 + lam * g1 * g1 * (x1 - x0)))
+
+
+@pytest.mark.parametrize("name", ["adam", "muon"])
+def test_error_feedback_steps_the_plain_update_in_a_synchronous_phase(name):
+    """Two synchronous steps (fresh gradients) then two asynchronous ones: the first two follow
+    the plain trajectory, x(t+1) = x(t) - u(t); the third extrapolates from the second's update,
+    recorded in the phase: x(3) = x(2) - 2u(2) + u(1), as the closed form with u from the plain
+    run says."""
+    plain, corrected = TinyGPT(), TinyGPT()
+    plain_opt = built(plain, optimizer_config(name))
+    corrected_opt = built(corrected, optimizer_config(name, async_error_feedback=True))
+    updates, x = [], flat(corrected)
+    for step in range(4):
+        set_synchronous_phase(corrected_opt, step < 2)
+        before = flat(plain)
+        set_random_grads(plain, step), set_random_grads(corrected, step)
+        plain_opt.step(), corrected_opt.step()
+        updates.append(before - flat(plain))
+        x = x - updates[-1] if step < 2 else x - 2 * updates[-1] + updates[-2]
+        torch.testing.assert_close(flat(corrected), x, rtol=1e-5, atol=1e-6)
+        if step < 2:
+            torch.testing.assert_close(flat(corrected), flat(plain), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(flat(corrected), flat(plain))  # extrapolated after the phase
+
+
+def test_delay_compensation_adds_nothing_in_a_synchronous_phase():
+    """SGD, L = 0.5: the step after a synchronous one is compensated with the synchronous
+    step's change; a synchronous step is not, though a change is recorded before it."""
+    lr, lam = 0.1, 0.5
+    config = optimizer_config("sgd", lr=lr, sgd_momentum=0.0, delay_compensation_lambda=lam)
+    model = TinyGPT()
+    optimizer = built(model, config)
+    steps = []
+    for step, synchronous in enumerate((False, True, False)):
+        set_synchronous_phase(optimizer, synchronous)
+        before = flat(model)
+        grads = torch.cat([g.reshape(-1) for g in set_random_grads(model, step).values()])
+        optimizer.step()
+        steps.append((before, grads, flat(model)))
+    (x0, _, x1), (_, g1, x2), (_, g2, x3) = steps
+    torch.testing.assert_close(x2, x1 - lr * g1)
+    torch.testing.assert_close(x3, x2 - lr * (g2 + lam * g2 * g2 * (x2 - x1)))
+    assert not torch.allclose(x2, x1 - lr * (g1 + lam * g1 * g1 * (x1 - x0)))
+
+
+def test_the_synchronous_phase_reaches_the_corrections_under_a_main_weights_wrapper():
+    """bf16 weights: error feedback runs on the fp32 main weights, inside the wrapper that
+    holds them; the switch reaches it there, and leaves an optimizer without corrections be."""
+    model = TinyGPT().to(torch.bfloat16)
+    wrapper = built(model, optimizer_config("adam", async_error_feedback=True, bf16=True))
+    assert not isinstance(wrapper, DelayMitigatedOptimizer)
+    assert isinstance(wrapper.inner, DelayMitigatedOptimizer)
+    set_synchronous_phase(wrapper, True)
+    assert wrapper.inner.synchronous
+    set_synchronous_phase(wrapper, False)
+    assert not wrapper.inner.synchronous
+    set_synchronous_phase(built(TinyGPT(), optimizer_config("adam")), True)  # nothing to set
+    set_synchronous_phase(None, True)
 
 
 @pytest.mark.parametrize("name", ["adam", "muon"])

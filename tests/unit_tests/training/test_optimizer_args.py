@@ -57,6 +57,27 @@ def test_megatron_defaults_for_muon():
         (["--delay-compensation-lambda", "0.1"], "under 1f1b no gradient is stale"),
         (["--async-sync-warmup-iters", "5"], "--async-sync-warmup-iters needs an asynchronous"),
         (["--async-sync-cooldown-iters", "-1"], "--async-sync-cooldown-iters must be >= 0"),
+        (
+            [
+                "--pipeline-schedule",
+                "paci",
+                "--async-sync-cooldown-iters",
+                "2",
+                "--async-nesterov-lookahead",
+            ],
+            "--async-sync-cooldown-iters with --async-nesterov-lookahead is not supported yet",
+        ),
+        (
+            [
+                "--pipeline-schedule",
+                "paci",
+                "--async-sync-warmup-iters",
+                "2",
+                "--async-delay-momentum",
+                "0.95",
+            ],
+            "--async-sync-warmup-iters with --async-delay-momentum is not supported yet",
+        ),
         (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr needs --decoupled-lr"),
         (["--decoupled-lr", "-1"], "--decoupled-lr must be a number >= 0"),
         (
