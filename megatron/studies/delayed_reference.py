@@ -148,11 +148,14 @@ def _swap_in(params: list[torch.Tensor], values: list[torch.Tensor]) -> list[tor
     return saved
 
 
+def synchronous_at(step: int, train_iters: int, warmup: int, cooldown: int) -> bool:
+    """Whether `step` (0-based) is in the synchronous start or cooldown."""
+    return step < warmup or step >= train_iters - cooldown
+
+
 def delay_at(step: int, train_iters: int, delay: int, warmup: int, cooldown: int) -> int:
     """The delay of `step` (0-based): 0 during the synchronous start and cooldown."""
-    if step < warmup or step >= train_iters - cooldown:
-        return 0
-    return delay
+    return 0 if synchronous_at(step, train_iters, warmup, cooldown) else delay
 
 
 def run_delayed(args, *, delay: int, sync_warmup_iters: int = 0, sync_cooldown_iters: int = 0,
@@ -177,7 +180,7 @@ def run_delayed(args, *, delay: int, sync_warmup_iters: int = 0, sync_cooldown_i
     result = DelayedRun()
     for t in range(iterations):
         stale = delay_at(t, iterations, delay, sync_warmup_iters, sync_cooldown_iters)
-        synchronous = t < sync_warmup_iters or t >= iterations - sync_cooldown_iters
+        synchronous = synchronous_at(t, iterations, sync_warmup_iters, sync_cooldown_iters)
         set_synchronous_phase(step.optimizer, synchronous)  # the corrections: nothing to correct
         stale = min(stale, len(versions) - 1)  # x(max(t - delay, 0))
         current = _swap_in(params, versions[-1 - stale]) if stale else None
