@@ -1,6 +1,8 @@
 """The command line's run: parse and check the flags, train, and turn every way a run can end
 into an exit status, with one line saying why (`pretrain_gpt.py`, the memory probe)."""
 
+import sys
+
 from megatron.common.errors import RunFailed, UserError
 from megatron.distributed.data_parallel import ReductionFailed
 from megatron.pipeline.p2p import PeerLost, describe_rank
@@ -15,6 +17,7 @@ from megatron.training.faults import (
 def run_pretraining(argv, forward_step_func) -> int:
     """Train with the flags `argv` (None: the command line's) and `forward_step_func`; the
     exit status: 0, 2 for a user's mistake, 3 when training diverged, 1 when a peer was lost."""
+    write_whole_lines()
     try:
         args = parse_args(argv)  # validated before megatron-core is even imported
         from megatron.training.training import pretrain
@@ -34,3 +37,13 @@ def run_pretraining(argv, forward_step_func) -> int:
         report_error(f"{lost}{ended}")
         return 1
     return 0
+
+
+def write_whole_lines() -> None:
+    """Each line of stdout and stderr in one write. torchrun runs its workers unbuffered
+    (`python -u`), where print() writes the text and its newline separately: all ranks share
+    one terminal or pipe, so another rank's line could land between them, gluing two lines
+    (an `error:` line after a log line's text no longer starts its line)."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):  # a TextIOWrapper (not a test's capture)
+            stream.reconfigure(line_buffering=True, write_through=False)
