@@ -65,6 +65,10 @@ declare -A CONFIGS=(
   # LR bracketed above
   [flush-adam-lr3e-3-onepass]=1f1b:3e-3:$ONEPASS
   [paci4-adam-ef-a8x200-lr3e-3-onepass]=paci:3e-3:$EF,$A8,$ONEPASS
+  # ... and at 1.5e-3, where both schedules' training loss is lower than at 3e-3 on the first
+  # pass of the repeated corpus (3e-3 wins the second)
+  [flush-adam-lr1.5e-3-onepass]=1f1b:1.5e-3:$ONEPASS
+  [paci4-adam-ef-a8x200-lr1.5e-3-onepass]=paci:1.5e-3:$EF,$A8,$ONEPASS
   [paci4-adam-a8x200-lr3e-3]=paci:3e-3:$A8
   [flush-adam-lr6e-3]=1f1b:6e-3
   # ... and with weight stashing (each backward on its forward's weights): is it the forward
