@@ -1,6 +1,7 @@
 """The command line's run: parse and check the flags, train, and turn every way a run can end
 into an exit status, with one line saying why (`pretrain_gpt.py`, the memory probe)."""
 
+import contextlib
 import sys
 
 from megatron.common.errors import RunFailed, UserError
@@ -17,7 +18,11 @@ from megatron.training.faults import (
 def run_pretraining(argv, forward_step_func) -> int:
     """Train with the flags `argv` (None: the command line's) and `forward_step_func`; the
     exit status: 0, 2 for a user's mistake, 3 when training diverged, 1 when a peer was lost."""
-    write_whole_lines()
+    with whole_lines():
+        return _run(argv, forward_step_func)
+
+
+def _run(argv, forward_step_func) -> int:
     try:
         args = parse_args(argv)  # validated before megatron-core is even imported
         from megatron.training.training import pretrain
@@ -39,11 +44,19 @@ def run_pretraining(argv, forward_step_func) -> int:
     return 0
 
 
-def write_whole_lines() -> None:
-    """Each line of stdout and stderr in one write. torchrun runs its workers unbuffered
-    (`python -u`), where print() writes the text and its newline separately: all ranks share
-    one terminal or pipe, so another rank's line could land between them, gluing two lines
-    (an `error:` line after a log line's text no longer starts its line)."""
-    for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure"):  # a TextIOWrapper (not a test's capture)
-            stream.reconfigure(line_buffering=True, write_through=False)
+@contextlib.contextmanager
+def whole_lines():
+    """Each line of stdout and stderr in one write while the run lasts. torchrun runs its
+    workers unbuffered (`python -u`), where print() writes the text and its newline separately:
+    all ranks share one terminal or pipe, so another rank's line could land between them,
+    gluing two lines (an `error:` line after a log line's text no longer starts its line)."""
+    streams = [s for s in (sys.stdout, sys.stderr) if hasattr(s, "reconfigure")]
+    saved = [(s.line_buffering, s.write_through) for s in streams]
+    for stream in streams:
+        stream.reconfigure(line_buffering=True, write_through=False)
+    try:
+        yield
+    finally:
+        for stream, (line_buffering, write_through) in zip(streams, saved):
+            stream.flush()
+            stream.reconfigure(line_buffering=line_buffering, write_through=write_through)
