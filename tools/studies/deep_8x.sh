@@ -71,6 +71,12 @@ declare -A CONFIGS=(
   [paci4-adam-ef-a8x200-lr1.5e-3-onepass]=paci:1.5e-3:$EF,$A8,$ONEPASS
   [paci4-adam-a8x200-lr3e-3]=paci:3e-3:$A8
   [flush-adam-lr6e-3]=1f1b:6e-3
+  # ... a stale stage's stable step: with error feedback, a first moment of 0.95 on the stale
+  # stages (0.9 on the last) raises it (the linear model in docs/convergence_scale.md)
+  [paci4-adam-ef-a8x200-dm95-lr3e-3]=paci:3e-3:$EF,$A8,--async-delay-momentum=0.95
+  # ... and error feedback on the stale stages only: the last stage's gradients are fresh, and
+  # extrapolating them lowers its stable step from 38 to 12.7
+  [paci4-adam-efd-a8x200-lr3e-3]=paci:3e-3:$EF,--async-error-feedback-delayed-stages,$A8
   # ... and with weight stashing (each backward on its forward's weights): is it the forward
   # and backward weights differing inside a stage of 4 layers? (no checkpoint: runs through)
   [paci4-adam-ef-a8x200-dec-stash-lr1.5e-3]=paci:1.5e-3:$EF,$A8,$D,--paci-weight-stashing

@@ -77,6 +77,7 @@ class OptimizerConfig:
     exp_avg_sq_dtype: str = "fp32"
     async_error_feedback: bool = False  # delay mitigation (delay_mitigation.py)
     async_error_feedback_stretch: bool = False
+    async_error_feedback_delayed_stages: bool = False
     delay_compensation_lambda: float = 0.0
     # --async-nesterov-lookahead, --async-delay-momentum (delay_lookahead.py), and the stage's
     # gradient delay bound and the pipeline's largest, which they and the error feedback's

@@ -44,7 +44,8 @@ def for_stage(config, pipeline, training, stage: int):
     """The `OptimizerConfig` of pipeline stage `stage`: its delay and the pipeline's largest,
     when a flag of this module needs them; `config` itself otherwise."""
     if not (config.async_nesterov_lookahead or config.async_delay_momentum is not None
-            or config.async_error_feedback_stretch):  # fmt: skip
+            or config.async_error_feedback_stretch
+            or config.async_error_feedback_delayed_stages):  # fmt: skip
         return config
     delays = [stage_delay_bound(pipeline, training, s) for s in range(pipeline.plan.num_stages)]
     return dataclasses.replace(config, stage_delay=delays[stage], max_stage_delay=max(delays))

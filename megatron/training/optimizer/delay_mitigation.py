@@ -14,7 +14,12 @@ communication, no extra weight version.
   With `--async-error-feedback-stretch` a stage whose gradients are up to `d > 1` steps stale
   (PACI's stages s with N - 1 - s > a) extrapolates over its `d` steps:
   `x(t+1) = x(t) - lr * wd * x(t) - (1 + d) u(t) + d u(t-1)`; where `d <= 1` the rule is the
-  one above, so on 4 stages at a >= 3 the stretch changes nothing.
+  one above, so on 4 stages at a >= 3 the stretch changes nothing. With
+  `--async-error-feedback-delayed-stages` a stage whose delay bound is 0 (PACI's last, every
+  stage of a flushing schedule) steps its plain update `x(t+1) = x(t) - lr * wd * x(t) - u(t)`:
+  its gradients are fresh, and extrapolating them lowers the largest step it takes stably
+  (a momentum of 0.9 on a quadratic: from 38 to 12.7 in units of the curvature,
+  `tools/delay_stability.py`).
 * **Delay compensation** (DC-ASGD, `--delay-compensation-lambda L`): the gradient taken at
   stale weights is corrected to the current ones by a diagonal outer-product Hessian
   estimate, `g <- g + L * g * g * (x_now - x_stale)`. The stage does not keep stale weights;
@@ -46,7 +51,7 @@ class DelayMitigatedOptimizer:
         self.inner = inner
         self.params = list(params)  # the model's: the optimizer may step copies of some
         self.error_feedback = error_feedback
-        self.error_feedback_steps = error_feedback_steps  # d of the stretched rule, 1 plain
+        self.error_feedback_steps = error_feedback_steps  # 1; d stretched; 0 fresh gradients
         self.compensation_lambda = compensation_lambda
         self.previous_update: dict[torch.Tensor, torch.Tensor] = {}  # u(t-1), EF
         self.last_change: dict[torch.Tensor, torch.Tensor] = {}  # x(t) - x(t-1), DC
@@ -149,6 +154,8 @@ def with_delay_mitigation(optimizer, params, config):
     if not error_feedback and not compensation:
         return optimizer
     steps = max(1, config.stage_delay) if config.async_error_feedback_stretch else 1
+    if config.async_error_feedback_delayed_stages and config.stage_delay == 0:
+        steps = 0  # fresh gradients: nothing to extrapolate over
     return DelayMitigatedOptimizer(optimizer, params, error_feedback=error_feedback,
                                    compensation_lambda=compensation, error_feedback_steps=steps)  # fmt: skip
 

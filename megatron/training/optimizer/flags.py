@@ -80,6 +80,9 @@ def add_optimizer_suite_args(parser: argparse.ArgumentParser) -> None:
     add("--async-error-feedback-stretch", action="store_true",
         help="with --async-error-feedback: a stage whose gradients are up to d > 1 steps stale "
         "extrapolates over its d steps, x(t+1) = x(t) - (1 + d) u(t) + d u(t-1)")  # fmt: skip
+    add("--async-error-feedback-delayed-stages", action="store_true",
+        help="with --async-error-feedback: only the stages whose gradients can be stale "
+        "extrapolate; a stage whose delay bound is 0 (PACI's last) steps its plain update")  # fmt: skip
     add("--delay-compensation-lambda", type=float, default=0.0,
         help="DC-ASGD: g += lambda * g * g * (x now - x at the gradient), 0 = off")  # fmt: skip
     add("--async-nesterov-lookahead", action="store_true",
@@ -233,14 +236,15 @@ def _validate_delay_lookahead(args: argparse.Namespace) -> None:
 
 
 def _validate_error_feedback_stretch(args: argparse.Namespace) -> None:
-    """--async-error-feedback-stretch reads the stage's delay bound, as the look-ahead does."""
-    if not getattr(args, "async_error_feedback_stretch", False):
-        return
-    if not args.async_error_feedback:
-        raise UserError("--async-error-feedback-stretch needs --async-error-feedback")
-    if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
-        raise UserError("--async-error-feedback-stretch with virtual pipeline stages is not "
-                        "supported yet")  # fmt: skip
+    """--async-error-feedback-stretch and --async-error-feedback-delayed-stages read the stage's
+    delay bound, as the look-ahead does."""
+    for flag in ("--async-error-feedback-stretch", "--async-error-feedback-delayed-stages"):
+        if not getattr(args, flag[2:].replace("-", "_"), False):
+            continue
+        if not args.async_error_feedback:
+            raise UserError(f"{flag} needs --async-error-feedback")
+        if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
+            raise UserError(f"{flag} with virtual pipeline stages is not supported yet")
 
 
 def validate_precision_args(args: argparse.Namespace) -> None:

@@ -65,11 +65,15 @@ def test_flags_reach_each_stage_config():
 
 def test_error_feedback_stretch_reads_each_stage_delay():
     """4 stages at a = 1: delay bounds 3, 2, 1, 0; the stretch extrapolates by max(1, d)
-    updates, and without it every stage by one."""
+    updates, and without it every stage by one; with --async-error-feedback-delayed-stages the
+    last stage (fresh gradients) by none."""
     from megatron.training.optimizer.build import build_optimizer as build
 
     flags = ["--pipeline-schedule", "paci", "--global-batch-size", "2", "--async-error-feedback"]
-    for extra, expected in (([], [1, 1, 1, 1]), (["--async-error-feedback-stretch"], [3, 2, 1, 1])):
+    delayed = "--async-error-feedback-delayed-stages"
+    for extra, expected in (([], [1, 1, 1, 1]), (["--async-error-feedback-stretch"], [3, 2, 1, 1]),
+                            ([delayed], [1, 1, 1, 0]),
+                            (["--async-error-feedback-stretch", delayed], [3, 2, 1, 0])):  # fmt: skip
         config = run_config(flags + extra)
         stages = [for_stage(config.optimizer, config.pipeline, config.training, s)
                   for s in range(4)]  # fmt: skip
@@ -212,6 +216,12 @@ def test_state_round_trips_through_a_checkpoint(name):
          "--async-nesterov-lookahead with --muon-scalar-optimizer lion is not supported yet"),
         (["--pipeline-schedule", "paci", "--async-error-feedback-stretch"],
          "--async-error-feedback-stretch needs --async-error-feedback"),
+        (["--pipeline-schedule", "paci", "--async-error-feedback-delayed-stages"],
+         "--async-error-feedback-delayed-stages needs --async-error-feedback"),
+        *[(["--pipeline-schedule", "paci", "--async-error-feedback", flag, "--num-layers", "8",
+            "--num-layers-per-virtual-pipeline-stage", "1"],
+           f"{flag} with virtual pipeline stages is not supported yet")
+          for flag in ("--async-error-feedback-stretch", "--async-error-feedback-delayed-stages")],
     ],
 )  # fmt: skip
 def test_bad_settings_are_one_line_errors(extra, message):

@@ -50,15 +50,22 @@ def test_error_feedback_extrapolates_the_plain_trajectory_by_one_update(name):
     assert not torch.allclose(flat(corrected), history[-1])  # the correction did something
 
 
-@pytest.mark.parametrize("delay,steps", [(0, 1), (1, 1), (2, 2), (3, 3)])
-def test_stretched_error_feedback_extrapolates_by_the_stage_delay(delay, steps):
-    """--async-error-feedback-stretch on a stage d steps stale: x(t+1) = x(t) - (1 + k) u(t)
-    + k u(t-1), k = max(1, d), which is the plain trajectory extrapolated by k updates,
-    x_ef(t) = (1 + k) x(t) - k x(t-1)."""
+@pytest.mark.parametrize(
+    "delay,stretch,delayed_stages,steps",
+    [(0, True, False, 1), (1, True, False, 1), (2, True, False, 2), (3, True, False, 3),
+     (0, False, True, 0), (1, False, True, 1), (2, False, True, 1), (0, True, True, 0),
+     (2, True, True, 2)],
+)  # fmt: skip
+def test_error_feedback_extrapolates_by_the_stage_delay(delay, stretch, delayed_stages, steps):
+    """On a stage d steps stale, x(t+1) = x(t) - (1 + k) u(t) + k u(t-1), the plain trajectory
+    extrapolated by k updates, x_ef(t) = (1 + k) x(t) - k x(t-1): k = max(1, d) with
+    --async-error-feedback-stretch, 1 without; with --async-error-feedback-delayed-stages k = 0
+    (the plain trajectory itself) where d = 0."""
     plain, corrected = TinyGPT(), TinyGPT()
     plain_opt = built(plain, optimizer_config("adam"))
-    config = optimizer_config("adam", async_error_feedback=True,
-                              async_error_feedback_stretch=True, stage_delay=delay)  # fmt: skip
+    config = optimizer_config("adam", async_error_feedback=True, stage_delay=delay,
+                              async_error_feedback_stretch=stretch,
+                              async_error_feedback_delayed_stages=delayed_stages)  # fmt: skip
     corrected_opt = built(corrected, config)
     history = [flat(plain)]
     for step in range(4):
