@@ -1,6 +1,7 @@
 """Two study runs' training losses compared on the same batches at the same tokens, window by
 window, and their validation losses by groups of evaluations (the single-process engine's
-summary.json files, `tools/time_to_accuracy.py --engine single-process`).
+summary.json files, `tools/time_to_accuracy.py --engine single-process`; a run not finished
+yet is read from its checkpoint.pt: a screen against a finished run).
 
     .venv/bin/python tools/loss_windows.py runs/tta_best/deep-8x/flush-adam-lr3e-3-seed1 \
         runs/tta_best/deep-8x/paci4-adam-ef-a8x200-lr3e-3-seed1 --windows 1000,2000,4000,16000
@@ -22,12 +23,23 @@ from megatron.common.errors import UserError, run_tool
 
 
 def read_run(directory: str) -> dict:
+    """A run's losses, tokens and evaluations: its summary.json, or for a run still going or
+    stopped (a screen) what its checkpoint.pt holds so far."""
     path = os.path.join(directory, "summary.json")
-    try:
-        with open(path) as file:
-            summary = json.load(file)
-    except (OSError, ValueError) as error:
-        raise UserError(f"cannot read the run's summary {path}: {error}") from None
+    checkpoint = os.path.join(directory, "checkpoint.pt")
+    if not os.path.exists(path) and os.path.exists(checkpoint):
+        import torch
+
+        result = torch.load(checkpoint, map_location="cpu", weights_only=False)["result"]
+        summary = {"loss": result["losses"], "tokens": result["tokens"],
+                   "validation": result["validation"],
+                   "final_validation": result["final_validation"]}  # fmt: skip
+    else:
+        try:
+            with open(path) as file:
+                summary = json.load(file)
+        except (OSError, ValueError) as error:
+            raise UserError(f"cannot read the run's summary {path}: {error}") from None
     if "tokens" not in summary or len(summary["tokens"]) != len(summary["loss"]):
         raise UserError(f"{path} has no tokens per iteration: not a single-process study run")
     return summary
@@ -35,9 +47,12 @@ def read_run(directory: str) -> dict:
 
 def window_means(summary: dict, token_ranges: list[tuple[int, int]]) -> list[float | None]:
     """The mean training loss of the iterations whose tokens read so far end in each
-    (first, last] range; None where the run has none there."""
+    (first, last] range; None where the run has not read to its end."""
     means = []
     for first, last in token_ranges:
+        if not summary["tokens"] or summary["tokens"][-1] < last:
+            means.append(None)
+            continue
         losses = [loss for loss, tokens in zip(summary["loss"], summary["tokens"])
                   if first < tokens <= last and loss is not None]  # fmt: skip
         means.append(sum(losses) / len(losses) if losses else None)

@@ -46,10 +46,25 @@ def test_training_losses_are_paired_by_tokens(tool, runs):
     assert gaps[1][:2] == (4, 8) and gaps[1][2] == pytest.approx(10.0)
 
 
-def test_a_window_the_other_run_does_not_reach_has_no_gap(tool, runs, tmp_path):
+def test_a_window_the_other_run_does_not_read_to_its_end_has_no_gap(tool, runs, tmp_path):
     reference = tool.read_run(runs[0])
-    short = tool.read_run(write_run(tmp_path / "short", [9.0], [200], [3.0]))
-    assert [gap for _, _, gap in tool.training_gaps(reference, short, [0, 2, 8])][1] is None
+    short = tool.read_run(write_run(tmp_path / "short", [9.0, 8.0, 7.0], [200, 400, 500], [3.0]))
+    gaps = [gap for _, _, gap in tool.training_gaps(reference, short, [0, 2, 6])]
+    assert gaps[0] is not None and gaps[1] is None  # it stopped at 500 of tokens (200, 600]
+
+
+def test_a_run_not_finished_is_read_from_its_checkpoint(tool, runs, tmp_path):
+    import torch
+
+    directory = tmp_path / "screen"
+    os.makedirs(directory)
+    result = {"losses": [9.0, 7.0], "tokens": [200, 400], "validation": [],
+              "final_validation": None, "phases": []}  # fmt: skip
+    torch.save({"iteration": 2, "result": result}, directory / "checkpoint.pt")
+    screen = tool.read_run(str(directory))
+    assert (screen["loss"], screen["tokens"]) == ([9.0, 7.0], [200, 400])
+    reference = tool.read_run(runs[0])
+    assert tool.training_gaps(reference, screen, [0, 4])[0][2] == pytest.approx(100 * (8 / 8.5 - 1))
 
 
 def test_validation_gaps_pair_evaluations_by_index_in_groups(tool, runs):
