@@ -74,6 +74,8 @@ declare -A CONFIGS=(
   # ... a stale stage's stable step: with error feedback, a first moment of 0.95 on the stale
   # stages (0.9 on the last) raises it (the linear model in docs/convergence_scale.md)
   [paci4-adam-ef-a8x200-dm95-lr3e-3]=paci:3e-3:$EF,$A8,--async-delay-momentum=0.95
+  # ... is it the first moment of 0.95 itself? flush with it on every stage
+  [flush-adam-b95-lr3e-3]=1f1b:3e-3:--adam-beta1=0.95
   # ... and error feedback on the stale stages only: the last stage's gradients are fresh, and
   # extrapolating them lowers its stable step from 38 to 12.7
   [paci4-adam-efd-a8x200-lr3e-3]=paci:3e-3:$EF,--async-error-feedback-delayed-stages,$A8
