@@ -112,9 +112,8 @@ def report_error(message: str) -> None:
 
 
 def print_line(text: str) -> None:
-    """`text` and its newline on stderr in one write. torchrun's workers run unbuffered
-    (`python -u`), where print() writes the text and the newline separately: another rank's
-    line could land between them, gluing two ranks' errors into one line."""
+    """`text` and its newline on stderr, flushed at once: a signal handler's line must be out
+    before it ends the process with os._exit (lines stay whole: `entry.whole_lines`)."""
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
 

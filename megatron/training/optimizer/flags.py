@@ -163,7 +163,7 @@ def validate_optimizer_suite_args(args: argparse.Namespace) -> None:
             "under 1f1b no gradient is stale"
         )
     _validate_delay_lookahead(args)
-    _validate_error_feedback_stretch(args)
+    _validate_error_feedback_by_delay(args)
     for flag in ("async_sync_warmup_iters", "async_sync_cooldown_iters"):
         name = "--" + flag.replace("_", "-")
         if getattr(args, flag) < 0:
@@ -235,7 +235,7 @@ def _validate_delay_lookahead(args: argparse.Namespace) -> None:
                 raise UserError(f"{flag} with {what} is not supported yet")
 
 
-def _validate_error_feedback_stretch(args: argparse.Namespace) -> None:
+def _validate_error_feedback_by_delay(args: argparse.Namespace) -> None:
     """--async-error-feedback-stretch and --async-error-feedback-delayed-stages read the stage's
     delay bound, as the look-ahead does."""
     for flag in ("--async-error-feedback-stretch", "--async-error-feedback-delayed-stages"):
