@@ -345,7 +345,7 @@ def _note_inflight_window(config) -> None:
 def drift_bound_note(config) -> str | None:
     """PACI with fewer microbatches per step than N - 1 lets the first stages' gradients grow
     more than one step stale; on the deep study model on 8 stages a = 8 instead of 4 (the same
-    global batch) closed what 8 stages cost over 4 (docs/convergence_scale.md)."""
+    global batch) closed what 8 stages cost over 4 (docs/convergence_deep.md)."""
     plan, pipeline = config.pipeline.plan, config.pipeline
     drift_bound = plan.schedule.drift_bound  # PACI's; None for the stashing and flush schedules
     if drift_bound is None or plan.chunks_per_rank > 1 or pipeline.paci_deferred_step:
