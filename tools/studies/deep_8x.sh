@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The deep model of docs/convergence_scale.md (--model deep-8x: 16 layers of hidden
+# The deep model of docs/convergence_deep.md (--model deep-8x: 16 layers of hidden
 # 112, 8.0x the study model) on 4 and on 8 stages, seed 1, each schedule at its best
 # configuration and LR of the 4x model; 16,000 iterations (the study model's tokens per
 # parameter). One run is 80 to 120 CPU-minutes; niced, one core each.
@@ -72,7 +72,7 @@ declare -A CONFIGS=(
   [paci4-adam-a8x200-lr3e-3]=paci:3e-3:$A8
   [flush-adam-lr6e-3]=1f1b:6e-3
   # ... a stale stage's stable step: with error feedback, a first moment of 0.95 on the stale
-  # stages (0.9 on the last) raises it (the linear model in docs/convergence_scale.md)
+  # stages (0.9 on the last) raises it (the linear model in docs/convergence_deep.md)
   [paci4-adam-ef-a8x200-dm95-lr3e-3]=paci:3e-3:$EF,$A8,--async-delay-momentum=0.95
   # ... is it the first moment of 0.95 itself? flush with it on every stage
   [flush-adam-b95-lr3e-3]=1f1b:3e-3:--adam-beta1=0.95
