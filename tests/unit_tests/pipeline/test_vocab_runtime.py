@@ -8,6 +8,7 @@ the runtime runs the simulator's order. Under PACI the shards' drift is measured
 within the schedule's bound, and no microbatch is lost."""
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -168,6 +169,25 @@ def record_versions(runtimes) -> list[list[int]]:
     return versions
 
 
+def hold_first_backward_until_stepped_score(first, last_versions: list, timeout_s=30.0):
+    """Pins the interleaving that shows drift across shards, which thread timing alone may
+    not give: the first rank's first backward waits until the last rank's shard has scored a
+    microbatch after that rank's first step. The first rank then scores that microbatch
+    before its own first step (a VF is taken before anything else), on an older version."""
+    parameter = next(first.model.parameters())
+    held = []
+
+    def hold(gradient):
+        if not held:
+            held.append(True)
+            deadline = time.monotonic() + timeout_s  # no hang if it never comes: the test fails
+            while not any(v >= 1 for v in last_versions) and time.monotonic() < deadline:
+                time.sleep(1e-3)
+        return gradient
+
+    parameter.register_hook(hold)
+
+
 @pytest.mark.parametrize("a", [1, 2])
 def test_paci_shards_drift_within_the_bound(a):
     """Per shard: steps between scoring a microbatch and its weight gradient, within the
@@ -178,6 +198,7 @@ def test_paci_shards_drift_within_the_bound(a):
     schedule = with_vocab_passes(resolve_plan("paci", num_stages=n).schedule)
     runtimes, losses = build_ranks(n), {}
     versions = record_versions(runtimes)
+    hold_first_backward_until_stepped_score(runtimes[0], versions[n - 1])
     run_threads(runtimes, lambda r: train(r, schedule, a, steps, losses))
     spreads = [max(v) - min(v) for v in zip(*versions)]
     assert len(spreads) == steps * a and max(spreads) <= -(-n // a) + 1
