@@ -79,6 +79,8 @@ declare -A CONFIGS=(
   # ... a larger a lowers each stage's mean staleness (N - 1 - s) / a: a = 8 on 4 stages (micro
   # batch 2, the same global batch and tokens) raises stage 0's stable step from 4.3 to 11.1
   [paci4-mb2-adam-ef-a16x200-lr3e-3]=paci:3e-3:$EF,$A16MB2
+  # ... and both: a = 8 with the first moment of 0.95 on the stale stages
+  [paci4-mb2-adam-ef-a16x200-dm95-lr3e-3]=paci:3e-3:$EF,$A16MB2,--async-delay-momentum=0.95
   # ... and error feedback on the stale stages only: the last stage's gradients are fresh, and
   # extrapolating them lowers its stable step from 38 to 12.7 (measured: it hurts)
   [paci4-adam-efd-a8x200-lr3e-3]=paci:3e-3:$EF,--async-error-feedback-delayed-stages,$A8
