@@ -81,6 +81,8 @@ declare -A CONFIGS=(
   [paci4-mb2-adam-ef-a16x200-lr3e-3]=paci:3e-3:$EF,$A16MB2
   # ... and both: a = 8 with the first moment of 0.95 on the stale stages
   [paci4-mb2-adam-ef-a16x200-dm95-lr3e-3]=paci:3e-3:$EF,$A16MB2,--async-delay-momentum=0.95
+  # ... and a = 16 on 4 stages (micro batch 1): a = 8 halved the second pass's gap
+  [paci4-mb1-adam-ef-a32x200-lr3e-3]=paci:3e-3:$EF,--micro-batch-size=1,--paci-accumulation-schedule=32:200,--train-iters=15800
   # ... and error feedback on the stale stages only: the last stage's gradients are fresh, and
   # extrapolating them lowers its stable step from 38 to 12.7 (measured: it hurts)
   [paci4-adam-efd-a8x200-lr3e-3]=paci:3e-3:$EF,--async-error-feedback-delayed-stages,$A8
