@@ -23,6 +23,8 @@ P8=--pipeline-model-parallel-size=8
 ONEPASS=--data-path=runs/data_v1k_tests/stdlib_text_document,--data-cache-path=runs/data_v1k_tests/cache
 # a = 8 on 8 stages: micro batch 2 (global batch 16 as before), a = 16 for the first 200
 A16MB2=--micro-batch-size=2,--paci-accumulation-schedule=16:200,--train-iters=15800
+# a = 16 on 4 stages: micro batch 1, a = 32 for the first 200
+A32MB1=--micro-batch-size=1,--paci-accumulation-schedule=32:200,--train-iters=15800
 declare -A CONFIGS=(
   [flush-adam-lr3e-3]=1f1b:3e-3
   [flush-muon-lr1.5e-3]=1f1b:1.5e-3:$M
@@ -82,7 +84,7 @@ declare -A CONFIGS=(
   # ... and both: a = 8 with the first moment of 0.95 on the stale stages
   [paci4-mb2-adam-ef-a16x200-dm95-lr3e-3]=paci:3e-3:$EF,$A16MB2,--async-delay-momentum=0.95
   # ... and a = 16 on 4 stages (micro batch 1): a = 8 halved the second pass's gap
-  [paci4-mb1-adam-ef-a32x200-lr3e-3]=paci:3e-3:$EF,--micro-batch-size=1,--paci-accumulation-schedule=32:200,--train-iters=15800
+  [paci4-mb1-adam-ef-a32x200-lr3e-3]=paci:3e-3:$EF,$A32MB1
   # ... and error feedback on the stale stages only: the last stage's gradients are fresh, and
   # extrapolating them lowers its stable step from 38 to 12.7 (measured: it hurts)
   [paci4-adam-efd-a8x200-lr3e-3]=paci:3e-3:$EF,--async-error-feedback-delayed-stages,$A8
